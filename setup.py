@@ -1,0 +1,29 @@
+"""megatron-2bw: PipeDream-2BW and pipeline baselines for megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-2bw",
+    version="0.1.0",
+    description=(
+        "PipeDream-2BW (double-buffered weight updates), PipeDream-Flush, GPipe and a "
+        "layout planner for megatron-core"
+    ),
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
+    py_modules=["pretrain_gpt_2bw", "pretrain_bert_2bw"],
+    install_requires=[
+        # torch is pinned loosely on purpose: clusters bring their own CUDA build; the
+        # Makefile installs the CPU build (torch==2.13.0) first on machines without a GPU.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "sentencepiece>=0.2",
+        "numpy>=1.26",
+        "psutil>=5.9",  # megatron-core's async checkpoint writer imports it
+    ],
+    extras_require={
+        # NVIDIA apex is built from source (https://github.com/NVIDIA/apex) and is optional.
+        "gpu": ["transformer-engine[pytorch]"],
+        "dev": ["pytest>=8", "matplotlib>=3.8"],
+    },
+)
