@@ -1,0 +1,270 @@
+"""An explicit CPU runtime for megatron-core: CUDA calls mapped to the CPU, collectives on gloo.
+
+megatron-core assumes a CUDA device: ``torch.cuda.current_device()`` for buffers, literal
+``device="cuda"`` tensors, ``.cuda()``, CUDA RNG state for its tensor-parallel RNG tracker,
+``torch.cuda.synchronize``/streams/events, and ``Tensor.type() == "torch.cuda.FloatTensor"``
+checks in its optimizers. This module maps exactly those to the CPU so that the same
+megatron-core code trains on CPU processes (laptops, CI, debugging).
+
+Invariants:
+  * It is installed only by :func:`install`, which refuses when CUDA is available: on a GPU
+    machine megatron-core runs untouched. ``select_device`` is the one place that decides.
+  * Seeding is real, not a no-op: the "CUDA" generator is the CPU default generator, so the
+    tensor-parallel RNG tracker forks and restores real, distinct states.
+  * Device remapping stays active inside autograd's backward (activation recomputation replays
+    forward code there), because the backward entry points are re-run under the mode.
+
+Everything patched is recorded and restored by :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["install", "uninstall", "is_installed", "cuda_usable", "select_device"]
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def cuda_usable() -> bool:
+    """True when this process can run on a CUDA device."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def select_device(force_cpu: bool = False) -> str:
+    """The device this process trains on: "cuda" whenever CUDA is usable, unless the user asked
+    for the CPU (``--cpu``); "cpu" otherwise. The CPU runtime is installed only for "cpu"."""
+    if force_cpu or not cuda_usable():
+        return "cpu"
+    return "cuda"
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False  # ints are device ordinals only on CUDA code paths; we hand out "cpu"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU on every torch function call.
+
+    Roughly:
+        torch.empty(n, device="cuda")      -> torch.empty(n, device="cpu")
+        t.cuda() / t.to("cuda")            -> t / t.to("cpu")
+        t.type()                           -> "torch.cuda.FloatTensor" for a float32 t
+
+    torch pops a mode while its handler runs, so ``loss.backward()`` reaches autograd's engine
+    without it; ``_engine_with_mode`` pushes it back for the engine (recomputation replays
+    forward code inside backward).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is already ordered, so every wait is immediate."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or _Event()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    """A CUDA event stand-in that records wall-clock time (for megatron's timers)."""
+
+    def __init__(self, enable_timing: bool = False, **kwargs):
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+class _Nvtx:
+    @staticmethod
+    def range_push(msg):
+        pass
+
+    @staticmethod
+    def range_pop():
+        pass
+
+    @staticmethod
+    @contextlib.contextmanager
+    def range(msg, *args, **kwargs):
+        yield
+
+
+def _cuda_attribute_patches() -> dict[str, Callable]:
+    """torch.cuda attributes megatron-core calls on the paths we run, mapped to the CPU."""
+    return {
+        "current_device": lambda: _CPU,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "nvtx": _Nvtx,
+        # The "CUDA" generator is the CPU default generator: seeding stays real.
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+
+
+def _engine_with_mode(mode: _CudaToCpuMode, engine_run_backward: Callable) -> Callable:
+    """autograd's engine entry, run with ``mode`` on the function-mode stack."""
+
+    def run_backward(*args, **kwargs):
+        if mode in torch.overrides._get_current_function_mode_stack():
+            return engine_run_backward(*args, **kwargs)
+        with mode:
+            return engine_run_backward(*args, **kwargs)
+
+    return run_backward
+
+
+def _megatron_rng_patches() -> list[tuple[Any, str, Callable]]:
+    """megatron-core's private CUDA RNG helpers, mapped to the CPU default generator."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()  # already a copy
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    return [(tp_random, "_get_cuda_rng_state", get_state),
+            (tp_random, "_set_cuda_rng_state", set_state)]
+
+
+class _Installed:
+    """What install() changed, so uninstall() can put it back."""
+
+    def __init__(self):
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.mode: _CudaToCpuMode | None = None
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        self.saved.append((owner, name, getattr(owner, name, None)))
+        setattr(owner, name, value)
+
+
+_installed: _Installed | None = None
+
+
+def is_installed() -> bool:
+    return _installed is not None
+
+
+def install(force: bool = False) -> None:
+    """Map megatron-core's CUDA calls to the CPU for this process. Idempotent.
+
+    Raises RuntimeError on a machine where CUDA is usable unless ``force`` (the user's ``--cpu``):
+    by default the GPU path is the only one there.
+    """
+    global _installed
+    if _installed is not None:
+        return
+    if cuda_usable() and not force:
+        raise RuntimeError("the CPU runtime is not installed on a machine with CUDA; pass --cpu")
+    _disable_megatron_jit_fuser()
+    state = _Installed()
+    for name, value in _cuda_attribute_patches().items():
+        state.patch(torch.cuda, name, value)
+    for owner, name, value in _megatron_rng_patches():
+        state.patch(owner, name, value)
+    state.mode = _CudaToCpuMode()
+    state.patch(torch.autograd, "_engine_run_backward",
+                _engine_with_mode(state.mode, torch.autograd._engine_run_backward))
+    state.mode.__enter__()
+    _installed = state
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests use it; training processes keep the runtime to the end)."""
+    global _installed
+    if _installed is None:
+        return
+    _installed.mode.__exit__(None, None, None)
+    for owner, name, value in reversed(_installed.saved):
+        setattr(owner, name, value)
+    _installed = None
+
+
+def _disable_megatron_jit_fuser() -> None:
+    """megatron-core decorates fusable functions with torch.compile; compiling them on CPU costs
+    minutes of start-up for no gain on tiny models. Must run before model modules are imported."""
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
