@@ -1,0 +1,134 @@
+"""Megatron-core objects from validated flags: TransformerConfig, DDP-wrapped model chunks,
+the optimizer and its learning-rate schedule. Model-agnostic: GPT and BERT pass a provider."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+
+__all__ = ["transformer_config", "build_model", "build_optimizer", "build_scheduler",
+           "attach_config_hooks", "params_dtype"]
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def transformer_config(args: argparse.Namespace, device: str, **overrides):
+    """The TransformerConfig Megatron-LM would build from these flags (its
+    ``core_transformer_config_from_args``), with fused kernels off on the CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = device == "cuda"
+    dtype = params_dtype(args)
+    fields = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        deallocate_pipeline_outputs=True,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
+    """One DDP-wrapped model chunk for this pipeline stage.
+
+    ``provider(config, pre_process, post_process)`` returns the bare megatron-core model.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = provider(config, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    if config.params_dtype != torch.float32 or config.fp16 or config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    if torch.cuda.is_available() and not args.cpu:
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    wrapped = DistributedDataParallel(config, ddp_config, model)
+    wrapped.broadcast_params()  # DP replicas start from identical weights
+    return [wrapped]
+
+
+def build_optimizer(args: argparse.Namespace, model: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype(args),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model)
+
+
+def build_scheduler(args: argparse.Namespace, optimizer):
+    """Linear warm-up from 0 to --lr over --lr-warmup-iters, then --lr-decay-style down to
+    --min-lr at --lr-decay-iters; stepped once per iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+
+
+def attach_config_hooks(config, model: list, optimizer) -> None:
+    """The hooks megatron-core's schedules read from the config, set as Megatron-LM's
+    training loop sets them (loss scaling, no_sync, grad finalization)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads

@@ -1,0 +1,156 @@
+"""Checkpoints with megatron-core's dist_checkpointing, in Megatron-LM's directory layout.
+
+    {save}/iter_0000100/                 one dist_checkpointing directory per save
+    {save}/latest_checkpointed_iteration.txt
+
+Invariants: a checkpoint directory is complete before the tracker file names it (written under
+a temporary name, renamed after every rank finished), so a crash mid-save leaves the previous
+checkpoint as the latest. A checkpoint holds the model, the optimizer (Adam moments and step),
+the LR schedule, the iteration, the consumed samples and each model-parallel rank's RNG state:
+a resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration",
+           "checkpoint_dir"]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved and restored with the weights."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int | None:
+    """The iteration the tracker file names, or None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"--load: {path} does not hold an iteration number: {text!r}")
+    return int(text)
+
+
+def _rng_state():
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", state, (pp, tp),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loading: bool,
+                        extra: Callable[[dict], None] | None = None) -> dict:
+    sharded = {"model": model[0].module.sharded_state_dict()}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
+    if scheduler is not None:
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+    sharded["iteration"] = state.iteration
+    sharded["consumed_train_samples"] = state.consumed_train_samples
+    sharded["rng_state"] = _rng_state()
+    if extra is not None:
+        extra(sharded)
+    return sharded
+
+
+def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
+                    extra: Callable[[dict], None] | None = None) -> str:
+    """Save on every rank (collective); return the checkpoint directory.
+
+    ``extra(sharded_state_dict)`` may add entries (the 2BW schedule adds its second weight
+    version)."""
+    from megatron.core import dist_checkpointing
+
+    final = checkpoint_dir(root, state.iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    sharded = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=False,
+                                  extra=extra)
+    dist_checkpointing.save(sharded, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER_FILE + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(state.iteration))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = True,
+                    load_rng: bool = True,
+                    extra: Callable[[dict], None] | None = None,
+                    on_loaded: Callable[[dict], None] | None = None) -> TrainState | None:
+    """Restore the latest checkpoint under ``root`` into the given objects; None when there is
+    none. ``extra``/``on_loaded`` let a schedule add entries and read them back."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise ValueError(f"--load: {root} names iteration {iteration}, but {path} is missing")
+    sharded = _sharded_state_dict(model, optimizer if load_optim else None,
+                                  scheduler if load_optim else None,
+                                  TrainState(), is_loading=True, extra=extra)
+    loaded = dist_checkpointing.load(sharded, path)
+    model[0].module.load_state_dict(loaded["model"])
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_rng:
+        _set_rng_state(loaded["rng_state"])
+    if on_loaded is not None:
+        on_loaded(loaded)
+    return TrainState(iteration=loaded["iteration"],
+                      consumed_train_samples=loaded["consumed_train_samples"])
