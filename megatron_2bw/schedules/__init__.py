@@ -1,0 +1,106 @@
+"""Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW
+and naive model parallelism, one Megatron call (one batch) at a time or for a whole training.
+
+    call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
+    pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
+
+The same lists drive the executor, the simulator (`simulate.simulate`), the planner and the
+timelines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .actions import (Action, Comms, Kind, P2P, ScheduleError, communication, format_actions,
+                      format_grid, parse_action, parse_actions, validate)
+from .flush import flush
+from .gpipe import gpipe
+from .naive import naive
+from .simulate import Costs, SimResult, Span, format_timeline, simulate
+from .twobw import twobw, twobw_version
+
+__all__ = [
+    "Action", "Kind", "P2P", "Comms", "ScheduleError", "ScheduleSpec", "SCHEDULES",
+    "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
+    "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
+    "Costs", "SimResult", "Span", "simulate", "format_timeline",
+]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule generator and what it declares about memory."""
+
+    name: str
+    generate: Callable[..., list[Action]]
+    """(depth, microbatches, stage, batch, *, fill, drain) -> the stage's actions in that call."""
+    version_of: Callable[[int], int]
+    """Weight version batch b reads."""
+    max_versions: int
+    """Weight versions a stage holds at most (the newest and those stashed microbatches read)."""
+    stash: Callable[[int, int, int], int]
+    """(depth, microbatches, stage) -> peak stashed activations (microbatches forwarded and not
+    yet backwarded) on that stage."""
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec("gpipe", gpipe, lambda b: b, 1, lambda d, m, i: m),
+    "flush": ScheduleSpec("flush", flush, lambda b: b, 1, lambda d, m, i: min(d - i, m)),
+    # 2BW: Section 3.1 "at most two weight versions"; the 1F1B stash is d - i (m >= d).
+    "2bw": ScheduleSpec("2bw", twobw, twobw_version, 2, lambda d, m, i: d - i),
+    "naive": ScheduleSpec("naive", naive, lambda b: b, 1, lambda d, m, i: 1),
+}
+
+
+def _spec(schedule: str, depth: int, microbatches: int) -> ScheduleSpec:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if depth < 1 or microbatches < 1:
+        raise ValueError(f"need depth >= 1 and microbatches >= 1, got depth={depth}, "
+                         f"microbatches={microbatches}")
+    return SCHEDULES[schedule]
+
+
+def call_actions(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
+                 fill: bool, drain: bool) -> list[Action]:
+    """Stage `stage`'s actions in Megatron call `call` (= batch index), ending with its step.
+
+    `fill`: the pipeline is empty when the call starts (first call, or first after a drain).
+    `drain`: the call leaves it empty (last call, or before evaluation / a checkpoint).
+    Only 2BW looks at them; the other schedules fill and drain in every call."""
+    spec = _spec(schedule, depth, microbatches)
+    if not 0 <= stage < depth:
+        raise ValueError(f"stage {stage} outside 0..{depth - 1}")
+    return spec.generate(depth, microbatches, stage, call, fill=fill, drain=drain)
+
+
+def stage_actions(schedule: str, depth: int, microbatches: int, stage: int, num_batches: int,
+                  *, drains: Iterable[int] = ()) -> list[Action]:
+    """Stage `stage`'s whole-training list: the calls 0..num_batches-1 one after another.
+    The last call drains, and so do the calls in `drains`."""
+    drains = set(drains) | {num_batches - 1}
+    actions = []
+    for call in range(num_batches):
+        actions += call_actions(schedule, depth, microbatches, stage, call,
+                                fill=call == 0 or call - 1 in drains, drain=call in drains)
+    return actions
+
+
+def pipeline_actions(schedule: str, depth: int, microbatches: int, num_batches: int, *,
+                     drains: Iterable[int] = ()) -> list[list[Action]]:
+    """All stages' whole-training lists, [stage] -> [Action], validated."""
+    drains = tuple(drains)
+    lists = [stage_actions(schedule, depth, microbatches, stage, num_batches, drains=drains)
+             for stage in range(depth)]
+    validate_schedule(schedule, lists, microbatches, num_batches)
+    return lists
+
+
+def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: int,
+                      num_batches: int) -> None:
+    """`validate` with the schedule's version rule and weight-version bound."""
+    spec = _spec(schedule, len(lists), microbatches)
+    validate(lists, microbatches, num_batches, version_of=spec.version_of,
+             max_versions=spec.max_versions)

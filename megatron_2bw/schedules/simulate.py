@@ -1,0 +1,218 @@
+"""Discrete-event simulation of all stages' action lists with per-action costs.
+
+Each stage runs its list in order, one action at a time. An action starts when its stage is
+free and its inputs have arrived:
+
+    F(k) on stage i   after F(k) ended on stage i-1, plus `p2p`
+    B(k) on stage i   after B(k) ended on stage i+1, plus `p2p`; after F(k) on stage i
+    F/B reading v     after stage i made version v (its step S(v))
+    S(v), "local"     when the stage gets to it (only its data-parallel replicas join)
+    S(v), "pipeline"  a collective over all stages (global grad norm for clipping, the tied
+                      embedding all-reduce): starts when every stage got to its S(v)
+
+Sends are buffered: a send never waits for its receive (Megatron posts both sides at once; a
+schedule whose receives line up in order, as all of ours do, behaves the same).
+
+A stage waiting on another stage waits; a stage waiting on an action later in its own list (or
+missing) can never run: that is a dependency violation. When nothing can run while actions
+remain, the schedule deadlocks. Both raise `ScheduleError` with the grid, never hang.
+
+Bubble fraction (the paper's "pipeline bubble", Section 2): the share of stage time idle,
+
+    bubble = 1 - sum_i (busy_i + step_i) / (d * makespan)
+
+with busy_i the F and B time of stage i and step_i its step time; `stage_bubble[i]` is the same
+for stage i alone. With equal stages and no step cost, GPipe and Flush give (d-1)/(m+d-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from .actions import Action, Kind, ScheduleError, format_grid
+
+__all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of each action; a tuple gives one value per stage."""
+
+    forward: float | Sequence[float] = 1.0
+    """Forward of one microbatch on a stage."""
+    backward: float | Sequence[float] = 2.0
+    """Backward of one microbatch on a stage (about twice the forward, Section 3.1)."""
+    p2p: float = 0.0
+    """Latency of one activation or gradient transfer between neighbouring stages."""
+    step: float = 0.0
+    """Optimizer step (S) on a stage."""
+
+    def of(self, action: Action, stage: int) -> float:
+        cost = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward,
+                Kind.STEP: self.step}[action.kind]
+        return float(cost if isinstance(cost, (int, float)) else cost[stage])
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action as it ran: a timeline record."""
+
+    stage: int
+    kind: Kind
+    microbatch: int | None
+    version: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    """End of the last action."""
+    busy: tuple[float, ...]
+    """Per stage: time in F and B."""
+    step: tuple[float, ...]
+    """Per stage: time in S."""
+    bubble: float
+    """1 - sum(busy + step) / (depth * makespan): the idle share of all stages' time."""
+    stage_bubble: tuple[float, ...]
+    """Per stage: 1 - (busy_i + step_i) / makespan."""
+    peak_stash: tuple[int, ...]
+    """Per stage: most microbatches forwarded and not yet backwarded at once."""
+    max_versions: tuple[int, ...]
+    """Per stage: most weight versions alive at once (newest + those stashed microbatches read)."""
+    spans: tuple[Span, ...]
+    """Every action with its start and end, in the order they were simulated."""
+
+    def batch_ends(self, stage: int) -> list[float]:
+        """End of each step on `stage`, batch by batch."""
+        return [s.end for s in self.spans if s.stage == stage and s.kind is Kind.STEP]
+
+
+def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
+             step_sync: Literal["local", "pipeline"] = "local") -> SimResult:
+    """Run all stages' lists ([stage] -> [Action]) together; see the module docstring."""
+    if step_sync not in ("local", "pipeline"):
+        raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
+    depth = len(schedule)
+    forward_end: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> end
+    backward_end: dict[tuple[int, int], float] = {}
+    step_end: dict[tuple[int, int], float] = {(i, 0): 0.0 for i in range(depth)}  # version 0
+    cursor = [0] * depth
+    free = [0.0] * depth
+    spans: list[Span] = []
+    stash: list[dict[int, int]] = [{} for _ in range(depth)]  # microbatch -> version read
+    newest = [0] * depth
+    peak_stash = [0] * depth
+    max_versions = [1] * depth
+
+    def violation(stage: int, why: str) -> ScheduleError:
+        return ScheduleError(f"dependency violation on stage {stage}, step {cursor[stage]} "
+                             f"({schedule[stage][cursor[stage]]}): {why}\n"
+                             + format_grid(schedule, {stage: cursor[stage]}))
+
+    def inputs_ready(stage: int, a: Action) -> float | None:
+        """When `a`'s inputs are there; None while another stage has not produced them."""
+        if a.kind is Kind.STEP:
+            return free[stage]
+        if (stage, a.version) not in step_end:
+            raise violation(stage, f"version {a.version} is not made before it on this stage")
+        ready = step_end[stage, a.version]
+        if a.kind is Kind.FORWARD:
+            if stage > 0:
+                if (stage - 1, a.microbatch) not in forward_end:
+                    return None
+                ready = max(ready, forward_end[stage - 1, a.microbatch] + costs.p2p)
+        else:
+            if (stage, a.microbatch) not in forward_end:
+                raise violation(stage, "no forward of this microbatch before it on this stage")
+            if stage < depth - 1:
+                if (stage + 1, a.microbatch) not in backward_end:
+                    return None
+                ready = max(ready, backward_end[stage + 1, a.microbatch] + costs.p2p)
+        return ready
+
+    def run(stage: int, a: Action, start: float) -> None:
+        end = start + costs.of(a, stage)
+        spans.append(Span(stage, a.kind, a.microbatch, a.version, start, end))
+        free[stage] = end
+        cursor[stage] += 1
+        if a.kind is Kind.FORWARD:
+            forward_end[stage, a.microbatch] = end
+            stash[stage][a.microbatch] = a.version
+        elif a.kind is Kind.BACKWARD:
+            backward_end[stage, a.microbatch] = end
+            stash[stage].pop(a.microbatch)
+        else:
+            step_end[stage, a.version] = end
+            newest[stage] = max(newest[stage], a.version)
+        peak_stash[stage] = max(peak_stash[stage], len(stash[stage]))
+        alive = {newest[stage], *stash[stage].values()}
+        max_versions[stage] = max(max_versions[stage], len(alive))
+
+    def next_action(stage: int) -> Action | None:
+        actions = schedule[stage]
+        return actions[cursor[stage]] if cursor[stage] < len(actions) else None
+
+    while True:
+        progress = False
+        for stage in range(depth):
+            while (a := next_action(stage)) is not None:
+                if a.kind is Kind.STEP and step_sync == "pipeline":
+                    break  # joins the collective below
+                ready = inputs_ready(stage, a)
+                if ready is None:
+                    break
+                run(stage, a, max(free[stage], ready))
+                progress = True
+        waiting = [next_action(stage) for stage in range(depth)]
+        if (step_sync == "pipeline" and waiting[0] is not None
+                and waiting[0].kind is Kind.STEP and all(a == waiting[0] for a in waiting)):
+            start = max(free)  # every stage is at the same step: the collective runs
+            for stage in range(depth):
+                run(stage, waiting[0], start)
+            progress = True
+        if all(a is None for a in waiting):
+            break
+        if not progress:
+            blocked = {stage: cursor[stage] for stage in range(depth)
+                       if waiting[stage] is not None}
+            raise ScheduleError(
+                "deadlock: no action can run while actions remain; blocked: "
+                + ", ".join(f"stage {s} at {waiting[s]}" for s in blocked) + "\n"
+                + format_grid(schedule, blocked))
+
+    makespan = max(free, default=0.0)
+    busy = tuple(sum(s.end - s.start for s in spans if s.stage == i and s.kind is not Kind.STEP)
+                 for i in range(depth))
+    step = tuple(sum(s.end - s.start for s in spans if s.stage == i and s.kind is Kind.STEP)
+                 for i in range(depth))
+    work = [b + s for b, s in zip(busy, step)]
+    return SimResult(
+        makespan=makespan,
+        busy=busy,
+        step=step,
+        bubble=1 - sum(work) / (depth * makespan) if makespan else 0.0,
+        stage_bubble=tuple(1 - w / makespan if makespan else 0.0 for w in work),
+        peak_stash=tuple(peak_stash),
+        max_versions=tuple(max_versions),
+        spans=tuple(spans),
+    )
+
+
+def format_timeline(result: SimResult, unit: float = 1.0, cell: int = 4) -> str:
+    """Stages as rows, time as columns (`cell` characters per `unit` of time), in the style of
+    the paper's Figures 1-3: each action is labelled at its start ('F3', 'B3', 'S2'), cut to its
+    width, and filled with '.' for the rest of its time; idle time is blank."""
+    depth = 1 + max((s.stage for s in result.spans), default=0)
+    width = round(result.makespan / unit * cell)
+    rows = [[" "] * width for _ in range(depth)]
+    for s in result.spans:
+        first, last = round(s.start / unit * cell), round(s.end / unit * cell)
+        label = f"S{s.version}" if s.kind is Kind.STEP else f"{s.kind.value}{s.microbatch}"
+        text = (label + "." * (last - first))[:max(last - first - 1, 1)]
+        rows[s.stage][first:first + len(text)] = text
+    ticks = "".join(f"{t * unit:<{cell}g}" for t in range(0, width // cell + 1))
+    return "\n".join([f"time     {ticks[:width].rstrip()}"]
+                     + [f"stage {i:<2} " + "".join(row).rstrip() for i, row in enumerate(rows)])
