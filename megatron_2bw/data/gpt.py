@@ -1,0 +1,204 @@
+"""GPT datasets from `--data-path`/`--split`, and per-rank data iterators.
+
+API:
+    build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_samples,
+                       cache_dir=None, is_built_on_rank=None, **options) -> (train, valid, test)
+        megatron-core `GPTDataset`s (or `BlendedDataset`s for a weighted blend) built by
+        `BlendedMegatronDatasetBuilder`; a split is None where its `--split` weight is 0, or
+        where `is_built_on_rank()` is False while torch.distributed is initialized. Must be
+        called on every rank when a process group exists (rank 0 builds the index caches first,
+        then a barrier on the world group, then the other ranks load them).
+    make_data_iterator(dataset, micro_batch_size, data_parallel_rank, data_parallel_size,
+                       consumed_samples=0, cyclic=False, num_workers=0) -> iterator | None
+        yields dicts of tensors with a leading micro-batch dimension: tokens, labels,
+        loss_mask, position_ids (and attention_mask when created), as GPTDataset yields them.
+    parse_data_path(data_path) -> (prefixes, weights | None)
+    train_valid_test_num_samples(train_iters, global_batch_size, eval_interval, eval_iters)
+
+Sample order (Megatron-LM's MegatronPretrainingSampler): global sample indices are taken in
+order from `consumed_samples`, in steps of `micro_batch_size * data_parallel_size`; data-parallel
+rank r gets positions [r * mbs, (r + 1) * mbs) of each step. A run resumed with the number of
+samples already consumed continues at the same sample.
+"""
+
+import contextlib
+import re
+from typing import Callable, Iterator
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.indexed import check_indexed_dataset
+
+_SPLIT = re.compile(r"^\s*[0-9.]+\s*(,\s*[0-9.]+\s*){0,2}$")
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's blend syntax: `PREFIX [PREFIX ...]` or `WEIGHT PREFIX [WEIGHT PREFIX ...]`."""
+    if not data_path:
+        raise DataError("--data-path", "no dataset prefix given")
+    weights = [_as_float(item) for item in data_path[0::2]]
+    if len(data_path) % 2 == 1 or all(w is None for w in weights):
+        return list(data_path), None
+    if any(w is None or w <= 0 for w in weights) or any(_as_float(p) is not None for p in data_path[1::2]):
+        raise DataError("--data-path", f"expected PREFIX ... or WEIGHT PREFIX ... with weights > 0, got {data_path}")
+    return list(data_path[1::2]), weights
+
+
+def _as_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def check_split(split: str) -> None:
+    """Raise DataError unless `split` is 1 to 3 comma-separated weights with a positive sum."""
+    if not _SPLIT.match(split) or sum(float(w) for w in split.split(",")) <= 0:
+        raise DataError("--split", f"expected up to three weights like '969,30,1', got {split!r}")
+
+
+def build_gpt_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    is_built_on_rank: Callable[[], bool] | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+) -> tuple:
+    """Build the train, valid and test GPT datasets (see the module docstring).
+
+    Every prefix is checked with `check_indexed_dataset` first. `cache_dir` holds
+    megatron-core's document/sample/shuffle index caches (by default next to the data).
+    `num_samples` are the samples each split must provide; a split may hold more.
+    """
+    prefixes, weights = parse_data_path(data_path)
+    check_split(split)
+    for prefix in prefixes:
+        check_indexed_dataset(prefix, "--data-path")
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config
+    )
+    with _process_group_of_one():
+        return tuple(builder.build())
+
+
+@contextlib.contextmanager
+def _process_group_of_one() -> Iterator[None]:
+    """Give megatron-core a process group while it builds, if the caller has none.
+
+    megatron-core's `BlendedDataset` calls `torch.distributed.get_rank()` when it writes its
+    index cache, without checking `is_initialized()`. An in-memory world of one (gloo) makes
+    that call valid; it is destroyed on exit. With an existing group this does nothing.
+    """
+    if torch.distributed.is_initialized():
+        yield
+        return
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def train_valid_test_num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> tuple[int, int, int]:
+    """Megatron-LM's sample counts: every training step, every evaluation (one per
+    `eval_interval` steps plus one at the end) and one test pass, each of `eval_iters` batches."""
+    evaluations = train_iters // eval_interval + 1
+    return (
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
+
+
+class PretrainingSampler(torch.utils.data.Sampler):
+    """Batches of sample indices for one data-parallel rank (Megatron's pretraining sampler).
+
+    Invariants: for each step, the batches of ranks 0..dp-1 are disjoint and together are the
+    `micro_batch_size * data_parallel_size` consecutive indices starting at
+    `consumed_samples + step * micro_batch_size * data_parallel_size`; an incomplete last step
+    is dropped.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ) -> None:
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.offset = data_parallel_rank * micro_batch_size
+        self.step = micro_batch_size * data_parallel_size
+
+    def __len__(self) -> int:
+        return max(self.total_samples - self.consumed_samples, 0) // self.step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(len(self)):
+            start = self.consumed_samples + i * self.step + self.offset
+            yield list(range(start, start + self.micro_batch_size))
+
+
+def make_data_iterator(
+    dataset,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_samples: int = 0,
+    cyclic: bool = False,
+    num_workers: int = 0,
+) -> Iterator[dict[str, torch.Tensor]] | None:
+    """Iterator over this rank's micro-batches of `dataset`, or None when `dataset` is None.
+
+    With `cyclic`, the iterator starts over (at `consumed_samples`) when the dataset is used up,
+    as Megatron's validation iterator does.
+    """
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+    )
+    if len(sampler) == 0:
+        raise ValueError(
+            f"no complete step left: {len(dataset)} samples, {consumed_samples} consumed, "
+            f"{micro_batch_size} x {data_parallel_size} (micro batch x data parallel) per step"
+        )
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
+    return _cycle(loader) if cyclic else iter(loader)
+
+
+def _cycle(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tensor]]:
+    while True:
+        yield from loader

@@ -1,0 +1,161 @@
+"""Tokenizers: sentencepiece training and Megatron-LM's `--tokenizer-type` names.
+
+`train_sentencepiece` learns a byte-fallback BPE model whose ids are fixed for the special
+pieces, so GPT and BERT datasets share one model:
+
+    0 [PAD]   1 <unk>   2 [EOD] (sentencepiece's eos)   3 [CLS]   4 [SEP]   5 [MASK]   6 "\\n"
+
+Normalization is the identity and whitespace is kept, so `detokenize(tokenize(text)) == text`
+for any text that contains none of the special pieces (code indentation included).
+
+`build_tokenizer` returns megatron-core tokenizer objects (`MegatronTokenizerText` over its
+sentencepiece library wrapper), which carry what `GPTDataset` and `BERTMaskedWordPieceDataset`
+read: `eod`, `pad`, `vocab_size`, `unique_identifiers`, `tokenize`, `detokenize`, and for
+`SentencePieceTokenizer` also `cls`, `sep`, `mask` and `inv_vocab`.
+"""
+
+import functools
+import json
+import math
+import os
+from typing import Iterator
+
+import sentencepiece
+
+from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
+from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
+from megatron_2bw.data.errors import DataError
+
+PAD, EOD, CLS, SEP, MASK = "[PAD]", "[EOD]", "[CLS]", "[SEP]", "[MASK]"
+NEWLINE = "\n"
+# Megatron-LM's legacy sentencepiece tokenizer reads these names for BERT's special ids.
+BERT_SPECIAL_TOKENS = {
+    "pad_token": PAD,
+    "eos_token": EOD,
+    "cls_token": CLS,
+    "sep_token": SEP,
+    "mask_token": MASK,
+}
+TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+MAX_LINE_BYTES = 16384
+
+
+def iter_training_lines(input_jsonl: str, json_key: str = "text") -> Iterator[str]:
+    """Yield the non-blank lines of every document; sentencepiece treats each as a sentence.
+
+    Newlines never reach the trainer: "\\n" is a user-defined piece of its own.
+    """
+    with open(input_jsonl, encoding="utf-8") as f:
+        for line in f:
+            for text_line in json.loads(line)[json_key].split(NEWLINE):
+                if text_line.strip():
+                    yield text_line
+
+
+def train_sentencepiece(
+    input_jsonl: str,
+    model_prefix: str,
+    vocab_size: int,
+    json_key: str = "text",
+    model_type: str = "bpe",
+    input_sentence_size: int = 300_000,
+    seed: int = 1234,
+    num_threads: int = 2,
+) -> str:
+    """Train a sentencepiece model on the documents of `input_jsonl`; return the `.model` path.
+
+    At most `input_sentence_size` lines, sampled with `seed`, are used, which keeps training of
+    an 8 MB corpus to a few seconds (BPE). Lines over `MAX_LINE_BYTES` are skipped by the
+    trainer. Writes `{model_prefix}.model` and `{model_prefix}.vocab`.
+    """
+    if not os.path.isfile(input_jsonl):
+        raise DataError("--input", f"{input_jsonl} does not exist")
+    sentencepiece.set_random_generator_seed(seed)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter_training_lines(input_jsonl, json_key),
+        model_prefix=model_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        max_sentence_length=MAX_LINE_BYTES,
+        # Keep the text as it is: code needs its whitespace back after decoding.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        byte_fallback=True,
+        character_coverage=0.9999,
+        pad_id=0,
+        pad_piece=PAD,
+        unk_id=1,
+        bos_id=-1,
+        eos_id=2,
+        eos_piece=EOD,
+        control_symbols=[CLS, SEP, MASK],
+        user_defined_symbols=[NEWLINE],
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    return f"{model_prefix}.model"
+
+
+class SentencePieceTextTokenizer(MegatronTokenizerText):
+    """megatron-core's sentencepiece text tokenizer with `inv_vocab` built once.
+
+    megatron-core's wrapper rebuilds the whole id -> piece map on each `inv_vocab` access, and
+    BERT's masking reads `inv_vocab[token_id]` once per token. The vocabulary is fixed after
+    construction, so caching it is safe.
+    """
+
+    @functools.cached_property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._tokenizer.inv_vocab
+
+
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+) -> MegatronTokenizerBase:
+    """Build a tokenizer as Megatron-LM's `--tokenizer-type` / `--tokenizer-model` would.
+
+    - `GPTSentencePieceTokenizer`: plain encoding; `eod` is the model's eos piece.
+    - `SentencePieceTokenizer`: megatron-core's legacy mode with BERT's special tokens
+      (`cls`, `sep`, `mask`, `pad`, `eod`); like Megatron-LM, literal "[CLS]" etc. in the text
+      encode to the special ids.
+    - `NullTokenizer`: ids written as decimal text, `vocab_size` ids plus `eod = vocab_size`.
+    """
+    if tokenizer_type == "NullTokenizer":
+        if not vocab_size:
+            raise DataError("--vocab-size", "NullTokenizer needs a vocabulary size")
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    check_sentencepiece_model(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        config, kwargs = {"model_type": "gpt"}, {}
+    else:
+        config, kwargs = {"model_type": "bert"}, {"legacy": True, "special_tokens": dict(BERT_SPECIAL_TOKENS)}
+    return SentencePieceTextTokenizer(tokenizer_model, {"library": "sentencepiece", **config}, **kwargs)
+
+
+def check_sentencepiece_model(tokenizer_model: str | None) -> None:
+    """Raise DataError naming `--tokenizer-model` unless sentencepiece can load the file."""
+    if not tokenizer_model:
+        raise DataError("--tokenizer-model", "a sentencepiece model file is required")
+    if not os.path.isfile(tokenizer_model):
+        raise DataError("--tokenizer-model", f"{tokenizer_model} does not exist")
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+    except (OSError, RuntimeError) as err:
+        raise DataError("--tokenizer-model", f"{tokenizer_model} is not a sentencepiece model ({err})") from err
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """Megatron-LM's embedding size: `vocab_size` rounded up to a multiple of
+    `make_vocab_size_divisible_by * tensor_model_parallel_size` (so each tensor-parallel shard
+    of the embedding has the same, aligned number of rows)."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return math.ceil(vocab_size / multiple) * multiple
