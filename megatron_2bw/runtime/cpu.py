@@ -20,6 +20,7 @@ Everything patched is recorded and restored by :func:`uninstall`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Any, Callable
@@ -240,6 +241,8 @@ def install(force: bool = False) -> None:
         raise RuntimeError("the CPU runtime is not installed on a machine with CUDA; pass --cpu")
     _disable_megatron_jit_fuser()
     state = _Installed()
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        _SameGeneratorWarningFilter())
     for name, value in _cuda_attribute_patches().items():
         state.patch(torch.cuda, name, value)
     for owner, name, value in _megatron_rng_patches():
@@ -260,6 +263,14 @@ def uninstall() -> None:
     for owner, name, value in reversed(_installed.saved):
         setattr(owner, name, value)
     _installed = None
+
+
+class _SameGeneratorWarningFilter(logging.Filter):
+    """megatron's RNG tracker warns when the CPU generator changes inside a "CUDA" RNG fork;
+    here the two are one generator by design, so that warning carries no information."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
 def _disable_megatron_jit_fuser() -> None:

@@ -172,6 +172,8 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------
     def _log(self, loss, grad_norm, seconds: float, skipped: int) -> None:
+        if not self.logger.enabled:
+            return
         self.logger.iteration(logs.IterationLog(
             iteration=self.state.iteration, train_iters=self.args.train_iters,
             seconds_per_iteration=seconds, lr=self.optimizer.param_groups[0]["lr"],

@@ -1,0 +1,142 @@
+"""What ``pretrain_gpt_2bw.py`` and ``pretrain_bert_2bw.py`` share: flag parsing with one-line
+errors, tokenizer and data checks before any process group exists, the per-rank data
+iterators, and the run wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Callable, Sequence
+
+from megatron_2bw.arguments import FlagError, parse_args
+from megatron_2bw.data.errors import DataError
+
+__all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data"]
+
+_USER_ERRORS = (FlagError, DataError)
+
+
+def fail(error: Exception) -> None:
+    """One error line on stderr and exit code 2, on every rank that sees the error."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _data_prefixes(data_path: Sequence[str]) -> list[str]:
+    """Prefixes of ``--data-path``, which is either ``prefix ...`` or ``weight prefix ...``."""
+    def is_weight(token: str) -> bool:
+        try:
+            float(token)
+            return True
+        except ValueError:
+            return False
+
+    if len(data_path) > 1 and all(is_weight(t) for t in data_path[0::2]):
+        return list(data_path[1::2])
+    return list(data_path)
+
+
+def setup(model_type: str, argv: Sequence[str] | None = None):
+    """Parse and validate flags, check data files and build the tokenizer.
+
+    Any user error ends the process here with one line, before torch.distributed starts."""
+    from megatron_2bw.data import tokenizer as tokenizers
+    from megatron_2bw.data.indexed import check_indexed_dataset
+
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    try:
+        args = parse_args(argv)
+        args.model_type = model_type
+        if args.mock_data:
+            return args, None
+        for prefix in _data_prefixes(args.data_path):
+            check_indexed_dataset(prefix, flag="--data-path")
+        tokenizer = tokenizers.build_tokenizer(args.tokenizer_type, args.tokenizer_model,
+                                               args.vocab_size)
+    except _USER_ERRORS as error:
+        fail(error)
+    return args, tokenizer
+
+
+def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
+    from megatron_2bw.data.tokenizer import padded_vocab_size
+
+    size = args.vocab_size if tokenizer is None else tokenizer.vocab_size
+    return padded_vocab_size(size, args.make_vocab_size_divisible_by,
+                             args.tensor_model_parallel_size)
+
+
+def run(args: argparse.Namespace, model_provider: Callable, data_provider: Callable,
+        forward_step_func: Callable, vocab_size: int) -> dict:
+    import megatron_2bw
+    from megatron_2bw.training.loop import pretrain
+
+    megatron_2bw.install(args.pipeline_schedule)
+    try:
+        return pretrain(args, model_provider, data_provider, forward_step_func, vocab_size)
+    except _USER_ERRORS as error:
+        fail(error)
+
+
+def next_batch(data_iterator) -> dict:
+    """The microbatch this pipeline stage needs: tokens on the first stage, labels on the last,
+    nothing on the stages between (they read their input from the previous stage)."""
+    from megatron.core import parallel_state as ps
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    if not (first or last):
+        return {"tokens": None, "position_ids": None, "labels": None, "loss_mask": None}
+    return next(data_iterator)
+
+
+def gpt_layer_spec(args: argparse.Namespace):
+    """transformer-engine's layer spec on GPUs where it is installed, the local spec otherwise."""
+    import torch
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if torch.cuda.is_available() and not args.cpu:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Samples each split must provide: every training batch, and --eval-iters batches per
+    evaluation (evaluations reuse the same batches) and for the test split."""
+    eval_samples = args.eval_iters * args.global_batch_size
+    return args.train_iters * args.global_batch_size, eval_samples, eval_samples
+
+
+def gpt_data(args: argparse.Namespace, state, tokenizer):
+    """Per-rank GPT iterators; training resumes at ``state.consumed_train_samples``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.data import gpt
+    from megatron_2bw.training.loop import DataIterators
+
+    if args.mock_data:
+        train, valid, test = gpt.build_mock_gpt_datasets(args.seq_length, args.seed,
+                                                         args.vocab_size, _sample_counts(args))
+    else:
+        train, valid, test = gpt.build_gpt_datasets(
+            args.data_path, args.split, args.seq_length, args.seed, tokenizer,
+            _sample_counts(args), cache_dir=args.data_cache_path)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def iterator(dataset, consumed=0):
+        if dataset is None:
+            return None
+        return gpt.make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
+                                      consumed_samples=consumed)
+
+    return DataIterators(
+        train=iterator(train, state.consumed_train_samples),
+        valid=None if valid is None else (lambda: iterator(valid)),
+        test=None if test is None else (lambda: iterator(test)),
+    )

@@ -1,0 +1,56 @@
+"""Pretrain a GPT model with megatron-core and a megatron-2bw pipeline schedule.
+
+    torchrun --nproc-per-node 2 pretrain_gpt_2bw.py --pipeline-model-parallel-size 2 \
+        --data-path data/cache/default/corpus_text_document \
+        --tokenizer-model data/cache/default/tokenizer.model ...
+
+Flags are Megatron-LM's (see ``python pretrain_gpt_2bw.py --help``).
+"""
+
+from functools import partial
+
+from megatron_2bw import entry
+
+
+def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
+    """megatron-core's GPTModel with the local layer spec (transformer-engine's on GPUs that
+    have it)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=entry.gpt_layer_spec(args),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+
+
+def loss_func(loss_mask, output_tensor):
+    """Mean token loss of one microbatch; the reported value is a detached copy (the schedule
+    divides the returned loss by the number of microbatches in place)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = (losses * mask).sum() / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func contract: returns (output, loss function)."""
+    batch = entry.next_batch(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def main(argv=None):
+    args, tokenizer = entry.setup("gpt", argv)
+    entry.run(args, partial(model_provider, args=args, vocab_size=entry.padded_vocab(args, tokenizer)),
+              partial(entry.gpt_data, tokenizer=tokenizer), forward_step, entry.padded_vocab(args, tokenizer))
+
+
+if __name__ == "__main__":  # required: the checkpoint writer spawns a helper process
+    main()
