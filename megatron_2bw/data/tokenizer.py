@@ -122,7 +122,8 @@ def build_tokenizer(
     - `GPTSentencePieceTokenizer`: plain encoding; `eod` is the model's eos piece.
     - `SentencePieceTokenizer`: megatron-core's legacy mode with BERT's special tokens
       (`cls`, `sep`, `mask`, `pad`, `eod`); like Megatron-LM, literal "[CLS]" etc. in the text
-      encode to the special ids.
+      encode to the special ids, and `detokenize` strips outer whitespace. Other text gets the
+      same ids as with `GPTSentencePieceTokenizer`.
     - `NullTokenizer`: ids written as decimal text, `vocab_size` ids plus `eod = vocab_size`.
     """
     if tokenizer_type == "NullTokenizer":
