@@ -84,6 +84,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loading: bool,
                         extra: Callable[[dict], None] | None = None) -> dict:
+    """Everything a checkpoint holds; ``extra`` adds a schedule's own entries."""
     sharded = {"model": model[0].module.sharded_state_dict()}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
@@ -128,10 +129,11 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
 
 def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = True,
                     load_rng: bool = True,
-                    extra: Callable[[dict], None] | None = None,
+                    extra: Callable[[dict, str], None] | None = None,
                     on_loaded: Callable[[dict], None] | None = None) -> TrainState | None:
     """Restore the latest checkpoint under ``root`` into the given objects; None when there is
-    none. ``extra``/``on_loaded`` let a schedule add entries and read them back."""
+    none. ``extra(sharded, checkpoint_path)`` lets a schedule request its own entries,
+    ``on_loaded(loaded)`` read them back."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
@@ -142,7 +144,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = T
         raise ValueError(f"--load: {root} names iteration {iteration}, but {path} is missing")
     sharded = _sharded_state_dict(model, optimizer if load_optim else None,
                                   scheduler if load_optim else None,
-                                  TrainState(), is_loading=True, extra=extra)
+                                  TrainState(), is_loading=True,
+                                  extra=None if extra is None else lambda sd: extra(sd, path))
     loaded = dist_checkpointing.load(sharded, path)
     model[0].module.load_state_dict(loaded["model"])
     if load_optim:

@@ -107,11 +107,14 @@ class Trainer:
     def _maybe_load(self) -> TrainState:
         if not self.args.load:
             return TrainState()
+        fb, model = self.forward_backward, self.model
+        hooks = {}
+        if hasattr(fb, "prepare_load"):
+            hooks = dict(extra=lambda sharded, path: fb.prepare_load(model, sharded, path),
+                         on_loaded=lambda loaded: fb.checkpoint_loaded(model, loaded))
         state = checkpointing.load_checkpoint(
             self.args.load, self.model, self.optimizer, self.scheduler,
-            load_optim=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
-            extra=getattr(self.forward_backward, "checkpoint_extra", None),
-            on_loaded=getattr(self.forward_backward, "checkpoint_loaded", None))
+            load_optim=not self.args.no_load_optim, load_rng=not self.args.no_load_rng, **hooks)
         if state is None:
             self.logger.print(f" no checkpoint found in {self.args.load}: starting from scratch")
             return TrainState()
@@ -120,15 +123,25 @@ class Trainer:
 
     def save(self) -> None:
         self._drain()
+        fb, model = self.forward_backward, self.model
+        extra = None
+        if hasattr(fb, "checkpoint_extra"):
+            extra = lambda sharded: fb.checkpoint_extra(model, sharded)  # noqa: E731
         path = checkpointing.save_checkpoint(
-            self.args.save, self.model, self.optimizer, self.scheduler, self.state,
-            extra=getattr(self.forward_backward, "checkpoint_extra", None))
+            self.args.save, self.model, self.optimizer, self.scheduler, self.state, extra=extra)
         self.logger.print(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
     def _drain(self) -> None:
         drain = getattr(self.forward_backward, "drain", None)
         if drain is not None:
-            drain(self.optimizer)
+            drain()
+
+    def _prepare_drain(self) -> None:
+        """Tell a schedule that keeps microbatches in flight (2BW) that the coming call is the
+        last before a pause (evaluation, checkpoint, stop, end of training)."""
+        prepare = getattr(self.forward_backward, "prepare_drain", None)
+        if prepare is not None:
+            prepare()
 
     # ---- one iteration -----------------------------------------------------------------
     def _schedule_kwargs(self, forward_only: bool) -> dict:
@@ -183,8 +196,18 @@ class Trainer:
             flops_per_iteration=self.flops_per_iteration, world_size=self.info.world_size,
             peak_mem_mib=logs.peak_memory_mib(self.info.device), skipped=skipped))
 
-    def _due(self, interval: int | None) -> bool:
-        return interval is not None and self.state.iteration % interval == 0
+    def _due(self, interval: int | None, iteration: int | None = None) -> bool:
+        iteration = self.state.iteration if iteration is None else iteration
+        return interval is not None and iteration % interval == 0
+
+    def _pauses_after(self, iteration: int) -> bool:
+        """Whether training pauses after ``iteration`` (evaluation, checkpoint, exit, end)."""
+        a = self.args
+        evaluates = a.eval_iters > 0 and self.data.valid is not None and self._due(
+            a.eval_interval, iteration)
+        saves = a.save is not None and self._due(a.save_interval, iteration)
+        return (iteration >= a.train_iters or evaluates or saves
+                or self._due(a.exit_interval, iteration))
 
     def train(self) -> dict:
         """Train to --train-iters; return the last training and validation losses."""
@@ -196,6 +219,10 @@ class Trainer:
                           f"PP={a.pipeline_model_parallel_size} DP={a.data_parallel_size}, "
                           f"{a.num_microbatches} microbatches per batch")
         while self.state.iteration < a.train_iters:
+            upcoming = self.state.iteration + 1
+            stop_requested = upcoming % a.log_interval == 0 and stop.any_rank()
+            if stop_requested or self._pauses_after(upcoming):
+                self._prepare_drain()
             loss, grad_norm, succeeded = self.train_step()
             losses.append(loss)
             skipped += not succeeded
@@ -207,7 +234,7 @@ class Trainer:
             if a.eval_iters and self.data.valid is not None and self._due(a.eval_interval):
                 last["valid_loss"] = self.evaluate(self.data.valid)
                 started = time.perf_counter()
-            stopping = self._due(a.exit_interval) or (self._due(a.log_interval) and stop.any_rank())
+            stopping = stop_requested or self._due(a.exit_interval)
             if a.save and (self._due(a.save_interval) or stopping):
                 self.save()
                 started = time.perf_counter()

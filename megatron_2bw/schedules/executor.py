@@ -1,0 +1,324 @@
+"""Runs one stage's action list on a megatron-core model chunk: Megatron's
+``forward_backward_func`` for the schedules of this package.
+
+One executor for every schedule: the order lives in the action lists
+(:func:`megatron_2bw.schedules.call_actions`), the transfers in
+:func:`~megatron_2bw.schedules.communication`, the weight versions of 2BW in
+:class:`~megatron_2bw.weights.WeightVersions`. Handlers are dispatched through a table:
+
+    F: point weights at the microbatch's version; x = recv(stage-1) or data; y = forward(x);
+       send(y, stage+1); stash (x, y)
+    B: point weights at the microbatch's version; g = recv(stage+1) or loss;
+       backward(stash.pop(mb), g); send(dx, stage-1)
+    S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
+       2BW fork the weights so Megatron's optimizer step writes the new version
+
+A 2BW call leaves its look-ahead forwards in flight; ``prepare_drain()`` makes the next call
+leave the pipeline empty (before an evaluation, a checkpoint or the end of training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from megatron_2bw.schedules import Action, Kind, call_actions, communication, format_grid
+from megatron_2bw.schedules.p2p import CommError, StageComm
+from megatron_2bw.weights import WeightVersions
+
+__all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
+
+
+@dataclass(frozen=True)
+class TimelineRecord:
+    """One executed action, for timelines (``tools/timeline.py``)."""
+
+    stage: int
+    kind: str
+    microbatch: int | None
+    version: int | None
+    start: float
+    end: float
+
+
+@dataclass
+class _Call:
+    """What one Megatron call passes to the schedule, as the handlers need it."""
+
+    forward_step_func: Callable
+    data_iterator: object
+    model: torch.nn.Module
+    config: object
+    num_microbatches: int
+    losses: list
+    num_tokens: torch.Tensor
+    pg_collection: object
+    force_all_reduce: bool
+
+
+class PipelineRunner:
+    """``forward_backward_func`` for one schedule; keeps state across Megatron calls (2BW's
+    in-flight microbatches and weight versions)."""
+
+    def __init__(self, schedule: str):
+        self.schedule = schedule
+        self.batches_done = 0  # training calls made: the next call runs batch `batches_done`
+        self.in_flight = False  # look-ahead forwards from the previous call are stashed
+        self.drain_next = False
+        self.stash: dict[int, tuple] = {}
+        self.versions: WeightVersions | None = None
+        self.comm: StageComm | None = None
+        self.timeline: list[TimelineRecord] | None = None  # set to [] to record
+
+    # ---- Megatron's forward_backward_func signature ---------------------------------------
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, decoder_seq_length: int | None = None,
+                 forward_only: bool = False, collect_non_loss_data: bool = False,
+                 first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                 pg_collection=None, force_all_reduce: bool = False):
+        from megatron.core.utils import get_model_config
+
+        chunk = _single_chunk(model)
+        config = get_model_config(chunk)
+        self._setup(chunk, config, seq_length if decoder_seq_length is None else decoder_seq_length,
+                    micro_batch_size)
+        call = _Call(forward_step_func, _single_iterator(data_iterator), chunk, config,
+                     num_microbatches, [], torch.zeros([], dtype=torch.int), pg_collection,
+                     force_all_reduce)
+        if forward_only:
+            return self._forward_only(call, collect_non_loss_data)
+        return self._train_call(call)
+
+    def prepare_drain(self) -> None:
+        """The next training call leaves no microbatch in flight."""
+        self.drain_next = True
+
+    def drain(self) -> None:
+        """Called before evaluation and checkpoints: the pipeline must already be empty."""
+        if self.in_flight:
+            raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
+                               "prepare_drain() before the last training call")
+        if self.comm is not None:
+            self.comm.wait_sends()
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _setup(self, chunk, config, seq_length: int, micro_batch_size: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.depth = ps.get_pipeline_model_parallel_world_size()
+        self.is_last = ps.is_pipeline_last_stage()
+        if self.schedule == "2bw" and self.versions is None:
+            self.bind(chunk)
+        seq = seq_length // ps.get_context_parallel_world_size()
+        if config.sequence_parallel:
+            seq //= ps.get_tensor_model_parallel_world_size()
+        shape = (seq, micro_batch_size, config.hidden_size)
+        if self.comm is None or self.comm.shape != shape:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+            self.comm = StageComm(shape, config.pipeline_dtype, device)
+
+    def bind(self, chunk) -> None:
+        """Create the 2BW weight versions of ``chunk``'s parameters (version 0 = current)."""
+        if self.schedule == "2bw" and self.versions is None:
+            self.versions = WeightVersions(chunk.parameters())
+
+    # ---- training call -------------------------------------------------------------------
+    def _train_call(self, call: _Call) -> list:
+        m, batch = call.num_microbatches, self.batches_done
+        if self.versions is not None:
+            self.versions.after_step()
+        drain = self.drain_next
+        actions = call_actions(self.schedule, self.depth, m, self.stage, batch,
+                               fill=not self.in_flight, drain=drain)
+        for index, (action, comms) in enumerate(zip(actions, communication(actions, self.stage,
+                                                                           self.depth))):
+            try:
+                self._run(action, comms, call)
+            except (CommError, RuntimeError) as error:
+                _report_failure(self.stage, actions, index, error)
+                raise
+        self.batches_done += 1
+        self.in_flight = bool(self.stash)
+        self.drain_next = False
+        return call.losses
+
+    def _run(self, action: Action, comms, call: _Call) -> None:
+        start = time.perf_counter()
+        _HANDLERS[action.kind](self, action, comms, call)
+        if self.timeline is not None:
+            self.timeline.append(TimelineRecord(self.stage, action.kind.value, action.microbatch,
+                                                action.version, start, time.perf_counter()))
+
+    def _forward(self, action: Action, comms, call: _Call) -> None:
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
+
+        if self.versions is not None:
+            self.versions.use(action.version)
+        k, m = action.microbatch, call.num_microbatches
+        input_tensor = self.comm.recv_activation(k) if comms.recv else None
+        output, num_tokens = forward_step(
+            call.forward_step_func, call.data_iterator, call.model, m, input_tensor, call.losses,
+            call.config, 1, is_first_microbatch=k % m == 0, current_microbatch=k % m,
+            is_last_stage=self.is_last)
+        call.num_tokens += num_tokens
+        if comms.send:
+            self.comm.send_activation(output, k)
+            deallocate_output_tensor(output, call.config.deallocate_pipeline_outputs)
+        self.stash[k] = (input_tensor, output)
+
+    def _backward(self, action: Action, comms, call: _Call) -> None:
+        from megatron.core.enums import ModelType
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        if self.versions is not None:
+            self.versions.use(action.version)
+        k, m = action.microbatch, call.num_microbatches
+        output_grad = self.comm.recv_grad(k) if comms.recv else None
+        input_tensor, output = self.stash.pop(k)
+        last_of_batch = k % m == m - 1
+        no_sync = call.config.no_sync_func or contextlib.nullcontext
+        with contextlib.nullcontext() if last_of_batch else no_sync():
+            input_grad = backward_step(input_tensor, output, output_grad,
+                                       ModelType.encoder_or_decoder, call.config)
+        if comms.send:
+            self.comm.send_grad(input_grad, k)
+
+    def _step(self, action: Action, comms, call: _Call) -> None:
+        config = call.config
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func(
+                [call.model], call.num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=call.pg_collection, force_all_reduce=call.force_all_reduce)
+        if self.versions is not None:
+            self.versions.fork(action.version)
+
+    # ---- evaluation ----------------------------------------------------------------------
+    def _forward_only(self, call: _Call, collect_non_loss_data: bool) -> list:
+        """Every microbatch through the pipeline once, with the newest weights."""
+        from megatron.core.pipeline_parallel.schedules import forward_step
+
+        self.drain()
+        if self.versions is not None:
+            self.versions.use(self.versions.newest)
+        m = call.num_microbatches
+        for j in range(m):
+            input_tensor = self.comm.recv_activation(j) if self.stage > 0 else None
+            output, _ = forward_step(call.forward_step_func, call.data_iterator, call.model, m,
+                                     input_tensor, call.losses, call.config, 1,
+                                     collect_non_loss_data, is_first_microbatch=j == 0,
+                                     current_microbatch=j, is_last_stage=self.is_last)
+            if not self.is_last:
+                self.comm.send_activation(output, j)
+        self.comm.wait_sends()
+        return call.losses
+
+    # ---- checkpoints (2BW keeps its older weight version) --------------------------------
+    def checkpoint_extra(self, model: list, sharded: dict) -> None:
+        """Add what a resumed 2BW run needs to continue exactly: the older weight version
+        (batch ``batches_done`` still reads it) and the version numbers."""
+        if self.schedule != "2bw":
+            return
+        chunk = _single_chunk(model)
+        self.bind(chunk)
+        older = self.versions.older_version()
+        older_version, older_tensors = older if older is not None else (None, self.versions.slots[
+            self.versions.pointed_slot])
+        sharded["twobw_versions"] = {"batches_done": self.batches_done,
+                                     "newest": self.versions.newest, "older": older_version}
+        sharded["twobw_older_weights"] = _version_sharded(chunk, self.versions, older_tensors)
+
+    def prepare_load(self, model: list, sharded: dict, path: str) -> None:
+        """Loading counterpart of :meth:`checkpoint_extra`: the older version is read into the
+        spare slot. A checkpoint written by another schedule has one version only."""
+        from megatron.core import dist_checkpointing
+
+        if self.schedule != "2bw":
+            return
+        chunk = _single_chunk(model)
+        self.bind(chunk)
+        if "twobw_versions" not in dist_checkpointing.load_common_state_dict(path):
+            return
+        sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None}
+        sharded["twobw_older_weights"] = _version_sharded(chunk, self.versions,
+                                                          self.versions.spare_tensors())
+
+    def checkpoint_loaded(self, model: list, loaded: dict) -> None:
+        if self.schedule != "2bw":
+            return
+        info = loaded.get("twobw_versions")
+        if info is None:  # one version: batch k reads "version k-1", the same weights
+            iteration = loaded["iteration"]
+            info = {"batches_done": iteration, "newest": iteration, "older": iteration - 1}
+            for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
+                spare.copy_(p.data)
+        self.batches_done = info["batches_done"]
+        self.versions.loaded(info["newest"], info["older"])
+
+
+_HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
+             Kind.STEP: PipelineRunner._step}
+
+
+def _single_chunk(model):
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("megatron-2bw schedules run one model chunk per stage "
+                             "(no virtual pipeline stages)")
+        return model[0]
+    return model
+
+
+def _single_iterator(data_iterator):
+    if isinstance(data_iterator, (list, tuple)):
+        return data_iterator[0]
+    return data_iterator
+
+
+def _version_sharded(chunk, versions: WeightVersions, tensors: list[torch.Tensor]) -> dict:
+    """The model's sharded tensors re-pointed at one weight version's ``tensors`` under
+    ``twobw_older.`` keys. (megatron's ShardedTensors hold the Parameter itself, whose storage
+    moves between versions, so each is given its version's tensor explicitly.)"""
+    index_of = {id(p): i for i, p in enumerate(versions.params)}
+    return _repointed(chunk.module.sharded_state_dict(), index_of, tensors)
+
+
+def _repointed(sharded: dict, index_of: dict, tensors: list) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for name, value in sharded.items():
+        if isinstance(value, ShardedTensor) and id(value.data) in index_of:
+            out[name] = replace(value, key="twobw_older." + value.key,
+                                data=tensors[index_of[id(value.data)]])
+        elif isinstance(value, dict):
+            out[name] = _repointed(value, index_of, tensors)
+    return out
+
+
+def _report_failure(stage: int, actions: list[Action], index: int, error: Exception) -> None:
+    """This stage's list for the call, the failing action marked (the row is this stage's)."""
+    grid = format_grid([actions], {0: index}).replace("stage 0 ", f"stage {stage} ", 1)
+    print(f"error: pipeline stage {stage} failed at action {actions[index]} "
+          f"({index + 1} of {len(actions)} in this call): {error}\n{grid}",
+          file=sys.stderr, flush=True)
+
+
+_RUNNERS: dict[str, PipelineRunner] = {}
+
+
+def forward_backward_func_for(schedule: str) -> PipelineRunner:
+    """The process-wide runner of ``schedule`` (its state spans Megatron calls)."""
+    if schedule not in _RUNNERS:
+        _RUNNERS[schedule] = PipelineRunner(schedule)
+    return _RUNNERS[schedule]
+
+
+def reset_runners() -> None:
+    _RUNNERS.clear()

@@ -1,0 +1,107 @@
+"""PipeDream-2BW's double-buffered weights (Narayanan et al., ICML 2021, Section 3.1).
+
+Each stage keeps at most two weight versions: the newest, and the one still read by the
+microbatches in flight. The 2BW update is
+
+    W(t+1) = W(t) - lr * grad f(W(t-1))
+
+so the optimizer step after batch t reads the newest version W(t) and writes W(t+1), while
+batch t+1's microbatches, already forwarded with W(t), keep reading W(t) until their
+backward passes are done.
+
+Invariants:
+  * Two storages per parameter ("slots"); a version lives in one slot; ``use(v)`` points every
+    parameter's ``.data`` at ``v``'s slot. Forward, recomputation and backward of a microbatch
+    all run after ``use(version)`` (megatron's linear layers read ``p.data`` in backward).
+  * ``fork(v_new)`` retires every version older than the newest, copies the newest into the
+    freed slot and points the parameters there: the optimizer then writes ``v_new`` without
+    touching storage an in-flight microbatch reads.
+  * An optimizer that updates a Parameter in place bumps its autograd version counter, which
+    in-flight backward passes would take for a modification of what they saved. The counters
+    are reset to their pre-step values (``after_step``): the storage those passes saved was not
+    written.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["WeightVersions"]
+
+
+class WeightVersions:
+    """Two weight slots for one pipeline stage's parameters."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.params = [p for p in params]
+        self.slots: list[list[torch.Tensor] | None] = [[p.data for p in self.params], None]
+        self.slot_of: dict[int, int] = {0: 0}  # version -> slot
+        self.pointed_slot = 0
+        self._counters: list[int] | None = None
+
+    @property
+    def newest(self) -> int:
+        return max(self.slot_of)
+
+    @property
+    def alive(self) -> list[int]:
+        return sorted(self.slot_of)
+
+    def use(self, version: int) -> None:
+        """Point the parameters at ``version`` (a no-op when they already are)."""
+        if version not in self.slot_of:
+            raise KeyError(f"weight version {version} is not alive (alive: {self.alive})")
+        slot = self.slot_of[version]
+        if slot != self.pointed_slot:
+            for p, data in zip(self.params, self.slots[slot]):
+                p.data = data
+            self.pointed_slot = slot
+
+    def fork(self, new_version: int) -> None:
+        """Make room for ``new_version``: keep only the newest version, copy it into the other
+        slot, and point the parameters there for the optimizer step to overwrite."""
+        newest = self.newest
+        if new_version != newest + 1:
+            raise ValueError(f"fork({new_version}) after version {newest}: versions must be "
+                             "made in order")
+        self.use(newest)
+        free = 1 - self.pointed_slot
+        self.spare_tensors()
+        with torch.no_grad():
+            for dst, src in zip(self.slots[free], self.slots[self.slot_of[newest]]):
+                dst.copy_(src)
+        self.slot_of = {newest: self.slot_of[newest], new_version: free}
+        self.use(new_version)
+        self._counters = [p._version for p in self.params]
+
+    def after_step(self) -> None:
+        """Undo the autograd version-counter bumps of an in-place optimizer step (see the
+        module docstring); call once after the step, before any backward pass."""
+        if self._counters is None:
+            return
+        torch._C._autograd._unsafe_set_version_counter(tuple(self.params), tuple(self._counters))
+        self._counters = None
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def older_version(self) -> tuple[int, list[torch.Tensor]] | None:
+        """The older alive version and its tensors (None when only one version is alive)."""
+        if len(self.slot_of) < 2:
+            return None
+        older = min(self.slot_of)
+        return older, self.slots[self.slot_of[older]]
+
+    def spare_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the slot the parameters do not point at (allocated on first use)."""
+        spare = 1 - self.pointed_slot
+        if self.slots[spare] is None:
+            self.slots[spare] = [torch.empty_like(p.data) for p in self.params]
+        return self.slots[spare]
+
+    def loaded(self, newest: int, older: int | None) -> None:
+        """A checkpoint was read: the parameters hold ``newest``, the spare slot ``older``."""
+        self.slots[self.pointed_slot] = [p.data for p in self.params]
+        self.slot_of = {newest: self.pointed_slot}
+        if older is not None:
+            self.slot_of[older] = 1 - self.pointed_slot
