@@ -41,16 +41,17 @@ def _data_prefixes(data_path: Sequence[str]) -> list[str]:
 def setup(model_type: str, argv: Sequence[str] | None = None):
     """Parse and validate flags, check data files and build the tokenizer.
 
-    Any user error ends the process here with one line, before torch.distributed starts."""
-    from megatron_2bw.data import tokenizer as tokenizers
-    from megatron_2bw.data.indexed import check_indexed_dataset
-
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    Any user error ends the process here with one line, before torch.distributed starts.
+    Flags are checked before megatron-core is imported, so a bad flag fails at once."""
+    warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     try:
         args = parse_args(argv)
         args.model_type = model_type
         if args.mock_data:
             return args, None
+        from megatron_2bw.data import tokenizer as tokenizers
+        from megatron_2bw.data.indexed import check_indexed_dataset
+
         for prefix in _data_prefixes(args.data_path):
             check_indexed_dataset(prefix, flag="--data-path")
         tokenizer = tokenizers.build_tokenizer(args.tokenizer_type, args.tokenizer_model,
