@@ -53,7 +53,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="2bw",
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
                    help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; naive: inter-layer "
                         "model parallelism without pipelining; megatron: Megatron's own 1F1B")
     g.add_argument("--cpu", action="store_true",
@@ -173,6 +173,9 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = B // (b * dp)
     m = args.num_microbatches
     if args.pipeline_schedule == "2bw":
+        _require(not args.use_distributed_optimizer, "--use-distributed-optimizer",
+                 "not supported with --pipeline-schedule 2bw (its parameter all-gather writes "
+                 "the shared parameter buffer, which 2BW's two weight versions cannot share)")
         _require(m >= pp, "--global-batch-size",
                  f"2bw needs microbatches per batch m = {B} / ({b} x {dp}) = {m} >= pipeline "
                  f"depth {pp}; raise --global-batch-size to at least {b * dp * pp}")
