@@ -25,6 +25,7 @@ from megatron_2bw.data.gpt import PretrainingSampler, build_gpt_datasets, make_d
 from megatron_2bw.data.indexed import check_indexed_dataset
 from megatron_2bw.data.preprocess import preprocess_jsonl, split_sentences
 from megatron_2bw.data.tokenizer import build_tokenizer, padded_vocab_size, train_sentencepiece
+from tests.dist import spawn
 
 CORPUS_CHARS = 400_000
 VOCAB = 1024
@@ -99,7 +100,8 @@ def test_special_ids_for_gpt_and_bert(model, tokenizer):
     assert (tokenizer.pad, tokenizer.eod, tokenizer.vocab_size) == (0, 2, VOCAB)
     bert = build_tokenizer(BERT, model)
     assert (bert.pad, bert.eod, bert.cls, bert.sep, bert.mask) == (0, 2, 3, 4, 5)
-    assert [bert.inv_vocab[i] for i in (0, 2, 3, 4, 5)] == ["[PAD]", "[EOD]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = [bert.inv_vocab[i] for i in (0, 2, 3, 4, 5)]
+    assert pieces == ["[PAD]", "[EOD]", "[CLS]", "[SEP]", "[MASK]"]
     assert len(bert.inv_vocab) == bert.vocab_size == VOCAB
 
 
@@ -107,12 +109,15 @@ def test_null_tokenizer(tmp_path):
     null = build_tokenizer("NullTokenizer", vocab_size=100)
     assert (null.eod, null.vocab_size, null.tokenize("5 6 7")) == (100, 101, [5, 6, 7])
     (tmp_path / "n.jsonl").write_text('{"text": "1 2 3"}\n{"text": "99"}\n')
-    prefix = preprocess_jsonl(str(tmp_path / "n.jsonl"), str(tmp_path / "n"), "NullTokenizer", vocab_size=100, append_eod=True)["text"]
-    dataset = IndexedDataset(prefix)
+    jsonl, prefix = str(tmp_path / "n.jsonl"), str(tmp_path / "n")
+    prefixes = preprocess_jsonl(jsonl, prefix, "NullTokenizer", append_eod=True, vocab_size=100)
+    dataset = IndexedDataset(prefixes["text"])
     assert [dataset[i].tolist() for i in range(len(dataset))] == [[1, 2, 3, 100], [99, 100]]
 
 
-@pytest.mark.parametrize("size, divisor, tp, padded", [(4096, 128, 1, 4096), (4097, 128, 2, 4352), (1000, 128, 1, 1024)])
+@pytest.mark.parametrize(
+    "size, divisor, tp, padded", [(4096, 128, 1, 4096), (4097, 128, 2, 4352), (1000, 128, 1, 1024)]
+)
 def test_padded_vocab_size(size, divisor, tp, padded):
     assert padded_vocab_size(size, divisor, tp) == padded
 
@@ -133,8 +138,14 @@ def test_documents_round_trip_through_indexed_dataset(gpt_prefix, tokenizer, tex
 
 
 def test_sentences_round_trip_and_workers_agree(corpus, model, tokenizer, texts, workdir):
-    one = preprocess_jsonl(corpus, str(workdir / "s1"), BERT, model, split_sentences=True)["text"]
-    two = preprocess_jsonl(corpus, str(workdir / "s2"), BERT, model, split_sentences=True, workers=2)["text"]
+    def sentences(workers: int) -> str:
+        prefix = str(workdir / f"s{workers}")
+        prefixes = preprocess_jsonl(
+            corpus, prefix, BERT, model, split_sentences=True, workers=workers
+        )
+        return prefixes["text"]
+
+    one, two = sentences(1), sentences(2)
     assert one.endswith("_text_sentence")
     for ext in (".bin", ".idx"):
         assert Path(one + ext).read_bytes() == Path(two + ext).read_bytes()
@@ -146,7 +157,9 @@ def test_sentences_round_trip_and_workers_agree(corpus, model, tokenizer, texts,
         assert all(sentences) and "".join(tokenizer.detokenize(s) for s in sentences) == text
 
 
-@pytest.mark.parametrize("text", ["One. Two!  Three?\n\n  four\n", "\n\n  lead", "a.b c", "x\n", " \n "])
+@pytest.mark.parametrize(
+    "text", ["One. Two!  Three?\n\n  four\n", "\n\n  lead", "a.b c", "x\n", " \n "]
+)
 def test_split_sentences_keeps_every_character(text):
     sentences = split_sentences(text)
     assert all(s.strip() for s in sentences)
@@ -165,7 +178,8 @@ def test_gpt_samples_are_consecutive_windows_of_the_token_stream(train_set, gpt_
         start = int(train_set.shuffle_index[i]) * SEQ
         window = torch.from_numpy(stream[start : start + SEQ + 1].astype(numpy.int64))
         sample = train_set[i]
-        assert torch.equal(sample["tokens"], window[:-1]) and torch.equal(sample["labels"], window[1:])
+        assert torch.equal(sample["tokens"], window[:-1])
+        assert torch.equal(sample["labels"], window[1:])
         assert torch.equal(sample["position_ids"], torch.arange(SEQ))
         assert bool(sample["loss_mask"].all())
 
@@ -208,21 +222,19 @@ def test_weighted_blend_builds(gpt_prefix, tokenizer, workdir):
     assert train[0]["tokens"].shape == (SEQ,)
 
 
-def _build_on_rank(rank: int, world_size: int, init_file: str, prefix: str, model: str, out: str):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def _first_batch_on_rank(rank: int, world_size: int, prefix: str, model: str, cache: str):
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     tokenizer = build_tokenizer(GPT, model)
-    train, _, _ = build_gpt_datasets([prefix], "1", SEQ, 1234, tokenizer, (64, 0, 0), cache_dir=out)
-    batch = next(make_data_iterator(train, 2, rank, world_size))
-    torch.save(batch["tokens"], os.path.join(out, f"rank{rank}.pt"))
+    train, _, _ = build_gpt_datasets([prefix], "1", SEQ, 1234, tokenizer, (64, 0, 0), cache)
+    tokens = next(make_data_iterator(train, 2, rank, world_size))["tokens"]
     torch.distributed.destroy_process_group()
+    return tokens
 
 
 def test_builds_in_a_gloo_process_group(gpt_prefix, model, train_set, tmp_path):
-    torch.multiprocessing.spawn(
-        _build_on_rank, args=(2, str(tmp_path / "init"), gpt_prefix, model, str(tmp_path)), nprocs=2
-    )
-    tokens = torch.cat([torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)])
-    assert torch.equal(tokens, torch.stack([train_set[i]["tokens"] for i in range(4)]))
+    """Rank 0 builds the index caches, then rank 1 loads them; each gets its slice."""
+    tokens = spawn(_first_batch_on_rank, 2, gpt_prefix, model, str(tmp_path), out_dir=tmp_path)
+    assert torch.equal(torch.cat(tokens), torch.stack([train_set[i]["tokens"] for i in range(4)]))
 
 
 # ---- bad inputs ---------------------------------------------------------------------------
@@ -274,6 +286,7 @@ def test_prefix_with_extension_gets_a_hint(gpt_prefix):
         ([], "1", "--data-path"),
         (["{p}"], "99,1,x", "--split"),
         (["{p}"], "0,0", "--split"),
+        (["{p}"], "1..2", "--split"),
     ],
 )
 def test_bad_flags_raise_data_error(data_path, split, flag, gpt_prefix, tokenizer):
@@ -290,17 +303,30 @@ def test_bad_tokenizer_raises_data_error(tmp_path):
         build_tokenizer(GPT, str(tmp_path / "junk.model"))
     with pytest.raises(DataError, match="^--tokenizer-type: "):
         build_tokenizer("GPT2BPETokenizer", str(tmp_path / "junk.model"))
+    with pytest.raises(DataError, match="^--vocab-size: "):
+        build_tokenizer("NullTokenizer")
+
+
+def test_bad_tokenizer_training_input_raises_data_error(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "a b"}\n{"body": "c"}\n')
+    with pytest.raises(DataError, match="^--input: .*in.jsonl:2 is not a JSON object"):
+        train_sentencepiece(str(tmp_path / "in.jsonl"), str(tmp_path / "tok"), 64)
+    with pytest.raises(DataError, match="^--input: .*does not exist"):
+        train_sentencepiece(str(tmp_path / "missing.jsonl"), str(tmp_path / "tok"), 64)
 
 
 @pytest.mark.parametrize(
     "lines, message",
-    [(['{"text": "ok"}', "{broken"], "^--input: .*:2 is not valid JSON"), (['{"body": "x"}'], "^--json-keys: .*:1 has no")],
+    [
+        (['{"text": "ok"}', "{broken"], "^--input: .*:2 is not valid JSON"),
+        (['{"body": "x"}'], "^--json-keys: .*:1 has no"),
+    ],
 )
-@pytest.mark.parametrize("workers", [1, 2])
-def test_bad_jsonl_raises_data_error_and_leaves_no_files(lines, message, workers, model, tmp_path):
+@pytest.mark.parametrize("n", [1, 2])
+def test_bad_jsonl_raises_data_error_and_leaves_no_files(lines, message, n, model, tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=message):
-        preprocess_jsonl(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), GPT, model, workers=workers)
+        preprocess_jsonl(str(tmp_path / "in.jsonl"), str(tmp_path / "o"), GPT, model, workers=n)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
@@ -314,7 +340,9 @@ def test_default_data_is_built_once_and_rebuilt_when_incomplete(tmp_path, monkey
     stamp = os.stat(data.tokenizer_model).st_mtime_ns
     assert default_data.prepare_default_data(vocab_size=512, max_chars=100_000) == data
     assert os.stat(data.tokenizer_model).st_mtime_ns == stamp
-    sentences = default_data.prepare_default_data(vocab_size=512, max_chars=100_000, split_sentences=True)
+    sentences = default_data.prepare_default_data(
+        vocab_size=512, max_chars=100_000, split_sentences=True
+    )
     check_indexed_dataset(sentences.data_prefix)
 
     _truncate(data.data_prefix + ".bin", 2)

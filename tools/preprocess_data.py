@@ -24,15 +24,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each object")
-    group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence or line")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract")
+    group.add_argument(
+        "--split-sentences", action="store_true", help="one sequence per sentence or line"
+    )
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    group.add_argument("--append-eod", action="store_true", help="end each document with the eod token")
+    group.add_argument("--append-eod", action="store_true", help="end each document with eod")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
+    group.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx"
+    )
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     return parser.parse_args(argv)

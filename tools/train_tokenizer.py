@@ -20,11 +20,11 @@ from megatron_2bw.data.tokenizer import train_sentencepiece  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
-    parser.add_argument("--model-prefix", required=True, help="writes {prefix}.model and {prefix}.vocab")
+    parser.add_argument("--model-prefix", required=True, help="writes {prefix}.model, .vocab")
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
-    parser.add_argument("--input-sentence-size", type=int, default=300_000, help="lines sampled for training")
+    parser.add_argument("--input-sentence-size", type=int, default=300_000, help="lines sampled")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-threads", type=int, default=2)
     return parser.parse_args(argv)

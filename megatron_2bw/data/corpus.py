@@ -20,7 +20,9 @@ from typing import Iterator
 
 DEFAULT_MAX_CHARS = 8_000_000
 DEFAULT_MAX_FILE_BYTES = 256_000
-_SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+_SKIPPED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
 
 
 def stdlib_root() -> Path:

@@ -45,7 +45,8 @@ class DefaultData(NamedTuple):
 
 def default_cache_dir() -> Path:
     """`$MEGATRON_2BW_DATA_CACHE` if set, else `<repo>/data/cache/default`."""
-    return Path(os.environ.get("MEGATRON_2BW_DATA_CACHE") or _REPO_ROOT / "data" / "cache" / "default")
+    override = os.environ.get("MEGATRON_2BW_DATA_CACHE")
+    return Path(override) if override else _REPO_ROOT / "data" / "cache" / "default"
 
 
 def prepare_default_data(
@@ -89,7 +90,8 @@ def _is_complete(target: Path, manifest: dict) -> bool:
         return False
     files = recorded.get("files") or {}
     return bool(files) and all(
-        (target / name).is_file() and (target / name).stat().st_size == size for name, size in files.items()
+        (target / name).is_file() and (target / name).stat().st_size == size
+        for name, size in files.items()
     )
 
 
@@ -102,8 +104,9 @@ def _build(target: Path, manifest: dict) -> None:
         corpus = str(tmp / "corpus.jsonl")
         build_corpus(corpus, max_chars=manifest["max_chars"])
         model = train_sentencepiece(corpus, str(tmp / "tokenizer"), manifest["vocab_size"])
-        preprocess_jsonl(corpus, str(tmp / "stdlib"), GPT_TOKENIZER_TYPE, model, append_eod=True)
-        preprocess_jsonl(corpus, str(tmp / "stdlib"), BERT_TOKENIZER_TYPE, model, split_sentences=True)
+        prefix = str(tmp / "stdlib")
+        preprocess_jsonl(corpus, prefix, GPT_TOKENIZER_TYPE, model, append_eod=True)
+        preprocess_jsonl(corpus, prefix, BERT_TOKENIZER_TYPE, model, split_sentences=True)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps({**manifest, "files": files}, indent=1))
         shutil.rmtree(target, ignore_errors=True)
@@ -114,14 +117,17 @@ def _build(target: Path, manifest: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", default=None, help="default: $MEGATRON_2BW_DATA_CACHE or <repo>/data/cache/default")
+    parser.add_argument("--cache-dir", default=None, help="see default_cache_dir()")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS)
     args = parser.parse_args(argv)
-    gpt = prepare_default_data(args.cache_dir, args.vocab_size, args.max_chars)
-    bert = prepare_default_data(args.cache_dir, args.vocab_size, args.max_chars, split_sentences=True)
-    print(f"GPT:  --data-path {gpt.data_prefix} --tokenizer-type {GPT_TOKENIZER_TYPE} --tokenizer-model {gpt.tokenizer_model}")
-    print(f"BERT: --data-path {bert.data_prefix} --tokenizer-type {BERT_TOKENIZER_TYPE} --tokenizer-model {bert.tokenizer_model}")
+    uses = (("GPT", GPT_TOKENIZER_TYPE, False), ("BERT", BERT_TOKENIZER_TYPE, True))
+    for name, tokenizer_type, sentences in uses:
+        data = prepare_default_data(args.cache_dir, args.vocab_size, args.max_chars, sentences)
+        print(
+            f"{name}: --data-path {data.data_prefix} --tokenizer-type {tokenizer_type} "
+            f"--tokenizer-model {data.tokenizer_model}"
+        )
 
 
 if __name__ == "__main__":

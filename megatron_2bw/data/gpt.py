@@ -12,7 +12,11 @@ API:
                        consumed_samples=0, cyclic=False, num_workers=0) -> iterator | None
         yields dicts of tensors with a leading micro-batch dimension: tokens, labels,
         loss_mask, position_ids (and attention_mask when created), as GPTDataset yields them.
-    parse_data_path(data_path) -> (prefixes, weights | None)
+    blend_from_flags(data_path, split) -> (prefixes, weights | None)
+        parses `--data-path` (Megatron's blend syntax), checks `--split` and every dataset.
+    build_datasets(dataset_cls, config, num_samples, is_built_on_rank=None) -> (train, valid, test)
+        the builder call behind build_gpt_datasets, for other megatron-core dataset classes
+        (e.g. BERTMaskedWordPieceDataset with its config).
     train_valid_test_num_samples(train_iters, global_batch_size, eval_interval, eval_iters)
 
 Sample order (Megatron-LM's MegatronPretrainingSampler): global sample indices are taken in
@@ -32,7 +36,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed import check_indexed_dataset
 
-_SPLIT = re.compile(r"^\s*[0-9.]+\s*(,\s*[0-9.]+\s*){0,2}$")
+_WEIGHT = r"\s*(\d+(\.\d*)?|\.\d+)\s*"
+_SPLIT = re.compile(rf"^{_WEIGHT}(,{_WEIGHT}){{0,2}}$")
 
 
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -42,8 +47,10 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     weights = [_as_float(item) for item in data_path[0::2]]
     if len(data_path) % 2 == 1 or all(w is None for w in weights):
         return list(data_path), None
-    if any(w is None or w <= 0 for w in weights) or any(_as_float(p) is not None for p in data_path[1::2]):
-        raise DataError("--data-path", f"expected PREFIX ... or WEIGHT PREFIX ... with weights > 0, got {data_path}")
+    bad_weight = any(w is None or w <= 0 for w in weights)
+    if bad_weight or any(_as_float(p) is not None for p in data_path[1::2]):
+        expected = "PREFIX ... or WEIGHT PREFIX ... with weights > 0"
+        raise DataError("--data-path", f"expected {expected}, got {data_path}")
     return list(data_path[1::2]), weights
 
 
@@ -80,14 +87,10 @@ def build_gpt_datasets(
     megatron-core's document/sample/shuffle index caches (by default next to the data).
     `num_samples` are the samples each split must provide; a split may hold more.
     """
-    prefixes, weights = parse_data_path(data_path)
-    check_split(split)
-    for prefix in prefixes:
-        check_indexed_dataset(prefix, "--data-path")
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(prefixes, weights),
+        blend=blend_from_flags(data_path, split),
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -96,8 +99,28 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
+    return build_datasets(GPTDataset, config, num_samples, is_built_on_rank)
+
+
+def blend_from_flags(data_path: list[str], split: str) -> tuple[list[str], list[float] | None]:
+    """Parse `--data-path`, check `--split` and every dataset; return megatron-core's blend."""
+    prefixes, weights = parse_data_path(data_path)
+    check_split(split)
+    for prefix in prefixes:
+        check_indexed_dataset(prefix, "--data-path")
+    return prefixes, weights
+
+
+def build_datasets(
+    dataset_cls: type,
+    config,
+    num_samples: tuple[int, int, int],
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> tuple:
+    """(train, valid, test) of `dataset_cls` from `BlendedMegatronDatasetBuilder`; collective
+    over the world group when one exists, and usable without one."""
     builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config
+        dataset_cls, list(num_samples), is_built_on_rank or (lambda: True), config
     )
     with _process_group_of_one():
         return tuple(builder.build())
@@ -153,7 +176,9 @@ class PretrainingSampler(torch.utils.data.Sampler):
         data_parallel_size: int,
     ) -> None:
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+            raise ValueError(
+                f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size

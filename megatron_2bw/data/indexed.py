@@ -65,16 +65,23 @@ def _check_exists(prefix: str, idx_path: str, bin_path: str, flag: str) -> None:
     missing = [p for p in (idx_path, bin_path) if not os.path.isfile(p)]
     if missing:
         hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-        raise DataError(flag, f"{' and '.join(missing)} not found for dataset prefix {prefix}{hint}")
+        found = " and ".join(missing)
+        raise DataError(flag, f"{found} not found for dataset prefix {prefix}{hint}")
 
 
 def _parse_header(header: bytes, idx_path: str, flag: str) -> tuple[type, int, int]:
     """Return (dtype, sequence count, document boundary count) from the fixed-size header."""
     if header[: len(_INDEX_HEADER)] != _INDEX_HEADER:
-        raise DataError(flag, f"{idx_path} is not a Megatron indexed dataset index (bad magic header)")
+        raise DataError(
+            flag, f"{idx_path} is not a Megatron indexed dataset index (bad magic header)"
+        )
     if len(header) < _FIXED_BYTES:
-        raise DataError(flag, f"{idx_path} is truncated ({len(header)} bytes, the header alone is {_FIXED_BYTES})")
-    version, code, num_sequences, num_documents = struct.unpack_from("<QBQQ", header, len(_INDEX_HEADER))
+        raise DataError(
+            flag, f"{idx_path} is truncated: {len(header)} bytes, the header is {_FIXED_BYTES}"
+        )
+    version, code, num_sequences, num_documents = struct.unpack_from(
+        "<QBQQ", header, len(_INDEX_HEADER)
+    )
     if version != 1:
         raise DataError(flag, f"{idx_path} has index version {version}, expected 1")
     if code not in {d.value for d in DType}:
@@ -108,6 +115,8 @@ def _check_arrays(lengths, pointers, boundaries, itemsize: int, idx_path: str, f
     if len(lengths) and not numpy.array_equal(pointers, starts):
         raise DataError(flag, f"{idx_path} is corrupt: sequence offsets do not match lengths")
     if len(boundaries) == 0 or boundaries[0] != 0 or boundaries[-1] != len(lengths):
-        raise DataError(flag, f"{idx_path} is corrupt: document boundaries must run from 0 to {len(lengths)}")
+        raise DataError(
+            flag, f"{idx_path} is corrupt: document boundaries must run from 0 to {len(lengths)}"
+        )
     if (numpy.diff(boundaries) < 0).any():
         raise DataError(flag, f"{idx_path} is corrupt: document boundaries go backwards")

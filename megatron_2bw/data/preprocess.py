@@ -22,8 +22,6 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import numpy
-
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer import build_tokenizer
@@ -70,7 +68,9 @@ class TokenizerSpec:
 class DocumentEncoder:
     """Turns one JSON line into, per key, (token ids, sentence lengths)."""
 
-    def __init__(self, tokenizer, json_keys: tuple[str, ...], append_eod: bool, split: bool, input_path: str):
+    def __init__(
+        self, tokenizer, json_keys: tuple[str, ...], append_eod: bool, split: bool, input_path: str
+    ) -> None:
         self.tokenizer = tokenizer
         self.json_keys = json_keys
         self.append_eod = append_eod
@@ -157,7 +157,7 @@ def preprocess_jsonl(
         for doc in _encode_all(spec, tokenizer, encoder_args, input_path, workers):
             for key, (ids, lengths) in doc.items():
                 if ids:
-                    builders[key].add_document(numpy.asarray(ids, dtype=dtype), lengths)
+                    builders[key].add_document(ids, lengths)
     return prefixes
 
 
@@ -167,7 +167,8 @@ def _encode_all(spec, tokenizer, encoder_args, input_path: str, workers: int):
         encoder = DocumentEncoder(tokenizer, *encoder_args)
         yield from map(encoder.encode, _numbered_lines(input_path))
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, *encoder_args)) as pool:
+    initargs = (spec, *encoder_args)
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         yield from pool.imap(_encode_in_worker, _numbered_lines(input_path), chunksize=32)
 
 
@@ -176,7 +177,8 @@ def _atomic_builders(prefixes: dict[str, str], dtype):
     """Yield one `IndexedDatasetBuilder` per key, writing under temporary names; when the body
     completes, rename the files into place, `.bin` first and `.idx` last. Temporary files are
     removed in every case."""
-    tmp = {key: (f"{p}.bin.tmp{os.getpid()}", f"{p}.idx.tmp{os.getpid()}") for key, p in prefixes.items()}
+    suffix = f"tmp{os.getpid()}"
+    tmp = {key: (f"{p}.bin.{suffix}", f"{p}.idx.{suffix}") for key, p in prefixes.items()}
     builders = {key: IndexedDatasetBuilder(tmp[key][0], dtype=dtype) for key in prefixes}
     try:
         yield builders

@@ -40,16 +40,30 @@ TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullT
 MAX_LINE_BYTES = 16384
 
 
+def read_documents(input_jsonl: str, json_key: str = "text") -> Iterator[str]:
+    """Yield field `json_key` of each non-blank line; DataError naming the line if it is not
+    a JSON object with a string there."""
+    with open(input_jsonl, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[json_key]
+            except (ValueError, KeyError, TypeError):
+                text = None
+            if not isinstance(text, str):
+                where = f"{input_jsonl}:{lineno}"
+                raise DataError("--input", f"{where} is not a JSON object with string {json_key!r}")
+            yield text
+
+
 def iter_training_lines(input_jsonl: str, json_key: str = "text") -> Iterator[str]:
     """Yield the non-blank lines of every document; sentencepiece treats each as a sentence.
 
     Newlines never reach the trainer: "\\n" is a user-defined piece of its own.
     """
-    with open(input_jsonl, encoding="utf-8") as f:
-        for line in f:
-            for text_line in json.loads(line)[json_key].split(NEWLINE):
-                if text_line.strip():
-                    yield text_line
+    for text in read_documents(input_jsonl, json_key):
+        yield from (line for line in text.split(NEWLINE) if line.strip())
 
 
 def train_sentencepiece(
@@ -70,6 +84,10 @@ def train_sentencepiece(
     """
     if not os.path.isfile(input_jsonl):
         raise DataError("--input", f"{input_jsonl} does not exist")
+    # Read everything once first: an error raised inside the trainer's iterator would come back
+    # as a RuntimeError.
+    if sum(1 for text in read_documents(input_jsonl, json_key) if text.strip()) == 0:
+        raise DataError("--input", f"{input_jsonl} has no text under {json_key!r}")
     sentencepiece.set_random_generator_seed(seed)
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter_training_lines(input_jsonl, json_key),
@@ -129,15 +147,21 @@ def build_tokenizer(
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise DataError("--vocab-size", "NullTokenizer needs a vocabulary size")
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
+        null = {"library": "null"}
+        return MegatronTokenizer.from_pretrained(metadata_path=null, vocab_size=vocab_size)
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        known = ", ".join(TOKENIZER_TYPES)
+        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not one of {known}")
     check_sentencepiece_model(tokenizer_model)
+    config = {"library": "sentencepiece"}
     if tokenizer_type == "GPTSentencePieceTokenizer":
-        config, kwargs = {"model_type": "gpt"}, {}
-    else:
-        config, kwargs = {"model_type": "bert"}, {"legacy": True, "special_tokens": dict(BERT_SPECIAL_TOKENS)}
-    return SentencePieceTextTokenizer(tokenizer_model, {"library": "sentencepiece", **config}, **kwargs)
+        return SentencePieceTextTokenizer(tokenizer_model, {**config, "model_type": "gpt"})
+    return SentencePieceTextTokenizer(
+        tokenizer_model,
+        {**config, "model_type": "bert"},
+        legacy=True,
+        special_tokens=dict(BERT_SPECIAL_TOKENS),
+    )
 
 
 def check_sentencepiece_model(tokenizer_model: str | None) -> None:
@@ -149,7 +173,8 @@ def check_sentencepiece_model(tokenizer_model: str | None) -> None:
     try:
         sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
     except (OSError, RuntimeError) as err:
-        raise DataError("--tokenizer-model", f"{tokenizer_model} is not a sentencepiece model ({err})") from err
+        detail = f"{tokenizer_model} is not a sentencepiece model ({err})"
+        raise DataError("--tokenizer-model", detail) from err
 
 
 def padded_vocab_size(
