@@ -214,6 +214,7 @@ class _Installed:
 
     def __init__(self):
         self.saved: list[tuple[Any, str, Any]] = []
+        self.log_filters: list[tuple[logging.Logger, logging.Filter]] = []
         self.mode: _CudaToCpuMode | None = None
 
     def patch(self, owner: Any, name: str, value: Any) -> None:
@@ -239,10 +240,12 @@ def install(force: bool = False) -> None:
         return
     if cuda_usable() and not force:
         raise RuntimeError("the CPU runtime is not installed on a machine with CUDA; pass --cpu")
-    _disable_megatron_jit_fuser()
     state = _Installed()
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
-        _SameGeneratorWarningFilter())
+    _disable_megatron_jit_fuser(state)
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    log_filter = _SameGeneratorWarningFilter()
+    logger.addFilter(log_filter)
+    state.log_filters.append((logger, log_filter))
     for name, value in _cuda_attribute_patches().items():
         state.patch(torch.cuda, name, value)
     for owner, name, value in _megatron_rng_patches():
@@ -262,6 +265,8 @@ def uninstall() -> None:
     _installed.mode.__exit__(None, None, None)
     for owner, name, value in reversed(_installed.saved):
         setattr(owner, name, value)
+    for logger, log_filter in _installed.log_filters:
+        logger.removeFilter(log_filter)
     _installed = None
 
 
@@ -273,9 +278,9 @@ class _SameGeneratorWarningFilter(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-def _disable_megatron_jit_fuser() -> None:
+def _disable_megatron_jit_fuser(state: _Installed) -> None:
     """megatron-core decorates fusable functions with torch.compile; compiling them on CPU costs
     minutes of start-up for no gain on tiny models. Must run before model modules are imported."""
     from megatron.core import jit
 
-    jit.disable_jit_fuser()
+    state.patch(jit, "jit_fuser", jit.noop_decorator)
