@@ -96,6 +96,11 @@ def test_tokenizer_round_trips_text(tokenizer, texts):
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
 
 
+def test_tokenizer_training_is_deterministic(corpus, model, tmp_path):
+    again = build_tokenizer(GPT, train_sentencepiece(corpus, str(tmp_path / "again"), VOCAB))
+    assert again.inv_vocab == build_tokenizer(GPT, model).inv_vocab
+
+
 def test_special_ids_for_gpt_and_bert(model, tokenizer):
     assert (tokenizer.pad, tokenizer.eod, tokenizer.vocab_size) == (0, 2, VOCAB)
     bert = build_tokenizer(BERT, model)
