@@ -1,0 +1,368 @@
+"""Pipeline schedules side by side: the same small GPT, the same global batch, on CPU processes.
+
+    python tools/bench_schedules.py [--depth 2 --microbatches 2 --iters 20 --warmup 3]
+
+Every schedule (2bw, flush, gpipe, naive, and megatron = Megatron's own 1F1B) trains the
+same GPT with PP = d on d single-threaded CPU processes (one stage per core, gloo p2p), and so
+does the same model on ONE process (PP = 1, same global batch) for the bubble-free ideal:
+
+    ideal time per iteration = single-process time / d
+
+Each run is ``torchrun`` over this file in worker mode: an in-process harness builds megatron-2bw's
+``Trainer`` and times each ``train_step`` (forward/backward of the m microbatches, the
+optimizer step) with ``time.perf_counter``; no evaluation, no checkpoint, no log-interval
+collective. The first ``--warmup`` iterations and the last one (2BW's drain) are not measured.
+A stage's time per iteration is the median of its measured iterations; the table shows the
+slowest stage. Training data are random tokens (the data pipeline is not what is measured).
+
+Memory columns, per stage: peak stashed activations (microbatches forwarded and not yet
+backwarded) from the simulator on the schedule's action lists (Megatron's 1F1B has PipeDream-
+Flush's order); their bytes = count x the tensors one microbatch's forward saves for backward
+on that stage (measured with autograd's saved-tensor hooks, parameters excluded; the
+boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes x
+the weight versions the schedule keeps (2 for 2BW).
+
+Fairness: by default ``--clip-grad 0 --untie-embeddings-and-output-weights``. A grad-norm
+all-reduce over the pipeline stages (clipping) or the tied-embedding all-reduce between the first
+and the last stage synchronises all stages at every optimizer step, which under 2BW adds a
+(d-1) x backward stall per batch that the other schedules pay anyway in their flush.
+``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them.
+megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
+the model-parallel group) even with clipping off; ``--unchain-optimizer`` steps its single
+inner optimizer instead, so that no collective remains at the step (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
+
+
+# --- worker: one rank of one configuration ------------------------------------------------------
+
+def _synthetic_data(args, state):
+    """Random-token GPT microbatches in GPTDataset's format (causal mask, every token counted)."""
+    import torch
+
+    from megatron_2bw.training.loop import DataIterators
+
+    b, s = args.micro_batch_size, args.seq_length
+    generator = torch.Generator().manual_seed(args.seed)
+    mask = (torch.tril(torch.ones(s, s)) < 0.5).expand(b, 1, s, s)  # True = masked out
+
+    def microbatches():
+        while True:
+            tokens = torch.randint(0, args.vocab_size, (b, s + 1), generator=generator)
+            yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                   "loss_mask": torch.ones(b, s), "attention_mask": mask,
+                   "position_ids": torch.arange(s).expand(b, s)}
+
+    return DataIterators(train=microbatches(), valid=None)
+
+
+class _SavedBytes:
+    """Bytes one forward saves for backward (distinct storages, parameters excluded)."""
+
+    def __init__(self, forward_step):
+        self.forward_step = forward_step
+        self.active = False
+        self.per_microbatch: list[int] = []
+
+    def __call__(self, data_iterator, model):
+        if not self.active:
+            return self.forward_step(data_iterator, model)
+        import torch
+
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = self.forward_step(data_iterator, model)
+        self.per_microbatch.append(sum(saved.values()))
+        return result
+
+
+def worker(argv: list[str]) -> int:
+    ours, flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    p = argparse.ArgumentParser(prog="bench_schedules.py --worker")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--iters", type=int, required=True)
+    p.add_argument("--unchain-optimizer", action="store_true")
+    p.add_argument("--timeline", action="store_true")
+    opts = p.parse_args(ours)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from functools import partial
+
+    import megatron_2bw
+    import pretrain_gpt_2bw
+    from megatron_2bw import entry
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.runtime import distributed
+    from megatron_2bw.training.loop import Trainer
+
+    args = parse_args(flags)
+    megatron_2bw.install(args.pipeline_schedule)
+    vocab = entry.padded_vocab(args, None)
+    saved = _SavedBytes(pretrain_gpt_2bw.forward_step)
+    trainer = Trainer(args, partial(pretrain_gpt_2bw.model_provider, args=args, vocab_size=vocab),
+                      _synthetic_data, saved, vocab)
+    optimizer_note = type(trainer.optimizer).__name__
+    if opts.unchain_optimizer and len(getattr(trainer.optimizer, "chained_optimizers", ())) == 1:
+        trainer.optimizer = trainer.optimizer.chained_optimizers[0]
+        optimizer_note += " -> " + type(trainer.optimizer).__name__
+    runner = trainer.forward_backward
+    if opts.timeline and hasattr(runner, "timeline"):
+        runner.timeline = []
+    total = opts.warmup + opts.iters + 1  # + the drain call (2BW), not measured
+    seconds, ends = [], []
+    for i in range(total):
+        if i == total - 1 and hasattr(runner, "prepare_drain"):
+            runner.prepare_drain()
+        saved.active = 0 < i < opts.warmup or (opts.warmup == 1 and i == 0)
+        start = time.perf_counter()
+        trainer.train_step()
+        seconds.append(time.perf_counter() - start)
+        ends.append(time.perf_counter())
+    if hasattr(runner, "drain"):
+        runner.drain()
+
+    from megatron.core import parallel_state as ps
+
+    chunk = trainer.model[0]
+    rank = torch.distributed.get_rank()
+    result = {
+        "rank": rank, "stage": ps.get_pipeline_model_parallel_rank(),
+        "seconds": seconds[opts.warmup:opts.warmup + opts.iters],
+        "measured_wall": ends[opts.warmup + opts.iters - 1] - ends[opts.warmup - 1]
+        if opts.warmup else None,
+        "param_bytes": sum(p.numel() * p.element_size() for p in chunk.parameters()),
+        "saved_bytes_per_microbatch": max(saved.per_microbatch, default=None),
+        "optimizer": optimizer_note,
+        "threads": torch.get_num_threads(),
+    }
+    Path(opts.out, f"rank{rank}.json").write_text(json.dumps(result))
+    if opts.timeline and getattr(runner, "timeline", None):
+        from megatron_2bw import trace
+
+        trace.save_records(runner.timeline, Path(opts.out, f"rank{rank}.jsonl"), rank=rank,
+                           extra={"schedule": args.pipeline_schedule,
+                                  "microbatches": args.num_microbatches})
+    distributed.destroy()
+    return 0
+
+
+# --- driver -------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_flags(a: argparse.Namespace) -> list[str]:
+    return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+            "--num-attention-heads", str(a.num_attention_heads),
+            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+            "--global-batch-size", str(a.micro_batch_size * a.microbatches),
+            "--vocab-size", str(a.vocab_size), "--mock-data", "--cpu",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
+            "--lr-decay-style", "constant", "--train-iters", str(a.warmup + a.iters + 1),
+            "--eval-iters", "0", "--log-interval", "1000000", "--seed", "1234"]
+
+
+def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, tied: bool,
+            label: str, timeline_dir: Path | None) -> dict:
+    """One configuration under torchrun; returns the per-rank results."""
+    flags = _model_flags(a) + ["--pipeline-schedule", schedule,
+                               "--pipeline-model-parallel-size", str(nproc),
+                               "--clip-grad", str(clip_grad)]
+    if not tied:
+        flags.append("--untie-embeddings-and-output-weights")
+    with tempfile.TemporaryDirectory() as out:
+        command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc),
+                   "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker",
+                   "--out", out, "--warmup", str(a.warmup), "--iters", str(a.iters)]
+        command += ["--unchain-optimizer"] if a.unchain_optimizer else []
+        command += ["--timeline"] if timeline_dir else []
+        command += ["--", *flags]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        print(f"  {label}: {nproc} process{'es' if nproc > 1 else ''} ...", end="", flush=True,
+              file=sys.stderr)
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        print(f" {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+            raise SystemExit(f"error: {label} failed (exit code {done.returncode}):\n{tail}")
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+        if timeline_dir is not None and any(Path(out).glob("rank*.jsonl")):
+            target = timeline_dir / label
+            target.mkdir(parents=True, exist_ok=True)
+            for stale in target.glob("*.jsonl"):
+                stale.unlink()
+            for p in Path(out).glob("rank*.jsonl"):
+                (target / p.name).write_text(p.read_text())
+    return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
+
+
+def _iteration_time(run: dict) -> float:
+    """Slowest stage's median time per iteration (s)."""
+    return max(statistics.median(r["seconds"]) for r in run["ranks"])
+
+
+def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
+    from megatron_2bw.schedules import pipeline_actions, simulate
+
+    order = "flush" if schedule == "megatron" else schedule  # Megatron's 1F1B = Flush's order
+    return list(simulate(pipeline_actions(order, depth, microbatches, 3)).peak_stash)
+
+
+def _versions(schedule: str) -> int:
+    from megatron_2bw.schedules import SCHEDULES
+
+    return SCHEDULES[schedule].max_versions if schedule in SCHEDULES else 1
+
+
+def _per_stage(values) -> str:
+    return "/".join(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=2, help="pipeline stages d = processes")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per batch m")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--iters", type=int, default=20, help="measured iterations")
+    p.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, interleaved; the table "
+                        "shows the median over rounds")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--clip-grad", type=float, default=0.0)
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="share input and output embeddings (an all-reduce at every step)")
+    p.add_argument("--sync-variants", action="store_true",
+                   help="also run 2bw and flush with --clip-grad 1.0 and tied embeddings")
+    p.add_argument("--unchain-optimizer", action="store_true",
+                   help="step megatron-core's single inner optimizer instead of the "
+                        "ChainedOptimizer, which all-reduces the grad norm even without clipping")
+    p.add_argument("--timeline-dir", type=Path, default=None,
+                   help="also record timelines of this package's schedules here "
+                        "(draw with tools/timeline.py --records DIR/<schedule>)")
+    p.add_argument("--json", type=Path, default=None, help="also write all measurements here")
+    a = p.parse_args(argv)
+    a.warmup = max(a.warmup, 1)
+    schedules = [s.strip() for s in a.schedules.split(",") if s.strip()]
+    d, m, b = a.depth, a.microbatches, a.micro_batch_size
+    h, s = a.hidden_size, a.seq_length
+
+    print(f"benchmark: GPT {a.num_layers} layers, h={h}, heads={a.num_attention_heads}, s={s}, "
+          f"vocab={a.vocab_size}; micro batch b={b}, m={m} microbatches, global batch {b * m}; "
+          f"PP={d} on {d} single-threaded CPU processes; {a.warmup} warm-up + {a.iters} measured "
+          f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
+          f"{', optimizer unchained' if a.unchain_optimizer else ''}", file=sys.stderr)
+    # (row name, schedule, processes, clip-grad, tied, label)
+    configs = [("single (PP=1)", "megatron", 1, a.clip_grad, a.tie_embeddings, "single")]
+    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch) for sch in schedules]
+    if a.sync_variants:
+        configs += [(f"{sch} +clip+tied", sch, d, 1.0, True, f"{sch}_clip_tied")
+                    for sch in ("2bw", "flush")]
+    load_before = os.getloadavg()
+    runs: dict[str, dict] = {}
+    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
+    for round_ in range(a.rounds):  # rounds interleave the configurations (drifting load)
+        if a.rounds > 1:
+            print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
+        for name, schedule, nproc, clip, tied, label in configs:
+            run = _launch(a, schedule, nproc, clip, tied, label,
+                          a.timeline_dir if nproc > 1 and round_ == 0 else None)
+            runs.setdefault(name, run)
+            times[name].append(_iteration_time(run))
+    load_after = os.getloadavg()
+    time_of = {name: statistics.median(ts) for name, ts in times.items()}
+
+    single = time_of["single (PP=1)"]
+    ideal = single / d
+    reference = time_of.get("2bw")
+    boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
+    header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8}  "
+              f"{'stash/stage':>11} {'stash MiB/stage':>15} {'weights MiB/stage':>17}")
+    rows = [header, "-" * len(header)]
+    for name, run in runs.items():
+        schedule = name.split()[0]
+        t = time_of[name]
+        if name.startswith("single"):
+            stash = [1]
+            versions = 1
+        else:
+            stash = _stash_counts(schedule, d, m)
+            versions = _versions(schedule)
+        by_stage = {r["stage"]: r for r in run["ranks"]}
+        saved = [by_stage[i]["saved_bytes_per_microbatch"] or boundary for i in sorted(by_stage)]
+        weights = [by_stage[i]["param_bytes"] * versions for i in sorted(by_stage)]
+        rows.append(
+            f"{name:<17} {t * 1e3:8.1f} {b * m / t:9.2f} "
+            f"{(reference / t if reference else float('nan')):7.2f} {ideal / t:8.2f}  "
+            f"{_per_stage(str(c) for c in stash):>11} "
+            f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>15} "
+            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>17}")
+    rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
+                f" per iteration; boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
+                f"saved for backward per microbatch and stage (measured): "
+                + "/".join(f"{(r['saved_bytes_per_microbatch'] or 0) / 2**20:.1f}"
+                           for r in sorted(runs[schedules[0]]['ranks'], key=lambda r: r['stage']))
+                + " MiB")
+    optimizers = {r["optimizer"] for run in runs.values() for r in run["ranks"]}
+    rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
+                + ("" if a.unchain_optimizer else
+                   " (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over the "
+                   "stages at every step, also with --clip-grad 0; see --unchain-optimizer)"))
+    rows.append(f"note: --clip-grad {a.clip_grad} and "
+                f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row; a grad-norm"
+                " or tied-embedding all-reduce syncs all stages at each step and costs 2BW a "
+                "(d-1) x backward stall per batch (--sync-variants shows it)")
+    rows.append(f"load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} "
+                f"(on {os.cpu_count()} CPUs)")
+    print("\n".join(rows))
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                      "single_ms": single * 1e3, "ms_per_round": {
+                                          k: [t * 1e3 for t in v] for k, v in times.items()},
+                                      "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

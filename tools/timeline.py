@@ -1,0 +1,269 @@
+"""Draw pipeline timelines (PNG in the style of the PipeDream-2BW paper's Figures 1-3, and Chrome
+trace JSON for chrome://tracing or ui.perfetto.dev), simulated or recorded from a real run.
+
+Simulated schedule (no processes; time in units of one forward):
+
+    python tools/timeline.py --simulate --schedule 2bw --depth 4 --microbatches 4 --batches 3 \
+        [--forward 1 --backward 2 --p2p 0] --png runs/timeline/sim_2bw.png \
+        --chrome-trace runs/timeline/sim_2bw.json
+
+Real run: ``run`` starts ``torchrun`` with ``record`` on every rank, then draws. ``record``
+runs ``pretrain_gpt_2bw.py``'s ``main()`` in the process with the executor's timeline turned
+on and writes ``OUT/rank{R}.jsonl`` when training ends (records in perf_counter seconds, the
+header holds ``time.time() - time.perf_counter()``, so the ranks are merged on the wall
+clock; see ``megatron_2bw.trace``). The 4-stage 2BW run on 4 CPU processes:
+
+    python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 \
+        --png runs/timeline/2bw_d4.png --chrome-trace runs/timeline/2bw_d4.json --batches 2:5 -- \
+        --pipeline-schedule 2bw --pipeline-model-parallel-size 4 --num-layers 4 \
+        --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 \
+        --global-batch-size 8 --train-iters 6 --log-interval 6 --eval-iters 0 \
+        --clip-grad 0 --untie-embeddings-and-output-weights
+
+(``--log-interval`` = ``--train-iters``: the training loop checks for a stop signal with an
+all-reduce over all ranks at every log line, which would line the stages up each iteration.)
+
+Without ``--data-path`` or ``--mock-data`` among the training flags, ``run`` uses the default
+data set (``python -m megatron_2bw.data.default``, built once and cached). The same in two
+steps, e.g. on a cluster:
+
+    torchrun --nproc-per-node 4 tools/timeline.py record --out runs/timeline/2bw_d4 -- <flags>
+    python tools/timeline.py --records runs/timeline/2bw_d4 --png runs/timeline/2bw_d4.png
+
+``--batches A:B`` draws only batches A..B-1 (0-indexed; a real run's first call fills the
+pipeline and its last drains it). Only this package's schedules record
+(``--pipeline-schedule 2bw|flush|gpipe|naive``); Megatron's own 1F1B has no timeline hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_2bw import trace  # noqa: E402
+
+
+# --- drawing ------------------------------------------------------------------------------------
+
+def _draw_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Draw a pipeline timeline (PNG, Chrome trace) from a simulation or from "
+                    "the records of a real run. Subcommands: 'record' (under torchrun) and "
+                    "'run' (torchrun + draw); see the module docstring.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--simulate", action="store_true", help="simulate a schedule")
+    source.add_argument("--records", metavar="DIR", help="per-rank *.jsonl files of a real run")
+    p.add_argument("--schedule", default="2bw", help="2bw, flush, gpipe or naive (--simulate)")
+    p.add_argument("--depth", type=int, default=4, help="pipeline stages d (--simulate)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch m")
+    p.add_argument("--batches", default="3", metavar="N | A:B",
+                   help="--simulate: number of batches N; --records: draw batches A..B-1")
+    p.add_argument("--forward", type=float, default=1.0, help="forward time (--simulate)")
+    p.add_argument("--backward", type=float, default=2.0, help="backward time (--simulate)")
+    p.add_argument("--p2p", type=float, default=0.0, help="transfer latency (--simulate)")
+    _add_outputs(p)
+    return p
+
+
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--png", help="write the timeline picture here")
+    p.add_argument("--chrome-trace", help="write Chrome trace JSON here")
+    p.add_argument("--title", help="picture title (default: what was drawn)")
+
+
+def _batch_window(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    first, sep, last = text.partition(":")
+    if not sep:
+        raise SystemExit(f"error: --batches for records must be A:B, got {text!r}")
+    return int(first or 0), int(last) if last else 1 << 62
+
+
+def _select_batches(records, microbatches: int, window: tuple[int, int] | None):
+    """Records of batches window[0]..window[1]-1 (a step belongs to the batch it applies)."""
+    if window is None:
+        return records
+
+    def batch(r):
+        return r.version - 1 if r.kind == "S" else r.microbatch // microbatches
+
+    chosen = [r for r in records if window[0] <= batch(r) < window[1]]
+    if not chosen:
+        raise SystemExit(f"error: no records in batches {window[0]}:{window[1]}")
+    return chosen
+
+
+def _write(records, png: str | None, chrome: str | None, title: str, real: bool) -> None:
+    if not png and not chrome:
+        raise SystemExit("error: give --png and/or --chrome-trace")
+    for path in (png, chrome):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if chrome:
+        trace.to_chrome_trace(records, chrome, time_scale=1e6 if real else 1e3)
+        print(f"wrote {chrome}" + ("" if real else " (1 time unit = 1 ms)"))
+    if png:
+        trace.to_png(records, png, title, time_scale=1e3 if real else 1.0,
+                     time_label="time (ms)" if real else "time (forward = 1)")
+        print(f"wrote {png}")
+
+
+def _print_summary(records, real: bool) -> None:
+    scale, unit = (1e3, "ms") if real else (1.0, "")
+    for stage, s in trace.stage_summary(records).items():
+        busy = s["busy"]
+        print(f"stage {stage}: F {busy['F'] * scale:.1f}{unit}  B {busy['B'] * scale:.1f}{unit}  "
+              f"S {busy['S'] * scale:.1f}{unit}  idle {s['idle'] * scale:.1f}{unit} of "
+              f"{s['span'] * scale:.1f}{unit}  (longest gap {s['longest_gap'] * scale:.1f}{unit})")
+
+
+def draw(argv: list[str]) -> int:
+    args = _draw_parser().parse_args(argv)
+    if args.simulate:
+        from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+
+        batches = int(args.batches)
+        result = simulate(pipeline_actions(args.schedule, args.depth, args.microbatches, batches),
+                          Costs(args.forward, args.backward, p2p=args.p2p))
+        records = trace.records_from_simulation(result)
+        title = args.title or (f"{args.schedule}: d={args.depth}, m={args.microbatches}, "
+                               f"{batches} batches (simulated; bubble {result.bubble:.0%})")
+        _print_summary(records, real=False)
+        _write(records, args.png, args.chrome_trace, title, real=False)
+        return 0
+    records, how = trace.merge_records(args.records)
+    headers = [trace.load_records(p)[0] for p in sorted(Path(args.records).glob("*.jsonl"))]
+    microbatches = next((h["microbatches"] for h in headers if "microbatches" in h),
+                        args.microbatches)
+    schedule = next((h["schedule"] for h in headers if "schedule" in h), "?")
+    window = _batch_window(args.batches) if ":" in (args.batches or "") else None
+    records = _select_batches(records, microbatches, window)
+    depth = 1 + max(r.stage for r in records)
+    shown = f", batches {window[0]}:{window[1]}" if window else ""
+    title = args.title or (f"{schedule}: d={depth}, m={microbatches}{shown} "
+                           f"(recorded, {len(headers)} ranks, aligned by {how})")
+    _print_summary(records, real=True)
+    _write(records, args.png, args.chrome_trace, title, real=True)
+    return 0
+
+
+# --- recording a real run -----------------------------------------------------------------------
+
+def _split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise SystemExit("error: put the training flags after '--'")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def record(argv: list[str]) -> int:
+    """One rank (under torchrun): train with pretrain_gpt_2bw.py's main(), the executor's
+    timeline on, and write OUT/rank{R}.jsonl at the end, also when training fails."""
+    ours, flags = _split_flags(argv)
+    p = argparse.ArgumentParser(prog="timeline.py record")
+    p.add_argument("--out", required=True, help="directory for rank{R}.jsonl")
+    args = p.parse_args(ours)
+    rank = int(os.environ.get("RANK", "0"))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.schedules import executor
+
+    header = {}
+    try:
+        parsed = parse_args(flags)
+        header = {"schedule": parsed.pipeline_schedule, "microbatches": parsed.num_microbatches}
+    except Exception:  # pretrain_gpt_2bw reports bad flags itself
+        pass
+    runners = []
+    original = executor.forward_backward_func_for
+
+    def recording(schedule: str):
+        runner = original(schedule)
+        if runner.timeline is None:
+            runner.timeline = []
+            runners.append(runner)
+        return runner
+
+    executor.forward_backward_func_for = recording  # patch.py looks it up at every call
+    import pretrain_gpt_2bw
+
+    try:
+        pretrain_gpt_2bw.main(flags)
+    finally:
+        records = [r for runner in runners for r in runner.timeline]
+        if records:
+            path = Path(args.out) / f"rank{rank}.jsonl"
+            trace.save_records(records, path, rank=rank, extra=header)
+            print(f"rank {rank}: wrote {len(records)} timeline records to {path}", flush=True)
+        elif header.get("schedule") == "megatron":
+            print("note: --pipeline-schedule megatron (Megatron's own 1F1B) records no timeline",
+                  file=sys.stderr, flush=True)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(argv: list[str]) -> int:
+    """torchrun --nproc-per-node N this-file record ..., then draw the records."""
+    ours, flags = _split_flags(argv)
+    p = argparse.ArgumentParser(prog="timeline.py run")
+    p.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
+    p.add_argument("--out", required=True, help="directory for the per-rank records")
+    p.add_argument("--batches", default=None, metavar="A:B", help="draw batches A..B-1 only")
+    _add_outputs(p)
+    args = p.parse_args(ours)
+    if "--data-path" not in flags and "--mock-data" not in flags:
+        from megatron_2bw.data.default import prepare_default_data
+
+        data = prepare_default_data()
+        flags = ["--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
+                 *flags]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("rank*.jsonl"):
+        stale.unlink()
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
+               str(args.nproc), "--master-port", str(_free_port()), str(Path(__file__).resolve()),
+               "record", "--out", str(out), "--", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    print("running:", " ".join(command), flush=True)
+    started = time.perf_counter()
+    code = subprocess.call(command, env=env)
+    print(f"training finished with exit code {code} after {time.perf_counter() - started:.0f} s")
+    if code != 0 or not any(out.glob("*.jsonl")):
+        return code or 1
+    draw_args = ["--records", str(out)]
+    for flag, value in (("--png", args.png), ("--chrome-trace", args.chrome_trace),
+                        ("--title", args.title), ("--batches", args.batches)):
+        if value:
+            draw_args += [flag, value]
+    if args.png or args.chrome_trace:
+        return draw(draw_args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "record":
+        return record(argv[1:])
+    if argv and argv[0] == "run":
+        return run(argv[1:])
+    return draw(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
