@@ -1,0 +1,203 @@
+"""Single-process references for the schedule exactness tests (tests/test_schedules_exact.py).
+
+One full-size GPT (no pipeline, no tensor parallelism, no DDP, no megatron optimizer), trained by a
+plain PyTorch loop with ``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer``
+sets it up on the CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient
+clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it):
+
+    synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
+    2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
+
+where g(W) is the gradient of the mean microbatch loss of batch t over all data-parallel
+replicas' microbatches. The data (``microbatch``) is a pure function of (seed, batch, replica,
+microbatch) shared with the pipeline worker (tests/schedule_worker.py).
+
+    python tests/reference.py SPEC.json     # writes SPEC["init"] and SPEC["out"]/<job>.pt
+
+(tests/schedule_worker.py runs the same jobs in a forked process before the pipeline runs.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+__all__ = ["Model", "MODEL", "microbatch", "no_weight_decay", "reference_run", "run_jobs"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """The tiny GPT and optimizer every exactness test uses (fp32, no dropout, constant LR)."""
+
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    seq_length: int = 16
+    vocab_size: int = 64
+    micro_batch_size: int = 2
+    init_method_std: float = 0.02
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    data_seed: int = 4321
+
+
+MODEL = Model()
+
+
+def microbatch(model: Model, batch: int, replica: int, j: int) -> dict:
+    """Microbatch j of batch `batch` for data-parallel replica `replica`: random tokens, the
+    next token as label, every token counted."""
+    generator = torch.Generator().manual_seed(
+        model.data_seed * 1_000_003 + batch * 10_007 + replica * 101 + j)
+    b, s = model.micro_batch_size, model.seq_length
+    text = torch.randint(0, model.vocab_size, (b, s + 1), generator=generator)
+    return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
+            "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).expand(b, s).contiguous()}
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """megatron-core's default grouping (``get_standard_config_overrides``): biases and 1-D
+    parameters get wd_mult 0."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _config(model: Model):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        ffn_hidden_size=4 * model.hidden_size, num_attention_heads=model.num_attention_heads,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.init_method_std,
+        params_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False)
+
+
+def _gpt(model: Model, tie: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config=_config(model), transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
+                    pre_process=True, post_process=True,
+                    share_embeddings_and_output_weights=tie)
+
+
+def _loss(gpt, data: dict) -> torch.Tensor:
+    per_token = gpt(data["tokens"], data["position_ids"], None, labels=data["labels"])  # (b, s)
+    mask = data["loss_mask"].view(-1)
+    return (per_token.float().view(-1) * mask).sum() / mask.sum()
+
+
+def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
+               model: Model) -> tuple[dict, list[float]]:
+    """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
+    time; and each replica's mean microbatch loss."""
+    for p in params.values():
+        p.grad = None
+    losses = []
+    for r in range(replicas):
+        total = 0.0
+        for j in range(microbatches):
+            loss = _loss(gpt, microbatch(model, batch, r, j))
+            (loss / (microbatches * replicas)).backward()
+            total += float(loss.detach())
+        losses.append(total / microbatches)
+    return {n: p.grad.detach().clone() for n, p in params.items()}, losses
+
+
+def _clip(grads: dict, max_norm: float) -> float:
+    """megatron-core's clip_grad_norm_fp32: total norm in Python floats, scale when above."""
+    total = math.sqrt(sum(float(torch.norm(g)) ** 2 for g in grads.values()))
+    coeff = max_norm / (total + 1.0e-6)
+    if max_norm > 0 and coeff < 1.0:
+        for g in grads.values():
+            g.mul_(coeff)
+    return total
+
+
+def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, iterations: int,
+                  tie: bool, model: Model = MODEL) -> dict:
+    """Train the full model from `init` with `rule` ("sync" or "2bw"); returns the final weights
+    (names as in a PP=1 GPTModel), per-iteration losses [t][replica] and grad norms."""
+    gpt = _gpt(model, tie)
+    params = dict(gpt.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(init[name])
+    groups = [
+        {"params": [p for n, p in params.items() if not no_weight_decay(n, p)],
+         "weight_decay": model.weight_decay},
+        {"params": [p for n, p in params.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=model.lr, betas=(model.adam_beta1, model.adam_beta2),
+                                  eps=model.adam_eps)
+    snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
+    previous = snapshot()  # W(t-1), with W(-1) = W(0)
+    losses, norms = [], []
+    for t in range(iterations):
+        current = snapshot()  # W(t)
+        read = current if rule == "sync" else previous
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(read[n])
+        grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(current[n])
+        norms.append(_clip(grads, model.clip_grad))
+        for n, p in params.items():
+            p.grad = grads[n]
+        optimizer.step()
+        losses.append(batch_losses)
+        previous = current
+    return {"weights": snapshot(), "losses": losses, "grad_norms": norms}
+
+
+def _initial_weights(model: Model) -> dict:
+    """The untied model's initial weights (the tied model uses all but output_layer.weight)."""
+    from megatron_2bw.runtime import distributed
+
+    distributed.set_seed(model.seed)
+    return {n: p.detach().clone() for n, p in _gpt(model, tie=False).named_parameters()}
+
+
+def run_jobs(init_path: str, out: str, jobs: dict) -> None:
+    """In a process whose torch.distributed environment (world size 1) is set: write the initial
+    weights to `init_path` and each job's result to `out`/<job>.pt. A job is {rule, replicas,
+    microbatches, iterations, tie[, model: {Model field: value}]}."""
+    from megatron_2bw.runtime import distributed
+
+    distributed.initialize(1, 1, MODEL.seed, force_cpu=True)
+    init = _initial_weights(MODEL)
+    torch.save(init, init_path)
+    for name, job in jobs.items():
+        job = dict(job)
+        model = replace(MODEL, **job.pop("model", {}))
+        torch.save(reference_run(init, model=model, **job), Path(out) / f"{name}.pt")
+    distributed.destroy()
+
+
+def main(spec_path: str) -> None:
+    """``python tests/reference.py SPEC.json``: the spec's "reference" jobs on their own."""
+    import os
+
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(spec.get("port", 29500)))
+    run_jobs(spec["init"], spec["out"], spec["reference"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

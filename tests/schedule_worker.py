@@ -1,0 +1,311 @@
+"""Pipeline side of the schedule exactness tests (tests/test_schedules_exact.py).
+
+    python tests/schedule_worker.py SPEC.json               # launcher: forks every process
+    torchrun --standalone --nproc-per-node N tests/schedule_worker.py SPEC.json --group NAME
+
+The spec: {"out": dir, "init": path, "timeout_minutes": float,
+           "reference": {job: {...}},                       # tests/reference.py jobs (optional)
+           "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
+
+The launcher imports torch and megatron-core once, then forks: first one process for the
+single-process reference jobs (they also write the initial weights), then, per group, `world`
+processes over gloo. It waits for every process of a group on its own (no process is ended
+because a peer failed; only the group's deadline kills) and writes each group's exit codes and
+wall time to <out>/launch.json; each process writes its output to <out>/<group>/rank<r>.log.
+
+Each process runs the group's runs one after another in the same process group: (re)initialize
+megatron's model-parallel groups for the run's TP x PP (DP = world / (TP x PP)), build model,
+optimizer and LR schedule with megatron_2bw.training.build from Megatron-LM flags, load this
+rank's slice of the initial weights, install the schedule and train like
+megatron_2bw/training/loop.py (zero_grad_buffer, zero_grad, forward_backward_func, step); a
+schedule with `prepare_drain` gets it before its last call and `drain()` after it. Each rank
+then writes its parameters under their PP=1/TP=1 names with the dimension tensor parallelism
+splits them on, and the losses its last stage saw, to <out>/<run>/rank<r>.pt.
+
+A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
+"model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes stage s's
+n-th pipeline send raise (a fault of this test, not of the product).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `tests` and `pretrain_gpt_2bw` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from tests.reference import MODEL, Model, microbatch
+
+
+# ---- one process ----------------------------------------------------------------------------
+
+def _flags(run: dict, model: Model, world_size: int) -> list[str]:
+    tp, pp = run["tp"], run["pp"]
+    dp = world_size // (tp * pp)
+    flags = [
+        "--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+        "--num-attention-heads", model.num_attention_heads, "--seq-length", model.seq_length,
+        "--max-position-embeddings", model.seq_length, "--vocab-size", model.vocab_size,
+        "--mock-data", "--cpu", "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
+        "--init-method-std", model.init_method_std,
+        "--micro-batch-size", model.micro_batch_size,
+        "--global-batch-size", model.micro_batch_size * dp * run["m"],
+        "--train-iters", run["iters"], "--optimizer", "adam", "--lr", model.lr,
+        "--lr-decay-style", "constant", "--lr-warmup-iters", 0,
+        "--weight-decay", model.weight_decay, "--clip-grad", model.clip_grad,
+        "--adam-beta1", model.adam_beta1, "--adam-beta2", model.adam_beta2,
+        "--adam-eps", model.adam_eps, "--seed", model.seed,
+        "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+        "--pipeline-schedule", run["schedule"],
+    ]
+    if run.get("recompute"):
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", 1]
+    if not run.get("tie", True):
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags]
+
+
+def _global_name(name: str, stage: int, depth: int, num_layers: int) -> str:
+    """A stage's parameter name as it is in the PP=1 model: stage s holds global layers
+    s*L/d .. (s+1)*L/d - 1, numbered from 0 inside the stage."""
+    parts = name.removeprefix("module.").split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + stage * num_layers // depth)
+    return ".".join(parts)
+
+
+def _split_dim(param: torch.nn.Parameter) -> int | None:
+    """The dimension tensor parallelism splits `param` on (None: replicated)."""
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+def _load_slice(chunk, init: dict, tie: bool, num_layers: int) -> None:
+    """Copy this rank's slice of the full initial weights into its parameters. With tied
+    embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    depth = ps.get_pipeline_model_parallel_world_size()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in chunk.named_parameters():
+            full_name = _global_name(name, stage, depth, num_layers)
+            if full_name == "output_layer.weight" and tie:
+                full_name = "embedding.word_embeddings.weight"
+            full = init[full_name]
+            dim = _split_dim(p)
+            if dim is not None:
+                full = full.chunk(tp, dim=dim)[tp_rank]
+            if full.shape != p.shape:
+                raise ValueError(f"{name}: slice {tuple(full.shape)} != parameter {tuple(p.shape)}")
+            p.copy_(full)
+
+
+def _data(model: Model, m: int):
+    """This rank's microbatches of every batch in order (2BW reads ahead into the next batch)."""
+    from megatron.core import parallel_state as ps
+
+    replica, k = ps.get_data_parallel_rank(), 0
+    while True:
+        yield microbatch(model, k // m, replica, k % m)
+        k += 1
+
+
+def _inject_send_failure(stage: int, nth: int) -> None:
+    """Make this process's nth pipeline send raise."""
+    from megatron_2bw.schedules import p2p
+
+    original, calls = p2p.StageComm._send, [0]
+
+    def failing_send(self, tensor, dst, what):
+        calls[0] += 1
+        if calls[0] == nth:
+            print(f"injected failure at unix time {time.time():.3f}", file=sys.stderr, flush=True)
+            raise p2p.CommError(f"stage {stage}: injected failure sending {what} to rank {dst}")
+        return original(self, tensor, dst, what)
+
+    p2p.StageComm._send = failing_send
+
+
+def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
+    import megatron_2bw
+    from megatron.core import parallel_state as ps
+    from megatron.core import pipeline_parallel
+
+    import pretrain_gpt_2bw
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.runtime import distributed
+    from megatron_2bw.schedules import executor
+    from megatron_2bw.training import build
+
+    model_spec = replace(MODEL, **run.get("model", {}))
+    world = int(os.environ["WORLD_SIZE"])
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
+                                  timeout_minutes=timeout_minutes)
+    args = parse_args(_flags(run, model_spec, world), world_size=world)
+    config = build.transformer_config(args, info.device)
+    provider = partial(pretrain_gpt_2bw.model_provider, args=args,
+                       vocab_size=model_spec.vocab_size)
+    model = build.build_model(args, config, provider)
+    tie = run.get("tie", True)
+    _load_slice(model[0].module, torch.load(init_path), tie, model_spec.num_layers)
+    optimizer = build.build_optimizer(args, model)
+    scheduler = build.build_scheduler(args, optimizer)
+    build.attach_config_hooks(config, model, optimizer)
+    executor.reset_runners()
+    megatron_2bw.install(run["schedule"])
+    fb = pipeline_parallel.get_forward_backward_func()
+    if run.get("fail") and info.pp_rank == run["fail"]["stage"]:
+        _inject_send_failure(info.pp_rank, run["fail"]["send"])
+
+    data, losses, started = _data(model_spec, args.num_microbatches), [], time.perf_counter()
+    for iteration in range(args.train_iters):
+        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
+            fb.prepare_drain()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_dicts = fb(forward_step_func=pretrain_gpt_2bw.forward_step, data_iterator=data,
+                        model=model, num_microbatches=args.num_microbatches,
+                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                        decoder_seq_length=args.seq_length, forward_only=False)
+        succeeded, _, _ = optimizer.step()
+        if not succeeded:
+            raise RuntimeError(f"{run['name']}: optimizer step {iteration} was skipped")
+        scheduler.step(increment=1)
+        if loss_dicts:
+            losses.append(float(torch.stack([d["lm loss"] for d in loss_dicts]).mean()))
+    if hasattr(fb, "drain"):
+        fb.drain()
+    seconds = time.perf_counter() - started
+
+    params = {}
+    for name, p in model[0].module.named_parameters():
+        key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers)
+        if key == "output_layer.weight" and tie:
+            key = "tied:output_layer.weight"  # the last stage's copy of the word embeddings
+        params[key] = (p.detach().clone(), _split_dim(p))
+    (out / run["name"]).mkdir(parents=True, exist_ok=True)
+    torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
+                "losses": losses, "seconds": seconds}, out / run["name"] / f"rank{info.rank}.pt")
+    print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
+          f"{seconds:.1f} s", flush=True)
+
+
+def run_group(spec: dict, group: str) -> None:
+    """This process's part of every run of `group` (torch.distributed env vars set)."""
+    from megatron_2bw.runtime import distributed
+
+    out = Path(spec["out"])
+    for run in spec["groups"][group]["runs"]:
+        _run(run, spec["init"], out, spec.get("timeout_minutes", 2.0))
+    distributed.destroy()
+
+
+# ---- the launcher ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, log: str, target, *target_args) -> None:
+    """A forked process: its own log file, torchrun's environment variables, then `target`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        target(*target_args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> dict:
+    """Fork `world` processes running `target`; wait for each (killing all at the deadline)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    logs.mkdir(parents=True, exist_ok=True)
+    port, started = _free_port(), time.perf_counter()
+    procs = [context.Process(target=_child, args=(rank, world, port, str(logs / f"rank{rank}.log"),
+                                                  target, *target_args))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline, timed_out = started + timeout_s, False
+    for p in procs:
+        p.join(max(0.0, deadline - time.perf_counter()))
+        if p.is_alive():
+            timed_out = True
+            break
+    if timed_out:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+    return {"exit_codes": [p.exitcode for p in procs], "timed_out": timed_out,
+            "seconds": time.perf_counter() - started}
+
+
+def launch(spec_path: str) -> None:
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()  # before any model module is imported (as the CPU runtime does)
+    import megatron.core.distributed  # noqa: F401  (imported once here, shared by every fork)
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
+    import megatron_2bw.schedules.executor  # noqa: F401
+    import megatron_2bw.training.build  # noqa: F401
+    import pretrain_gpt_2bw  # noqa: F401
+    from tests import reference
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    summary = {}
+    if spec.get("reference"):
+        summary["reference"] = _fork_all(1, out / "reference", 600, reference.run_jobs,
+                                         spec["init"], spec["out"], spec["reference"])
+        print("reference:", summary["reference"], flush=True)
+    if summary.get("reference", {}).get("exit_codes", [0]) == [0]:
+        for name, group in spec.get("groups", {}).items():
+            summary[name] = _fork_all(group["world"], out / name, group.get("timeout_s", 300),
+                                      run_group, spec, name)
+            print(f"{name}:", summary[name], flush=True)
+    (out / "launch.json").write_text(json.dumps(summary, indent=1))
+
+
+def main(argv: list[str]) -> None:
+    if "--group" in argv:  # one process of a torchrun launch
+        spec = json.loads(Path(argv[0]).read_text())
+        run_group(spec, argv[argv.index("--group") + 1])
+    else:
+        launch(argv[0])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

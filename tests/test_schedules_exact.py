@@ -1,0 +1,365 @@
+"""The schedules on real megatron-core models over gloo, against single-process references.
+
+Model and optimizer (tests/reference.py ``MODEL``): GPT with 4 layers, hidden 32, 4 heads,
+sequence 16, vocabulary 64, micro batch 2, fp32, no dropout; Adam as megatron-core builds it on
+the CPU (torch AdamW, weight decay 0.01 except on biases and 1-D parameters, gradient clipping
+at 1.0), constant LR 1e-3. Every run starts from the reference's initial weights (each rank loads
+its pipeline-stage and tensor-parallel slice) and reads deterministic random microbatches, each
+data-parallel replica its own. Weights are compared by the norm-based relative error over all
+parameters, ||W - W_ref|| / ||W_ref||.
+
+1. flush, gpipe, naive: after 5 iterations equal to (a) a PP=1 run with gradient accumulation
+   over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
+   Grid: d=2, w=2 (4 processes), m=4; tied embeddings.
+2. 2bw: after 6 iterations equal to W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))), and far from the
+   synchronous result. Grid (d, m, w, recompute, TP, tie), covering each of d=2/4, m=d/2d,
+   w=1/2, full recomputation on/off, TP=2, untied embeddings:
+       d=2 m=2 w=1 off TP1 tied       d=2 m=4 w=1 on  TP1 untied
+       d=2 m=2 w=2 off TP1 tied       d=2 m=4 w=2 on  TP1 tied
+       d=4 m=4 w=1 on  TP1 tied       d=4 m=8 w=1 off TP1 tied
+       d=2 m=2 w=1 on  TP2 tied       d=4 m=4 w=2 off TP1 tied (8 processes)
+3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive each finish 10 iterations within a hard
+   deadline with finite losses (and match their references).
+4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
+   in flight): every rank exits non-zero by itself, printing "error: pipeline stage ... failed at
+   action ..." with its action grid, and torchrun returns non-zero soon after the failure.
+
+Tolerance 1e-6. Observed on CPU: 6e-9 to 2e-8 with TP=1, 7e-8 with TP=2; flush, gpipe and naive
+equal Megatron's 1F1B bit for bit; the other update rule lies ~1e-2 away. Adam's eps is 1e-6, not
+the default 1e-8: with 1e-8 a weight whose gradient happens to be near zero turns
+summation-order differences delta ~1e-10 into update differences up to lr * delta / eps. With
+TP=2 (the row-parallel all-reduce and the vocab-parallel cross-entropy add in another order) one
+weight of layer 0's attention projection (gradient 3e-11 at W(0)) ended 5e-5 apart and the error
+was 3.3e-6; TP=1 runs were ~1.1e-7 (the key biases, whose gradient is exactly zero in exact
+arithmetic, carry that noise). With eps=1e-6 the magnification is 100 times smaller.
+
+The processes are forked from one launcher that imports torch and megatron-core once
+(tests/schedule_worker.py); the torchrun test launches the ordinary way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "schedule_worker.py"
+TOLERANCE = 1e-6
+DISTINCT = 1e-3  # the other update rule's result lies at least this far away
+ADAM_EPS = 1e-6
+SYNC_SCHEDULES = ("flush", "gpipe", "naive")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline run and the reference it must match."""
+
+    schedule: str
+    d: int
+    m: int
+    w: int
+    iters: int
+    recompute: bool = False
+    tp: int = 1
+    tie: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"{self.schedule}-d{self.d}-m{self.m}-w{self.w}-tp{self.tp}"
+                f"{'-recompute' if self.recompute else ''}{'' if self.tie else '-untied'}"
+                f"-i{self.iters}")
+
+    @property
+    def world(self) -> int:
+        return self.d * self.w * self.tp
+
+    def reference(self, rule: str | None = None) -> str:
+        rule = rule or ("2bw" if self.schedule == "2bw" else "sync")
+        return f"{rule}-w{self.w}-m{self.m}-i{self.iters}{'' if self.tie else '-untied'}"
+
+    def run(self) -> dict:
+        return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
+                "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
+                "model": {"adam_eps": ADAM_EPS}}
+
+
+SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
+TWOBW_CASES = [
+    Case("2bw", d=2, m=2, w=1, iters=6),
+    Case("2bw", d=2, m=4, w=1, iters=6, recompute=True, tie=False),
+    Case("2bw", d=2, m=2, w=2, iters=6),
+    Case("2bw", d=2, m=4, w=2, iters=6, recompute=True),
+    Case("2bw", d=4, m=4, w=1, iters=6, recompute=True),
+    Case("2bw", d=4, m=8, w=1, iters=6),
+    Case("2bw", d=2, m=2, w=1, iters=6, recompute=True, tp=2),
+    Case("2bw", d=4, m=4, w=2, iters=6),
+]
+FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
+FAILURES = {  # group -> (run, stage whose send fails, which send of that process)
+    "send-fails": (Case("2bw", d=4, m=4, w=1, iters=3), 1, 3),
+    "send-fails-later": (Case("2bw", d=4, m=4, w=1, iters=3), 2, 11),  # in call 1
+}
+
+
+def _groups() -> dict:
+    """Launch groups: runs sharing a world size run one after another in one process group."""
+    groups: dict = {}
+    for label, cases in (("sync", SYNC_CASES), ("2bw", TWOBW_CASES)):
+        for case in cases:
+            group = groups.setdefault(f"{label}-world{case.world}",
+                                      {"world": case.world, "timeout_s": 150, "runs": []})
+            group["runs"].append(case.run())
+    groups["four-stages"] = {"world": 4, "timeout_s": 150,
+                             "runs": [case.run() for case in FOUR_STAGE_CASES]}
+    for group, (case, stage, send) in FAILURES.items():
+        groups[group] = {"world": case.world, "timeout_s": 60,
+                         "runs": [{**case.run(), "fail": {"stage": stage, "send": send}}]}
+    return groups
+
+
+def _reference_jobs() -> dict:
+    jobs = {}
+    for case in SYNC_CASES + TWOBW_CASES + FOUR_STAGE_CASES:
+        for rule in ("sync", "2bw"):
+            jobs[case.reference(rule)] = {
+                "rule": rule, "replicas": case.w, "microbatches": case.m,
+                "iterations": case.iters, "tie": case.tie, "model": {"adam_eps": ADAM_EPS}}
+    return jobs
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run_bounded(command: list[str], timeout_s: float) -> tuple[int, str, float]:
+    """Run `command` in its own session; kill the whole session at the deadline."""
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {timeout_s} s:\n{output[-4000:]}")
+    return proc.returncode, output, time.monotonic() - started
+
+
+@dataclass
+class Launch:
+    out: Path
+    summary: dict
+    output: str
+
+    def log(self, group: str, lines: int = 40) -> str:
+        texts = []
+        for log in sorted((self.out / group).glob("rank*.log")):
+            texts.append(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-lines:]))
+        return "\n".join(texts)
+
+    def group(self, name: str) -> dict:
+        assert name in self.summary, f"group {name} did not run:\n{self.output[-4000:]}"
+        return self.summary[name]
+
+    def finished(self, name: str) -> None:
+        result = self.group(name)
+        ok = not result["timed_out"] and all(code == 0 for code in result["exit_codes"])
+        assert ok, f"group {name}: {result}\n{self.log(name)}"
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    out = tmp_path_factory.mktemp("schedules_exact")
+    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
+            "reference": _reference_jobs(), "groups": _groups()}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
+                                         timeout_s=480)
+    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
+    summary = json.loads((out / "launch.json").read_text())
+    assert summary["reference"]["exit_codes"] == [0], \
+        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
+    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
+        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
+    return Launch(out, summary, output)
+
+
+# ---- gathering a run's weights back into the PP=1, TP=1 model ---------------------------------
+
+def _gather(out: Path, case: Case) -> tuple[dict, dict]:
+    """{name: tensor} of data-parallel replica 0, and {replica: losses} of the last stages.
+
+    Checks on the way: replicas hold identical weights, tensor-parallel ranks identical copies
+    of replicated parameters, the last stage's tied output layer equals the word embeddings."""
+    shards = [torch.load(path) for path in sorted((out / case.name).glob("rank*.pt"))]
+    assert len(shards) == case.world, f"{case.name}: {len(shards)} of {case.world} ranks wrote"
+    replicas: dict = {}
+    losses = {s["dp"]: s["losses"] for s in shards if s["losses"]}
+    for shard in shards:
+        pieces = replicas.setdefault(shard["dp"], {})
+        for name, (tensor, dim) in shard["params"].items():
+            pieces.setdefault(name, {})[shard["tp"]] = (tensor, dim)
+    gathered = {}
+    for dp, pieces in replicas.items():
+        weights = {}
+        for name, by_tp in pieces.items():
+            parts = [by_tp[t] for t in sorted(by_tp)]
+            assert len(parts) == case.tp, f"{case.name}: {name} has {len(parts)} TP parts"
+            dim = parts[0][1]
+            if dim is None:
+                for tensor, _ in parts[1:]:
+                    assert torch.equal(tensor, parts[0][0]), \
+                        f"{case.name}: replicated {name} differs across TP ranks"
+                weights[name] = parts[0][0]
+            else:
+                weights[name] = torch.cat([tensor for tensor, _ in parts], dim=dim)
+        tied = weights.pop("tied:output_layer.weight", None)
+        if tied is not None:
+            assert torch.equal(tied, weights["embedding.word_embeddings.weight"]), \
+                f"{case.name}: the last stage's tied output layer left the word embeddings"
+        gathered[dp] = weights
+    assert sorted(gathered) == list(range(case.w))
+    for dp in range(1, case.w):
+        for name, tensor in gathered[0].items():
+            assert torch.equal(tensor, gathered[dp][name]), \
+                f"{case.name}: data-parallel replica {dp} differs in {name}"
+    return gathered[0], losses
+
+
+def relative_error(weights: dict, reference: dict) -> float:
+    """||W - W_ref|| / ||W_ref|| over all parameters (float64)."""
+    assert sorted(weights) == sorted(reference), \
+        f"parameter names differ: {sorted(set(weights) ^ set(reference))}"
+    diff = sum(float((weights[n].double() - reference[n].double()).norm()) ** 2 for n in reference)
+    norm = sum(float(reference[n].double().norm()) ** 2 for n in reference)
+    return math.sqrt(diff / norm)
+
+
+def _worst_tensor(weights: dict, reference: dict) -> str:
+    name = max(reference, key=lambda n: float((weights[n] - reference[n]).norm()))
+    error = float((weights[name] - reference[name]).abs().max())
+    return f"largest difference in {name}: {error:.3g}"
+
+
+def _reference(out: Path, name: str) -> dict:
+    return torch.load(out / f"{name}.pt")
+
+
+def _check_against_reference(launch: Launch, case: Case) -> float:
+    """The run's weights and losses match its reference; the other rule's result is far."""
+    weights, losses = _gather(launch.out, case)
+    ref = _reference(launch.out, case.reference())
+    error = relative_error(weights, ref["weights"])
+    assert error <= TOLERANCE, (f"{case.name}: relative error {error:.3g} > {TOLERANCE} against "
+                                f"{case.reference()}; {_worst_tensor(weights, ref['weights'])}")
+    other = "sync" if case.schedule == "2bw" else "2bw"
+    distance = relative_error(weights, _reference(launch.out, case.reference(other))["weights"])
+    assert distance > DISTINCT, f"{case.name}: {distance:.3g} from the {other} reference"
+    assert sorted(losses) == list(range(case.w))
+    for replica, seen in losses.items():
+        expected = [batch[replica] for batch in ref["losses"]]
+        assert len(seen) == case.iters and all(math.isfinite(x) for x in seen)
+        assert max(abs(a - b) for a, b in zip(seen, expected)) < 1e-5, \
+            f"{case.name}: replica {replica} losses {seen}, reference {expected}"
+    print(f"\n{case.name}: relative error {error:.2e} (the {other} rule: {distance:.2e})")
+    return error
+
+
+# ---- 1. synchronous schedules -----------------------------------------------------------------
+
+def test_synchronous_schedules_match_reference_and_megatron(launch):
+    """flush, gpipe and naive equal the PP=1 gradient-accumulation reference and Megatron's
+    own 1F1B (which is checked against the same reference first)."""
+    group = f"sync-world{SYNC_CASES[0].world}"
+    launch.finished(group)
+    megatron = SYNC_CASES[-1]
+    _check_against_reference(launch, megatron)
+    megatron_weights, megatron_losses = _gather(launch.out, megatron)
+    for case in SYNC_CASES[:-1]:
+        _check_against_reference(launch, case)
+        weights, losses = _gather(launch.out, case)
+        error = relative_error(weights, megatron_weights)
+        print(f"{case.name}: relative error {error:.2e} against Megatron's schedule")
+        assert error <= TOLERANCE, f"{case.name} vs megatron: {error:.3g}"
+        for replica, seen in losses.items():
+            assert seen == pytest.approx(megatron_losses[replica], rel=1e-6, abs=0)
+
+
+# ---- 2. 2BW ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", TWOBW_CASES, ids=lambda case: case.name)
+def test_2bw_matches_delayed_update_reference(launch, case):
+    launch.finished(f"2bw-world{case.world}")
+    _check_against_reference(launch, case)
+
+
+# ---- 3. four stages, every schedule -------------------------------------------------------------
+
+def test_four_stage_runs_of_every_schedule_finish(launch):
+    """Each schedule finishes 10 iterations on 4 stages within the group's deadline, with
+    finite losses on the last stage; the weights also match the references."""
+    launch.finished("four-stages")
+    for case in FOUR_STAGE_CASES:
+        _, losses = _gather(launch.out, case)
+        assert len(losses[0]) == case.iters and all(math.isfinite(x) for x in losses[0]), losses
+        _check_against_reference(launch, case)
+
+
+# ---- 4. a failing send ends every rank ----------------------------------------------------------
+
+ERROR_LINE = re.compile(r"^error: pipeline stage (\d+) failed at action (\S+) ", re.MULTILINE)
+
+
+@pytest.mark.parametrize("group", sorted(FAILURES))
+def test_failed_send_ends_every_rank_with_an_error(launch, group):
+    """No launcher kills anyone here: each rank must end by itself, non-zero, and print the
+    executor's error line and its action grid with the failing action marked."""
+    case, stage, _ = FAILURES[group]
+    result = launch.group(group)
+    assert not result["timed_out"], f"{group}: ranks still running at the deadline: {result}\n" \
+                                    f"{launch.log(group)}"
+    assert all(code not in (0, None) for code in result["exit_codes"]), result
+    for rank in range(case.world):
+        text = (launch.out / group / f"rank{rank}.log").read_text()
+        errors = ERROR_LINE.findall(text)
+        assert errors and int(errors[0][0]) == rank, f"rank {rank} of {group}:\n{text[-3000:]}"
+        assert "<-- ERROR HERE" in text
+    failing = (launch.out / group / f"rank{stage}.log").read_text()
+    assert "injected failure" in failing
+    print(f"\n{group}: all {case.world} ranks ended in {result['seconds']:.1f} s")
+
+
+def test_failed_send_under_torchrun_returns_nonzero(launch, tmp_path):
+    """The same failure under torchrun: it returns non-zero soon after the failure (start-up of
+    4 processes takes most of the time on 2 cores) and its output holds the error line."""
+    case, stage, send = FAILURES["send-fails"]
+    spec = {"out": str(tmp_path), "init": str(launch.out / "init.pt"), "timeout_minutes": 1.0,
+            "groups": {"fail": {"world": case.world,
+                                "runs": [{**case.run(), "fail": {"stage": stage, "send": send}}]}}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={case.world}", str(WORKER), str(tmp_path / "spec.json"),
+               "--group", "fail"]
+    code, output, seconds = _run_bounded(command, timeout_s=240)
+    ended = time.time()
+    assert code != 0, output[-4000:]
+    match = re.search(rf"^error: pipeline stage {stage} failed at action F2v0 ", output,
+                      re.MULTILINE)
+    assert match, output[-4000:]
+    failed_at = float(re.search(r"injected failure at unix time ([\d.]+)", output).group(1))
+    print(f"\ntorchrun: exit code {code} after {seconds:.1f} s, "
+          f"{ended - failed_at:.1f} s after the failure")
+    assert ended - failed_at < 60, f"torchrun ended {ended - failed_at:.1f} s after the failure"
