@@ -20,7 +20,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron_2bw.data import DataError
 from megatron_2bw.data import default as default_data
-from megatron_2bw.data.corpus import build_corpus
+from megatron_2bw.data.corpus import build_corpus, stdlib_root
 from megatron_2bw.data.gpt import PretrainingSampler, build_gpt_datasets, make_data_iterator
 from megatron_2bw.data.indexed import check_indexed_dataset
 from megatron_2bw.data.preprocess import preprocess_jsonl, split_sentences
@@ -86,6 +86,17 @@ def test_corpus_is_deterministic_and_capped(tmp_path, texts):
     assert first.read_bytes() == second.read_bytes()
     assert 0 < sum(map(len, texts)) <= CORPUS_CHARS
     assert all(text.strip() for text in texts)
+
+
+def test_corpus_documents_are_whole_stdlib_files(texts):
+    documents = {text.encode("utf-8") for text in texts}
+    sizes = {len(document) for document in documents}
+    sources = set()
+    for dirpath, dirnames, filenames in os.walk(stdlib_root()):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "test", "tests")]
+        paths = (Path(dirpath, name) for name in filenames if name.endswith(".py"))
+        sources.update(p.read_bytes() for p in paths if p.stat().st_size in sizes)
+    assert documents <= sources
 
 
 # ---- tokenizer ----------------------------------------------------------------------------
