@@ -227,3 +227,25 @@ def make_data_iterator(
 def _cycle(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tensor]]:
     while True:
         yield from loader
+
+
+def build_mock_gpt_datasets(seq_length: int, seed: int, vocab_size: int,
+                            num_samples: tuple[int, int, int]) -> tuple:
+    """megatron-core's `MockGPTDataset` splits (`--mock-data`): synthetic token sequences of a
+    `NullTokenizer` vocabulary, for smoke tests, benchmarks and profiling without data files."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    from megatron_2bw.data.tokenizer import build_tokenizer
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=None,
+        split="969,30,1",
+        tokenizer=build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    return build_datasets(MockGPTDataset, config, num_samples)
