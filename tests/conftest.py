@@ -1,0 +1,49 @@
+"""Shared test set-up: one thread per process, and a tiny GPT dataset built once per session.
+
+CI has 2 cores and the multi-process tests run 2 processes each: more threads per process only
+make them contend, so every child process inherits OMP_NUM_THREADS=1 from here.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_CORPUS_CHARS = 200_000
+TINY_VOCAB = 512
+
+
+@dataclass(frozen=True)
+class TinyData:
+    """A GPT indexed dataset, its sentencepiece model, and a directory for megatron-core's
+    index caches (shared by the runs of a session, so only the first run builds them)."""
+
+    data_prefix: str
+    tokenizer_model: str
+    vocab_size: int
+    index_cache: str
+
+    def flags(self) -> list[str]:
+        return ["--data-path", self.data_prefix, "--tokenizer-model", self.tokenizer_model,
+                "--data-cache-path", self.index_cache]
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_data(tmp_path_factory) -> TinyData:
+    """Standard-library source text (200 kB) -> 512-piece BPE -> GPT .bin/.idx, in ~5 s."""
+    from megatron_2bw.data.corpus import build_corpus
+    from megatron_2bw.data.preprocess import preprocess_jsonl
+    from megatron_2bw.data.tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("tiny_gpt_data")
+    corpus = str(root / "corpus.jsonl")
+    assert build_corpus(corpus, max_chars=TINY_CORPUS_CHARS) > 0
+    model = train_sentencepiece(corpus, str(root / "tokenizer"), TINY_VOCAB)
+    prefix = preprocess_jsonl(corpus, str(root / "gpt"), "GPTSentencePieceTokenizer", model,
+                              append_eod=True)["text"]
+    return TinyData(prefix, model, TINY_VOCAB, str(root / "index-cache"))

@@ -1,0 +1,123 @@
+"""Launch multi-process runs for tests: spawned gloo workers and torchrun.
+
+Every launch has a wall-clock limit, so a hung collective fails the test instead of hanging CI.
+
+    spawn(fn, world_size, *args, out_dir=..., timeout=...) -> [fn's return value on each rank]
+        runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with torchrun's
+        environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port); ``fn`` must be
+        importable (module level) and return something ``torch.save`` can write.
+    torchrun(script_args, nproc, ...) -> Launch
+        ``torchrun --nproc-per-node N script ...`` with a free port; stdout and stderr together.
+    python(script_args, ...) -> Launch
+        the same script in one plain process (fast: no launcher, no process group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env"]
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: one thread per process (2-core CI), the repo
+    importable, plus ``extra``."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    env.update(extra)
+    return env
+
+
+# ---- spawned workers ------------------------------------------------------------------------
+
+def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn(fn, world_size: int, *args, out_dir: str | os.PathLike, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
+    results by rank. An exception on any rank is re-raised here with that rank's traceback;
+    past ``timeout`` seconds all workers are killed and TimeoutError is raised."""
+    os.makedirs(out_dir, exist_ok=True)
+    context = mp.start_processes(_worker, args=(fn, world_size, free_port(), str(out_dir), args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {timeout:.0f} s")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]
+
+
+# ---- command-line launches ------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    """A finished command: its exit code and its stdout and stderr interleaved."""
+
+    command: list[str]
+    returncode: int
+    output: str
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float) -> Launch:
+    """Run ``command`` in its own process group; past ``timeout`` kill that group (torchrun and
+    its workers) and raise TimeoutError with the last output."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise TimeoutError(f"{' '.join(command)} ran past {timeout:.0f} s; last output:\n"
+                           + "\n".join(output.splitlines()[-40:])) from None
+    return Launch(command, process.returncode, output)
+
+
+def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
+             launcher_args: tuple[str, ...] = (), **env: str) -> Launch:
+    """``torchrun --nproc-per-node nproc`` on a free port, from the repository root."""
+    command = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               *launcher_args, *script_args]
+    return _run(command, subprocess_env(**env), timeout)
+
+
+def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
+    """One plain Python process, from the repository root."""
+    return _run([PYTHON, *script_args], subprocess_env(**env), timeout)

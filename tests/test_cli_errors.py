@@ -1,0 +1,173 @@
+"""Bad command lines end with one clear error line naming the flag, before training starts,
+with a non-zero exit code on every rank.
+
+Most cases run ``pretrain_gpt_2bw.py`` as one plain process with WORLD_SIZE set (flag errors
+come back in ~0.1 s; data errors after megatron-core's import); one case runs under
+``torchrun --nproc-per-node 2`` and checks each rank's own log and exit code. Every bad command
+line has a repaired twin that the same validator accepts, so each error is caused by the one
+defect the case introduces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from megatron_2bw.arguments import parse_args
+from tests import dist as launch
+
+SCRIPT = "pretrain_gpt_2bw.py"
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--cpu"]
+
+
+def assert_one_error_line(result: launch.Launch, flag: str, *fragments: str) -> str:
+    """Non-zero exit; the output ends with the only ``error:`` line, which names ``flag``
+    (and contains ``fragments``); no traceback; nothing trained."""
+    output = result.output
+    assert result.returncode != 0, f"exit code 0 for {result.command}:\n{result.tail()}"
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, f"expected one error line, got {errors}:\n{result.tail()}"
+    assert lines[-1] == errors[0], f"the error is not the last line:\n{result.tail()}"
+    assert flag in errors[0], errors[0]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    assert "Traceback" not in output, output[-3000:]
+    assert not re.search(r"\btraining\b|iteration\s+\d+/", output), output[-3000:]
+    return errors[0]
+
+
+# ---- flag errors: caught by the validator before anything is imported ---------------------
+
+FLAG_CASES = {
+    # id: (bad flags, repaired flags, world size, flag named, fragments of the message)
+    "layers-not-divisible-by-pipeline": (
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        ["--num-layers", "4", "--pipeline-model-parallel-size", "2"],
+        2, "--num-layers", ["3 layers", "2 pipeline stages"]),
+    "heads-not-divisible-by-tensor-parallel": (
+        ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "48"],
+        ["--tensor-model-parallel-size", "2", "--num-attention-heads", "4", "--hidden-size", "48"],
+        2, "--num-attention-heads", ["3 heads", "tensor-parallel size 2"]),
+    "global-batch-not-divisible": (
+        ["--micro-batch-size", "3", "--global-batch-size", "8"],
+        ["--micro-batch-size", "4", "--global-batch-size", "8"],
+        2, "--global-batch-size", ["8", "micro batch (3)", "data-parallel size (2)"]),
+    "world-size-not-tp-x-pp-x-dp": (
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"],
+        2, "--tensor-model-parallel-size", ["world size 2", "tensor (2) x pipeline (2)"]),
+    "world-size-odd": (
+        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "1"],
+        3, "--tensor-model-parallel-size", ["world size 3"]),
+    "unknown-flag": (
+        ["--no-such-flag", "3"],
+        [],
+        1, "--no-such-flag", []),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAG_CASES))
+def test_flag_error(tiny_gpt_data, case):
+    bad, repaired, world, flag, fragments = FLAG_CASES[case]
+    data = tiny_gpt_data.flags()
+    parse_args([*TINY, *repaired, *data], world_size=world)  # the repaired twin is valid
+    result = launch.python([SCRIPT, *TINY, *bad, *data], timeout=60, WORLD_SIZE=str(world))
+    assert_one_error_line(result, flag, *fragments)
+
+
+def test_missing_data_path(tiny_gpt_data):
+    tokenizer = ["--tokenizer-model", tiny_gpt_data.tokenizer_model]
+    parse_args([*TINY, *tokenizer, "--data-path", tiny_gpt_data.data_prefix], world_size=1)
+    result = launch.python([SCRIPT, *TINY, *tokenizer], timeout=60, WORLD_SIZE="1")
+    assert_one_error_line(result, "--data-path", "required")
+
+
+def test_missing_tokenizer_model(tiny_gpt_data):
+    data = ["--data-path", tiny_gpt_data.data_prefix]
+    result = launch.python([SCRIPT, *TINY, *data], timeout=60, WORLD_SIZE="1")
+    assert_one_error_line(result, "--tokenizer-model", "required")
+
+
+def test_nonexistent_tokenizer_model(tiny_gpt_data, tmp_path):
+    missing = str(tmp_path / "no-such-tokenizer.model")
+    result = launch.python([SCRIPT, *TINY, "--data-path", tiny_gpt_data.data_prefix,
+                            "--tokenizer-model", missing], timeout=60, WORLD_SIZE="1")
+    assert_one_error_line(result, "--tokenizer-model", missing)
+
+
+# ---- data errors: caught by the data checks, still before any process group ---------------
+
+def _copy_dataset(prefix: str, directory) -> str:
+    copy = str(directory / "copy_text_document")
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(prefix + suffix, copy + suffix)
+    return copy
+
+
+def _garbage_header(idx: str) -> None:
+    with open(idx, "r+b") as f:
+        f.write(b"not an index file at all")
+
+
+def _truncated(idx: str) -> None:
+    with open(idx, "rb") as f:
+        content = f.read()
+    with open(idx, "wb") as f:
+        f.write(content[:-12])
+
+
+def _missing_bin(idx: str) -> None:
+    os.remove(idx[:-len(".idx")] + ".bin")
+
+
+@pytest.mark.parametrize("damage", [_garbage_header, _truncated, _missing_bin],
+                         ids=["garbage-header", "truncated", "missing-bin"])
+def test_corrupt_indexed_dataset(tiny_gpt_data, tmp_path, damage):
+    prefix = _copy_dataset(tiny_gpt_data.data_prefix, tmp_path)
+    damage(prefix + ".idx")
+    result = launch.python([SCRIPT, *TINY, "--data-path", prefix,
+                            "--tokenizer-model", tiny_gpt_data.tokenizer_model],
+                           timeout=120, WORLD_SIZE="1")
+    line = assert_one_error_line(result, "--data-path")
+    assert prefix in line, line
+
+
+def test_tokenizer_model_that_is_not_sentencepiece(tiny_gpt_data, tmp_path):
+    fake = tmp_path / "fake.model"
+    fake.write_text("this is not a sentencepiece model\n")
+    result = launch.python([SCRIPT, *TINY, "--data-path", tiny_gpt_data.data_prefix,
+                            "--tokenizer-model", str(fake)], timeout=120, WORLD_SIZE="1")
+    assert_one_error_line(result, "--tokenizer-model", str(fake))
+
+
+# ---- under torchrun: every rank reports and fails on its own -------------------------------
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def test_every_rank_fails_under_torchrun(tiny_gpt_data, tmp_path):
+    """TP=2 x PP=2 on 2 processes. Each rank's own log (torchrun --redirects) holds exactly the
+    one error line; torchrun reports each rank's exit code, none zero. The monitor interval
+    gives both ranks time to fail by themselves before torchrun stops the rest."""
+    logs = tmp_path / "logs"
+    result = launch.torchrun(
+        [SCRIPT, *TINY, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+         "2", *tiny_gpt_data.flags()], nproc=2, timeout=120,
+        launcher_args=("--monitor-interval", "2", "--log-dir", str(logs), "--redirects", "3"))
+    assert result.returncode != 0
+    exit_codes = {int(rank): int(code) for rank, code in _FAILURE.findall(result.output)}
+    assert set(exit_codes) == {0, 1}, result.tail(60)
+    assert all(code != 0 for code in exit_codes.values()), exit_codes
+    for rank in (0, 1):
+        [stderr] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        [stdout] = logs.glob(f"*/attempt_0/{rank}/stdout.log")
+        rank_log = launch.Launch([], exit_codes[rank], stdout.read_text() + stderr.read_text())
+        assert_one_error_line(rank_log, "--tensor-model-parallel-size", "world size 2")
+    # torchrun's own summary follows, but no frame of our code appears anywhere
+    assert not re.search(r'File ".*(megatron_2bw|pretrain_gpt_2bw)', result.output)
