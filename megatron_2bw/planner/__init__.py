@@ -1,0 +1,32 @@
+"""The planner: which (tensor, pipeline, data)-parallel layout, microbatch size, recomputation
+and schedule to train a model with on a cluster, and the flags to launch it.
+
+    from megatron_2bw.planner import ModelSpec, PlanRequest, preset, search, write_plan
+    model = ModelSpec("gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
+                      seq_length=2048, vocab_size=51200)
+    plan = search(PlanRequest(model, preset("dgx-h100", nodes=128), global_batch_size=1536))
+    write_plan(plan, "plan/")
+
+    model.py    parameters, FLOPs and activation bytes per layer
+    cluster.py  devices per node, memory, links; presets
+    profile.py  measured layers and end-to-end runs (JSON), predicted vs measured
+    cost.py     memory and time per iteration of a layout
+    search.py   enumerate, filter, rank
+    flags.py    plan.json, rejected.csv, flags, torchrun and Slurm scripts
+
+The command line is `tools/plan.py`.
+"""
+
+from .cluster import GiB, PRESETS, Cluster, Link, preset
+from .cost import CostModel, Layout, MemoryEstimate, StageMemory, TimeEstimate
+from .flags import launch_flags, parse_for_validation, write_plan
+from .model import ModelSpec
+from .profile import E2EProfile, Profile
+from .search import ALL_SCHEDULES, Candidate, Plan, PlanRequest, Rejection, search
+
+__all__ = [
+    "ModelSpec", "Cluster", "Link", "PRESETS", "preset", "GiB", "Profile", "E2EProfile",
+    "CostModel", "Layout", "MemoryEstimate", "StageMemory", "TimeEstimate", "PlanRequest",
+    "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES", "launch_flags",
+    "parse_for_validation", "write_plan",
+]

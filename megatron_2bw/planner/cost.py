@@ -1,0 +1,431 @@
+"""Memory per device and time per iteration of a layout: PipeDream-2BW's MEMORY() and
+THROUGHPUT() (Section 4.3, "closed-form cost functions"), extended with tensor parallelism
+and the choice of pipeline schedule.
+
+A layout is (t, d, w, b, m, recompute, schedule): t-way tensor parallelism inside each of d
+pipeline stages, w data-parallel pipelines, microbatches of b sequences, m microbatches per
+iteration (global batch B = b w m). Ranks are placed as megatron-core places them (tensor
+fastest, then data, then pipeline: rank = tp + t (dp + w pp)).
+
+    cm = CostModel(model, cluster, precision="bf16")            # closed forms
+    cm = CostModel(model, cluster, "fp32", profile=Profile.load("tools/profiles/cpu.json"))
+    cm.memory(layout).peak      # bytes on the fullest device
+    cm.time(layout).iteration   # seconds per iteration (simulate=True: our schedule simulator)
+
+Where a profile is given, per-layer times and activation bytes are measured ones, scaled to
+this model by FLOPs and by the closed-form bytes when the profile was taken for other sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
+
+from .cluster import Cluster
+from .model import ModelSpec
+
+if TYPE_CHECKING:
+    from .profile import Profile
+
+__all__ = ["Layout", "StageMemory", "MemoryEstimate", "TimeEstimate", "CostModel",
+           "PRECISIONS", "OPTIMIZERS", "simulated_iteration"]
+
+PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""Bytes of a parameter and of an activation element."""
+
+OPTIMIZERS = ("adam", "sgd")
+
+GRAD_BYTES = 4
+"""megatron-core's DDP keeps `main_grad` in fp32 (`grad_reduce_in_fp32=True` in
+training/build.py), in every precision."""
+
+MASTER_BYTES = 4
+"""fp32 master copy the mixed-precision optimizer keeps of 16-bit parameters (Micikevicius et
+al. 2018); none in fp32, where the parameters are the master."""
+
+MOMENT_BYTES = {"adam": 8, "sgd": 4}
+"""Adam: fp32 exp_avg and exp_avg_sq; SGD: fp32 momentum (megatron's sgd_momentum=0.9)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One configuration the planner considers."""
+
+    t: int
+    """Tensor-parallel size (`--tensor-model-parallel-size`)."""
+    d: int
+    """Pipeline depth (`--pipeline-model-parallel-size`)."""
+    w: int
+    """Data-parallel width: pipelines side by side."""
+    b: int
+    """Microbatch size (`--micro-batch-size`)."""
+    m: int
+    """Microbatches per iteration per pipeline: B = b w m."""
+    recompute: bool
+    """Full activation recomputation, one layer per checkpoint."""
+    schedule: str
+    """`--pipeline-schedule`: 2bw, flush, gpipe, naive or megatron (Megatron's 1F1B)."""
+
+    @property
+    def world(self) -> int:
+        return self.t * self.d * self.w
+
+    @property
+    def global_batch(self) -> int:
+        return self.b * self.w * self.m
+
+    def label(self) -> str:
+        return (f"t{self.t} d{self.d} w{self.w} b{self.b} m{self.m} {self.schedule}"
+                + (" rc" if self.recompute else ""))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one device of one pipeline stage."""
+
+    stage: int
+    parameters: int
+    """Parameters on this device."""
+    weights: float
+    """One weight version: parameters x bytes per parameter."""
+    extra_versions: float
+    """Weight versions beyond the first: 2BW keeps two (Section 3.1)."""
+    gradients: float
+    optimizer: float
+    stashed_microbatches: int
+    """Most microbatches forwarded and not yet backwarded at once (the schedule's stash)."""
+    activations: float
+    """Stashed microbatches x bytes one keeps."""
+    transient: float
+    """Alive only during a backward: a recomputed layer, the logits' gradient."""
+    overhead: float
+    """Runtime memory before any model (profile's; 0 without one)."""
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.extra_versions + self.gradients + self.optimizer
+                + self.activations + self.transient + self.overhead)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stages: tuple[StageMemory, ...]
+
+    @functools.cached_property
+    def peak_stage(self) -> StageMemory:
+        """The fullest stage."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak(self) -> float:
+        """Bytes on the fullest device."""
+        return self.peak_stage.total
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds; per-stage tuples are per microbatch."""
+
+    forward: tuple[float, ...]
+    """F_i: forward of one microbatch on stage i, tensor-parallel all-reduces and the send to
+    stage i+1 included."""
+    backward: tuple[float, ...]
+    """B_i: its backward (with the recomputed forward when recomputing), the gradient's send
+    to stage i-1 included."""
+    tensor_parallel: tuple[float, ...]
+    """Of F_i + B_i, the tensor-parallel all-reduces."""
+    p2p: float
+    """Latency of one activation or gradient between neighbouring stages (the sending time,
+    bytes / bandwidth, is part of the sender's forward and backward)."""
+    data_parallel: float
+    """Gradient all-reduce over the w replicas (slowest stage), once per iteration."""
+    embedding_sync: float
+    """All-reduce of the tied word embedding's gradient between first and last stage."""
+    optimizer: float
+    """Optimizer step of the slowest stage, gradient clipping included."""
+    step: float
+    """Everything between an iteration's last backward and the next forward that needs the new
+    weights: data_parallel + embedding_sync + optimizer + the gradient-norm all-reduce."""
+    iteration: float
+    """Time per iteration."""
+    bubble_fraction: float
+    """Idle share of the pipeline part: 1 - m (F* + B*) / (iteration - step), F* + B* the
+    slowest stage."""
+    global_batch: int
+    method: str
+    """"closed-form" or "simulated"."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.iteration
+
+
+def _sig(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_normalized(schedule: str, d: int, m: int, forward: tuple, backward: tuple,
+                         p2p: float, step: float, sync: str) -> float:
+    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+
+    result = simulate(pipeline_actions(schedule, d, m, 3),
+                      Costs(forward=forward, backward=backward, p2p=p2p, step=step),
+                      step_sync=sync)
+    ends = [max(result.batch_ends(i)[k] for i in range(d)) for k in range(2)]
+    return ends[1] - ends[0]  # call 1: filled by call 0, not draining: the steady state
+
+
+def simulated_iteration(schedule: str, d: int, m: int, forward: tuple, backward: tuple,
+                        p2p: float, step: float, sync: str) -> float:
+    """Time of one steady-state iteration from the schedule simulator
+    (`megatron_2bw.schedules.simulate` on the action lists the executor runs), memoized on the
+    costs normalised to the slowest forward and rounded to 3 digits: layouts that differ only
+    in scale share one simulation."""
+    unit = max(forward)
+    key = (tuple(_sig(f / unit) for f in forward), tuple(_sig(b / unit) for b in backward),
+           _sig(p2p / unit), _sig(step / unit))
+    return unit * _simulate_normalized(schedule, d, m, *key, sync)
+
+
+@dataclass
+class CostModel:
+    """MEMORY() and THROUGHPUT() of PipeDream-2BW Section 4.3 for our layouts."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: str = "bf16"
+    profile: "Profile | None" = None
+    optimizer: str = "adam"
+    distributed_optimizer: bool = False
+    """`--use-distributed-optimizer`: master weights and moments sharded over the w replicas."""
+    clip_grad: bool = True
+    """Gradient clipping (Megatron's default 1.0) all-reduces the norm over all stages, so the
+    optimizer step is a pipeline-wide synchronisation; so is fp16's found-inf check."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        self.element_bytes = PRECISIONS[self.precision]
+        if self.profile is not None and self.profile.intra_node_link is not None:
+            self.cluster = self.cluster.with_(intra_node=self.profile.intra_node_link)
+
+    # ---- memory ---------------------------------------------------------------------------
+    def memory(self, layout: Layout) -> MemoryEstimate:
+        """Bytes on each stage's devices (PipeDream-2BW Section 4.3, MEMORY)."""
+        model, e = self.model, self.element_bytes
+        t, d, b, m = layout.t, layout.d, layout.b, layout.m
+        spec = _schedule_spec(layout.schedule)
+        mixed = self.precision != "fp32"
+        optimizer_bytes = (MASTER_BYTES if mixed else 0) + MOMENT_BYTES[self.optimizer]
+        if self.distributed_optimizer:
+            optimizer_bytes /= layout.w
+        layer_full = self._activation_bytes("layer", b, t, recompute=False)
+        layer_kept = (self._activation_bytes("layer", b, t, recompute=True) if layout.recompute
+                      else layer_full)
+        overhead = self.profile.runtime_overhead_bytes if self.profile else 0.0
+        embedding = self._activation_bytes("embedding", b, t)
+        head = self._activation_bytes("head", b, t)
+        logits_gradient = model.logits_gradient_bytes(b, t)
+        stages = []
+        for i in range(d):
+            params = model.stage_parameters(t, d, i)
+            first, last = i == 0, i == d - 1
+            # Activations one microbatch leaves on this stage: each layer's (its input only
+            # with recomputation; Section 4.1), plus the embedding's and the head's.
+            per_microbatch = (model.num_layers // d * layer_kept + first * embedding
+                              + last * head)
+            # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
+            # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
+            stash = spec.stash(d, m, i) if d > 1 else 1
+            transient = (layer_full if layout.recompute else 0.0) + last * logits_gradient
+            stages.append(StageMemory(
+                stage=i, parameters=params,
+                weights=params * e,
+                # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total.
+                extra_versions=(spec.max_versions - 1) * params * e,
+                gradients=params * GRAD_BYTES,
+                optimizer=params * optimizer_bytes,
+                stashed_microbatches=stash,
+                activations=stash * per_microbatch,
+                transient=transient,
+                overhead=overhead))
+        return MemoryEstimate(tuple(stages))
+
+    # ---- time -----------------------------------------------------------------------------
+    def time(self, layout: Layout, simulate: bool = False) -> TimeEstimate:
+        """Seconds per iteration (PipeDream-2BW Section 4.3, THROUGHPUT, with the pipeline
+        part from the schedule: closed forms, or the simulator when `simulate`)."""
+        model, cluster, e = self.model, self.cluster, self.element_bytes
+        t, d, w, b, m = layout.t, layout.d, layout.w, layout.b, layout.m
+        rc = layout.recompute
+        layers = model.num_layers // d
+
+        # Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3 and Figure 3): each
+        # layer all-reduces its (s, b, h) output twice in the forward (after attention and
+        # after the MLP) and its input gradient twice in the backward; recomputation replays
+        # the forward's two. Ring all-reduce over the t ranks of a node (NVLink) while t fits
+        # in one, over the network beyond.
+        tp_link = cluster.link_for_group(t, stride=1)
+        tp_ar = tp_link.all_reduce(model.boundary_bytes(b, e), t)
+        tp_small = tp_link.all_reduce(4 * b * model.seq_length, t)  # cross-entropy max/sum
+        # Pipeline: stage i+1's ranks sit t w ranks after stage i's. A stage sends its output
+        # after each forward and its input gradient after each backward; the send occupies it
+        # for n / beta (PipeDream-2BW Section 4.3 counts the stage's communication in its
+        # time), the latency alpha delays the receiver.
+        pp_link = cluster.link_for_group(d, stride=t * w)
+        send = model.boundary_bytes(b, e) / pp_link.bandwidth if d > 1 else 0.0
+        p2p = pp_link.latency if d > 1 else 0.0
+
+        lf, lb = self._compute("layer", b, t, rc)
+        ef, eb = self._compute("embedding", b, t, False)
+        hf, hb = self._compute("head", b, t, False)
+        forward, backward, tp_time = [], [], []
+        for i in range(d):
+            first, last = i == 0, i == d - 1
+            tp_f = layers * 2 * tp_ar + first * tp_ar + last * 3 * tp_small
+            tp_b = layers * (2 + 2 * rc) * tp_ar + last * tp_ar
+            forward.append(layers * lf + first * ef + last * hf + tp_f + (not last) * send)
+            backward.append(layers * lb + first * eb + last * hb + tp_b + (not first) * send)
+            tp_time.append(tp_f + tp_b)
+
+        # Step: data-parallel ring all-reduce of each stage's fp32 gradients over its w
+        # replicas, t apart (PipeDream-2BW Section 4.3: all_reduce(|W|/d) over w workers; not
+        # overlapped with the backward: megatron-core's DDP default overlap_grad_reduce=False);
+        # the tied embedding's gradient between first and last stage; the optimizer.
+        dp_link = cluster.link_for_group(w, stride=t)
+        stage_params = [model.stage_parameters(t, d, i) for i in range(d)]
+        data_parallel = max(dp_link.all_reduce(p * GRAD_BYTES, w) for p in stage_params)
+        embedding_sync = 0.0
+        if model.tied and d > 1:
+            embedding = model.padded_vocab(t) // t * model.hidden_size
+            embedding_sync = pp_link.all_reduce(embedding * GRAD_BYTES, 2)
+        optimizer = max(self._optimizer_step(p, w) for p in stage_params)
+        norm = (tp_link.all_reduce(4, t) + pp_link.all_reduce(4, d)) if self.clip_grad else 0.0
+        step = data_parallel + embedding_sync + optimizer + norm
+        sync = "pipeline" if (self.clip_grad or self.precision == "fp16") and d > 1 else "local"
+
+        work = [f + bw for f, bw in zip(forward, backward)]
+        bottleneck = max(work)
+        schedule = "flush" if layout.schedule == "megatron" else layout.schedule
+        if simulate and d > 1:
+            iteration = simulated_iteration(schedule, d, m, tuple(forward), tuple(backward),
+                                            p2p, step, sync)
+            method = "simulated"
+        else:
+            iteration = self._closed_form(schedule, d, m, forward, backward, p2p, step, sync)
+            method = "closed-form"
+        pipeline = iteration - step
+        bubble = 1 - m * bottleneck / pipeline if pipeline > 0 else 0.0
+        return TimeEstimate(
+            forward=tuple(forward), backward=tuple(backward), tensor_parallel=tuple(tp_time),
+            p2p=p2p, data_parallel=data_parallel, embedding_sync=embedding_sync,
+            optimizer=optimizer, step=step, iteration=iteration,
+            bubble_fraction=max(bubble, 0.0), global_batch=layout.global_batch, method=method)
+
+    @staticmethod
+    def _closed_form(schedule: str, d: int, m: int, forward: list, backward: list, p2p: float,
+                     step: float, sync: str) -> float:
+        """One iteration of m microbatches over d stages, the slowest doing F* + B*."""
+        work = [f + b for f, b in zip(forward, backward)]
+        bottleneck = max(work)
+        if d == 1:
+            return m * work[0] + step
+        if schedule in ("gpipe", "flush"):
+            # Fill and drain every iteration: the first microbatch crosses all stages, the
+            # other m - 1 follow at the bottleneck's pace; uniform stages give (m + d - 1)(F+B),
+            # the bubble (d - 1)/(m + d - 1) (GPipe; PipeDream-2BW Section 2.2 and 3.2).
+            return (m - 1) * bottleneck + sum(work) + 2 * (d - 1) * p2p + step
+        if schedule == "2bw":
+            # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
+            # (global gradient norm) waits for stage 0's last backward, which the backward wave
+            # reaches d - 1 stages after the last stage's.
+            lag = sum(backward[1:]) + (d - 1) * p2p if sync == "pipeline" else 0.0
+            return m * bottleneck + lag + step
+        if schedule == "naive":
+            # One stage busy at a time: every microbatch crosses all stages (d-fold).
+            return m * (sum(work) + 2 * (d - 1) * p2p) + step
+        raise ValueError(f"unknown schedule {schedule!r}")
+
+    # ---- parts ----------------------------------------------------------------------------
+    def _compute(self, part: str, b: int, t: int, recompute: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one part on one of t ranks, no communication."""
+        measured = self._from_profile(part, b, t, recompute)
+        if measured is not None:
+            return measured[0], measured[1]
+        model = self.model
+        if part == "embedding":
+            # A lookup and an add: memory-bound, (s, b, h) read and written a few times.
+            nbytes = 3 * model.boundary_bytes(b, self.element_bytes)
+            return nbytes / self.cluster.memory_bandwidth, nbytes / self.cluster.memory_bandwidth
+        flops = (model.layer_forward_flops(b) if part == "layer" else
+                 model.head_forward_flops(b)) / t
+        forward = flops / self.cluster.flops(self.precision)
+        # Backward = 2 x forward; recomputation adds a forward: 4/3 of the work in all
+        # (PipeDream-2BW Section 4.1; Megatron-LM SC'21 Eq. 3 with 4 passes instead of 3).
+        backward = 2 * forward + (forward if recompute else 0.0)
+        return forward, backward
+
+    def _activation_bytes(self, part: str, b: int, t: int, recompute: bool = False) -> float:
+        measured = self._from_profile(part, b, t, recompute)
+        if measured is not None:
+            return measured[2]
+        return _closed_form_bytes(self.model, part, b, t, recompute, self.element_bytes)
+
+    def _from_profile(self, part: str, b: int, t: int, recompute: bool):
+        """(forward s, backward s, activation bytes) from the profile, scaled from the profiled
+        sizes and tensor-parallel size to this model's by FLOPs and closed-form bytes."""
+        if self.profile is None:
+            return None
+        sample = self.profile.lookup(part, t, b, recompute)
+        if sample is None:
+            return None
+        pm, e = self.profile.model, self.element_bytes
+        time_ratio = (_part_work(self.model, part, b, t, e)
+                      / _part_work(pm, part, b, sample.tp, e))
+        bytes_ratio = (_closed_form_bytes(self.model, part, b, t, recompute, e)
+                       / max(_closed_form_bytes(pm, part, b, sample.tp, recompute, e), 1.0))
+        return (sample.forward_s * time_ratio, sample.backward_s * time_ratio,
+                sample.activation_bytes * bytes_ratio)
+
+    def _optimizer_step(self, params: int, w: int) -> float:
+        """Seconds of the optimizer step on `params` parameters."""
+        shard = params / w if self.distributed_optimizer else params
+        if self.profile is not None and self.profile.optimizer_per_param_s > 0:
+            return self.profile.optimizer_step_s(shard)
+        # Memory-bound: Adam reads and writes fp32 master and both moments (24 bytes), reads
+        # the fp32 gradient (4) and writes the parameter (e); SGD one moment instead of two.
+        moments = MOMENT_BYTES[self.optimizer]
+        touched = 2 * (MASTER_BYTES + moments) + GRAD_BYTES + self.element_bytes
+        return shard * touched / self.cluster.memory_bandwidth
+
+
+def _schedule_spec(schedule: str):
+    """What a schedule declares about memory; Megatron's 1F1B stashes as Flush does."""
+    return SCHEDULE_SPECS["flush" if schedule == "megatron" else schedule]
+
+
+def _closed_form_bytes(model: ModelSpec, part: str, b: int, t: int, recompute: bool,
+                       e: int) -> float:
+    if part == "layer":
+        return (model.layer_input_bytes(b, e) if recompute
+                else model.layer_activation_bytes(b, t, e))
+    if part == "embedding":
+        return model.embedding_activation_bytes(b, t, e)
+    return model.head_activation_bytes(b, t, e)
+
+
+def _part_work(model: ModelSpec, part: str, b: int, t: int, e: int) -> float:
+    """What a part's time scales with: FLOPs on one of t ranks (bytes moved for the
+    embedding)."""
+    if part == "layer":
+        return model.layer_forward_flops(b) / t
+    if part == "head":
+        return model.head_forward_flops(b) / t
+    return model.boundary_bytes(b, e)

@@ -1,0 +1,201 @@
+"""The model as the planner sees it: parameters, FLOPs and activation bytes of one transformer
+layer and of the embedding and output layers, per tensor-parallel rank.
+
+Symbols are those of the Megatron-LM papers: L layers, h hidden size, a attention heads,
+s sequence length, V vocabulary (padded as Megatron pads it), f FFN hidden size (4h unless
+given), b microbatch size, t tensor-parallel size, e bytes per activation element.
+
+    spec = ModelSpec("gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
+                     seq_length=2048, vocab_size=51200)
+    spec.num_parameters()                 # 174.6e9 (GPT-3 175B)
+    spec.layer_forward_flops(b=1)         # 24bsh^2 + 4bs^2h
+    spec.layer_activation_bytes(b=1, t=8, element_bytes=2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ModelSpec", "MASK_BYTES"]
+
+MASK_BYTES = 1
+"""A dropout mask keeps one byte per element (Korthikanti et al. 2022, Section 4.1)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT or BERT model in Megatron's flags (`--num-layers` ...)."""
+
+    kind: Literal["gpt", "bert"]
+    num_layers: int
+    """L (`--num-layers`)."""
+    hidden_size: int
+    """h (`--hidden-size`)."""
+    num_attention_heads: int
+    """a (`--num-attention-heads`)."""
+    seq_length: int
+    """s (`--seq-length`)."""
+    vocab_size: int
+    """V before padding (the tokenizer's size, or `--vocab-size`)."""
+    ffn_hidden_size: int | None = None
+    """f (`--ffn-hidden-size`); None means 4h."""
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings: bool = False
+    """GPT: `--untie-embeddings-and-output-weights` (separate output matrix)."""
+    dropout: bool = True
+    """Hidden and attention dropout on (Megatron's default 0.1): their masks are stashed."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpt", "bert"):
+            raise ValueError(f"model kind must be 'gpt' or 'bert', got {self.kind!r}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
+                             f"{self.num_attention_heads} attention heads")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, kind: str = "gpt") -> "ModelSpec":
+        """From parsed Megatron flags (ours or Megatron-LM's)."""
+        return cls(kind=kind, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                   vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+                   make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+                   untie_embeddings=getattr(args, "untie_embeddings_and_output_weights", False))
+
+    # ---- sizes ----------------------------------------------------------------------------
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab(self, t: int = 1) -> int:
+        """V rounded up to a multiple of `make_vocab_size_divisible_by * t` (Megatron-LM's
+        padding, so every tensor-parallel shard of the embedding has the same rows)."""
+        multiple = self.make_vocab_size_divisible_by * t
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    @property
+    def tied(self) -> bool:
+        """Output layer shares the word embedding (GPT by default, BERT always)."""
+        return self.kind == "bert" or not self.untie_embeddings
+
+    # ---- parameters -----------------------------------------------------------------------
+    def layer_parameters(self, t: int = 1) -> int:
+        """One transformer layer's parameters held by one of t tensor-parallel ranks.
+
+        QKV (3h^2 + 3h) and FC1 (hf + f) are column-parallel, the attention projection (h^2)
+        and FC2 (fh) row-parallel with replicated biases (h each), two LayerNorms (2h each) are
+        replicated: (4h^2 + 2hf + 3h + f)/t + 6h, which is 12h^2 + 13h for t = 1, f = 4h
+        (Megatron-LM SC'21, Section 5.1)."""
+        h, f = self.hidden_size, self.ffn
+        return (4 * h * h + 2 * h * f + 3 * h + f) // t + 6 * h
+
+    def embedding_parameters(self, t: int = 1) -> int:
+        """First stage: word embedding (V/t rows per rank), learned positions (s x h,
+        replicated); BERT adds 2 token types."""
+        h = self.hidden_size
+        tokentypes = 2 * h if self.kind == "bert" else 0
+        return self.padded_vocab(t) * h // t + self.seq_length * h + tokentypes
+
+    def head_parameters(self, t: int = 1, separate_stage: bool = True) -> int:
+        """Last stage after the layers: final LayerNorm (2h), the output matrix (V/t x h) when
+        it is not the first stage's word embedding (untied, or tied across stages: Megatron keeps
+        a copy on the last stage and all-reduces its gradient with the first), and for BERT the
+        LM head (dense h^2 + h, LayerNorm 2h, output bias V/t), pooler (h^2 + h) and binary
+        head (2h + 2)."""
+        h, v = self.hidden_size, self.padded_vocab(t) // t
+        params = 2 * h
+        if not self.tied or separate_stage:
+            params += v * h
+        if self.kind == "bert":
+            params += (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)
+        return params
+
+    def stage_parameters(self, t: int, d: int, stage: int) -> int:
+        """Parameters on one GPU of pipeline stage `stage` of d, tensor-parallel size t."""
+        params = self.num_layers // d * self.layer_parameters(t)
+        if stage == 0:
+            params += self.embedding_parameters(t)
+        if stage == d - 1:
+            params += self.head_parameters(t, separate_stage=d > 1)
+        return params
+
+    def num_parameters(self) -> int:
+        """The whole model, each tensor counted once."""
+        return self.stage_parameters(1, 1, 0)
+
+    # ---- FLOPs ----------------------------------------------------------------------------
+    def layer_forward_flops(self, b: int) -> float:
+        """Forward FLOPs of one layer for b sequences (all tensor-parallel ranks together):
+        2bs(4h^2 + 2hf) for the four GEMMs plus 4bs^2h for QK^T and attention x V; with
+        f = 4h this is 24bsh^2 + 4bs^2h (Megatron-LM SC'21, Section 5.1, Eq. 3's terms).
+        The backward costs twice the forward (input and weight gradients)."""
+        h, s, f = self.hidden_size, self.seq_length, self.ffn
+        return 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
+
+    def head_forward_flops(self, b: int) -> float:
+        """Logits: 2bshV (the output GEMM; Eq. 3's V/(16lh) term); BERT adds the LM-head dense
+        layer 2bsh^2."""
+        h, s = self.hidden_size, self.seq_length
+        flops = 2 * b * s * h * self.padded_vocab()
+        if self.kind == "bert":
+            flops += 2 * b * s * h * h
+        return flops
+
+    def model_flops_per_iteration(self, global_batch: int, recompute: bool = False) -> float:
+        """Model FLOPs of one training iteration: 3x the forward (4x with recomputation)."""
+        passes = 4 if recompute else 3
+        return passes * global_batch * (self.num_layers * self.layer_forward_flops(1)
+                                         + self.head_forward_flops(1))
+
+    # ---- activations ----------------------------------------------------------------------
+    def layer_activation_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """Bytes one layer keeps for its backward pass, per microbatch of b sequences, on one
+        of t tensor-parallel ranks (no sequence parallelism).
+
+        Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+        Models", Section 4.1 (Eq. 1) and 4.2 (Eq. 2): sbh(10 + 24/t + 5as/(ht)) bytes for
+        16-bit activations with dropout, f = 4h. Here per term, e bytes per element:
+          replicated on all t ranks: the inputs of the two LayerNorms, of QKV and of FC1
+            (4sbh e) and the two hidden-dropout masks (2sbh);
+          split over t: Q, K, V and the projection input (4sbh e), the GeLU input and output
+            (2sbf e), and per head the softmax output, its dropout mask and the dropout output
+            (as^2b (2e + 1)); without dropout only the softmax output (as^2b e)."""
+        h, a, s, f, e = (self.hidden_size, self.num_attention_heads, self.seq_length,
+                         self.ffn, element_bytes)
+        masks = MASK_BYTES if self.dropout else 0
+        replicated = s * b * h * (4 * e + 2 * masks)
+        attention = a * s * s * b * ((2 * e + masks) if self.dropout else e)
+        split = (s * b * (4 * h + 2 * f) * e + attention) / t
+        return replicated + split
+
+    def layer_input_bytes(self, b: int, element_bytes: int) -> float:
+        """One layer's input, sbh e: all a checkpointed layer keeps (Megatron's full
+        recomputation checkpoints each layer's input; the tensor is replicated over TP)."""
+        return self.seq_length * b * self.hidden_size * element_bytes
+
+    def embedding_activation_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """First stage, beyond the layers: the embedding dropout mask (sbh); the embedding
+        output itself is the first layer's input, counted there."""
+        return self.seq_length * b * self.hidden_size * (MASK_BYTES if self.dropout else 0)
+
+    def head_activation_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """Last stage, beyond the layers: the final LayerNorm's and the output layer's inputs
+        (2sbh e) and the softmax Megatron's vocab-parallel cross entropy keeps in fp32
+        (4 bsV/t); BERT's LM head adds its dense layer's input and GeLU (2sbh e)."""
+        s, h = self.seq_length, self.hidden_size
+        bert = 2 * s * b * h * element_bytes if self.kind == "bert" else 0
+        return 2 * s * b * h * element_bytes + 4 * b * s * self.padded_vocab(t) / t + bert
+
+    def logits_gradient_bytes(self, b: int, t: int) -> float:
+        """Transient on the last stage during a backward: the fp32 gradient of the logits."""
+        return 4 * b * self.seq_length * self.padded_vocab(t) / t
+
+    def boundary_bytes(self, b: int, element_bytes: int) -> float:
+        """One activation (or its gradient) sent between pipeline stages: sbh e."""
+        return self.seq_length * b * self.hidden_size * element_bytes

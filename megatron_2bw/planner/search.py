@@ -1,0 +1,206 @@
+"""The search: PipeDream-2BW's Algorithm 1 (Section 4.2) extended with the tensor-parallel size
+and the schedule. Every layout of the N devices is enumerated, the infeasible ones are kept
+with the reason, the feasible ones ranked by predicted samples/s.
+
+    request = PlanRequest(model, cluster, global_batch_size=1536, precision="bf16")
+    plan = search(request)
+    plan.best.layout, plan.best.samples_per_s, plan.rejected[0].reason
+
+Feasible: t d w = N; t divides the heads; d divides the layers; B = b w m for a microbatch
+size b from the list; 2BW needs m >= d (Section 3.1); the fullest device within memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .cluster import GiB, Cluster
+from .cost import CostModel, Layout, MemoryEstimate, TimeEstimate
+from .model import ModelSpec
+
+__all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES"]
+
+ALL_SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
+# At depth 1 every schedule is the same computation; the first allowed one of these stands for
+# them (2BW last: at d = 1 it only adds a stale weight version).
+_DEPTH_ONE_ORDER = ("megatron", "flush", "gpipe", "naive", "2bw")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: ModelSpec
+    cluster: Cluster
+    global_batch_size: int
+    """B: the largest global batch that still trains well; every layout uses exactly B."""
+    precision: str = "bf16"
+    schedules: tuple[str, ...] = ALL_SCHEDULES
+    """Allowed schedules; leave out "2bw" when the 1-stale weight update is not acceptable."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    recompute: tuple[bool, ...] = (False, True)
+    memory_fraction: float = 0.9
+    """Share of device memory the plan may fill (the rest: CUDA context, fragmentation)."""
+    optimizer: str = "adam"
+    distributed_optimizer: bool = False
+    clip_grad: bool = True
+    max_tensor_parallel: int | None = None
+    simulate_top: int = 5
+    """Re-time the best this many with the schedule simulator (0: closed forms only) ..."""
+    simulate_max_actions: int = 20_000
+    """... when their action lists (d stages x 3 calls x (2m + 1)) are at most this long."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.schedules) - set(ALL_SCHEDULES)
+        if unknown or not self.schedules:
+            raise ValueError(f"schedules must be a non-empty subset of {ALL_SCHEDULES}, got "
+                             f"{self.schedules}")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global batch size must be >= 1, got {self.global_batch_size}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory fraction must lie in (0, 1], got {self.memory_fraction}")
+
+    @property
+    def memory_limit(self) -> float:
+        return self.cluster.memory_bytes * self.memory_fraction
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    time: TimeEstimate
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.time.samples_per_s
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A layout (or a family of them: unset fields are None) that cannot run, and why."""
+
+    t: int
+    d: int | None
+    w: int | None
+    b: int | None
+    m: int | None
+    recompute: bool | None
+    schedule: str | None
+    reason: str
+    memory_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: PlanRequest
+    ranked: tuple[Candidate, ...]
+    """Feasible layouts, fastest first."""
+    rejected: tuple[Rejection, ...]
+    considered: int
+    """Layouts (t, d, w, b, recompute, schedule) looked at, feasible or not."""
+    seconds: float
+    """Wall time of the search."""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _schedules_at(depth: int, allowed: tuple[str, ...]) -> list[str]:
+    if depth > 1:
+        return [s for s in ALL_SCHEDULES if s in allowed]
+    return [next(s for s in _DEPTH_ONE_ORDER if s in allowed)]
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fastest first; on a tie the schedule without stale weights, then the smaller memory."""
+    return (-round(c.samples_per_s, 9), c.layout.schedule == "2bw", c.memory.peak)
+
+
+def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
+    """Enumerate, filter and rank every layout of the request's cluster."""
+    started = time.perf_counter()
+    model, cluster = request.model, request.cluster
+    cost = cost or CostModel(model, cluster, request.precision, optimizer=request.optimizer,
+                             distributed_optimizer=request.distributed_optimizer,
+                             clip_grad=request.clip_grad)
+    n, B, limit = cluster.num_gpus, request.global_batch_size, request.memory_limit
+    feasible: list[Candidate] = []
+    rejected: list[Rejection] = []
+    considered = 0
+    for t in _divisors(n):
+        if model.num_attention_heads % t:
+            rejected.append(Rejection(t, None, None, None, None, None, None,
+                                      f"{model.num_attention_heads} attention heads are not "
+                                      f"divisible by t={t}"))
+            continue
+        if request.max_tensor_parallel and t > request.max_tensor_parallel:
+            rejected.append(Rejection(t, None, None, None, None, None, None,
+                                      f"t={t} exceeds --max-tensor-parallel "
+                                      f"{request.max_tensor_parallel}"))
+            continue
+        for d in _divisors(n // t):
+            w = n // (t * d)
+            if model.num_layers % d:
+                rejected.append(Rejection(t, d, w, None, None, None, None,
+                                          f"{model.num_layers} layers do not split into d={d} "
+                                          f"equal stages"))
+                continue
+            for b in request.micro_batch_sizes:
+                if B % (b * w):
+                    rejected.append(Rejection(t, d, w, b, None, None, None,
+                                              f"B={B} is not a multiple of b x w = {b} x {w}"))
+                    continue
+                m = B // (b * w)
+                for rc in request.recompute:
+                    for schedule in _schedules_at(d, request.schedules):
+                        considered += 1
+                        layout = Layout(t, d, w, b, m, rc, schedule)
+                        if schedule == "2bw" and m < d:
+                            rejected.append(Rejection(
+                                t, d, w, b, m, rc, schedule,
+                                f"2bw needs m >= d, got m = B/(b w) = {m} < d={d}"))
+                            continue
+                        memory = cost.memory(layout)
+                        if memory.peak > limit:
+                            worst = memory.peak_stage
+                            rejected.append(Rejection(
+                                t, d, w, b, m, rc, schedule,
+                                f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
+                                f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
+                                f"{cluster.memory_bytes / GiB:.0f} GiB)", memory.peak))
+                            continue
+                        feasible.append(Candidate(layout, memory, cost.time(layout)))
+    feasible.sort(key=_rank_key)
+    feasible = _refine(feasible, request, cost)
+    return Plan(request, tuple(feasible), tuple(rejected), considered,
+                time.perf_counter() - started)
+
+
+def _refine(ranked: list[Candidate], request: PlanRequest, cost: CostModel) -> list[Candidate]:
+    """Re-time the leading candidates with the schedule simulator until the best
+    `simulate_top` are all simulated (or too long to simulate); the rest keep their closed-form
+    times."""
+    k = request.simulate_top
+    if k <= 0:
+        return ranked
+    done: set[Layout] = set()
+    while True:
+        pending = [i for i, c in enumerate(ranked[:k])
+                   if c.layout not in done and _simulatable(c.layout, request)]
+        if not pending:
+            return ranked
+        for i in pending:
+            c = ranked[i]
+            done.add(c.layout)
+            ranked[i] = Candidate(c.layout, c.memory, cost.time(c.layout, simulate=True))
+        ranked.sort(key=_rank_key)
+
+
+def _simulatable(layout: Layout, request: PlanRequest) -> bool:
+    actions = layout.d * 3 * (2 * layout.m + 1)
+    return layout.d > 1 and actions <= request.simulate_max_actions

@@ -1,0 +1,369 @@
+"""Plan a megatron-2bw training run: layout, microbatch size, recomputation and schedule.
+
+  plan     (default) rank every feasible layout; write plan.json, rejected.csv, flags.txt,
+           launch.sh (torchrun) and plan.sbatch (Slurm) under --out, print table and scripts
+      tools/plan.py --cluster dgx-h100 --nodes 128 --global-batch-size 1536 \\
+          --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+  profile  measure one transformer layer (and the embedding, head, optimizer step, local
+           links) on this device; writes tools/profiles/<device>.json
+      tools/plan.py profile --num-layers 4 --hidden-size 128 --num-attention-heads 4 \\
+          --seq-length 128 --vocab-size 1024 --micro-batch-sizes 1,2,4 --tensor-parallel-sizes 1,2
+  profile --end-to-end  train layouts for a few iterations with torchrun, record time per
+           iteration and peak memory; with --profile also print predicted vs measured
+      tools/plan.py profile --end-to-end --layouts t1d2w1b4:2bw,t2d1w1b4:megatron ... \\
+          --global-batch-size 16 --profile tools/profiles/cpu-....json
+  report   predicted vs measured for an end-to-end profile
+      tools/plan.py report --measured e2e.json --profile tools/profiles/cpu-....json
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_2bw.planner import (ALL_SCHEDULES, GiB, CostModel, E2EProfile, Layout,  # noqa: E402
+                                  ModelSpec, Plan, PlanRequest, Profile, preset, search,
+                                  write_plan)
+from megatron_2bw.planner import flags as plan_flags  # noqa: E402
+from megatron_2bw.planner import profile as profiling  # noqa: E402
+from megatron_2bw.planner.cluster import Link  # noqa: E402
+
+_Gb = 1e9 / 8
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in ALL_SCHEDULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad}; choose from "
+                                         f"{','.join(ALL_SCHEDULES)}")
+    return names
+
+
+def _add_model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_argument_group("model (Megatron's flags)")
+    g.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        g.add_argument(flag, type=int, required=required)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (default: 51200 GPT, 30592 BERT)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--no-dropout", action="store_true",
+                   help="the run uses --hidden-dropout 0 --attention-dropout 0")
+
+
+def _model(args) -> ModelSpec:
+    vocab = args.vocab_size or (30592 if args.model == "bert" else 51200)
+    return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
+                     args.seq_length, vocab, ffn_hidden_size=args.ffn_hidden_size,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     untie_embeddings=args.untie_embeddings_and_output_weights,
+                     dropout=not args.no_dropout)
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--cluster", default="cpu-local",
+                   help="v100-25gbe (alias paper: 8 x V100-16GB, 25 Gb/s Ethernet), dgx-a100, "
+                        "dgx-h100, cpu-local (this machine, one process per core)")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--gpus-per-node", type=int, default=None)
+    g.add_argument("--gpu-memory-gib", type=float, default=None)
+    g.add_argument("--intra-node-gbytes", type=float, default=None,
+                   help="GB/s per device and direction inside a node (NVLink)")
+    g.add_argument("--inter-node-gbits", type=float, default=None,
+                   help="Gb/s of a node's network, shared by its devices")
+
+
+def _cluster(args):
+    changes = {}
+    if args.gpus_per_node:
+        changes["gpus_per_node"] = args.gpus_per_node
+    if args.gpu_memory_gib:
+        changes["memory_bytes"] = args.gpu_memory_gib * GiB
+    cluster = preset(args.cluster, nodes=args.nodes, **changes)
+    if args.intra_node_gbytes:
+        cluster = cluster.with_(intra_node=Link(args.intra_node_gbytes * 1e9,
+                                                cluster.intra_node.latency))
+    if args.inter_node_gbits:
+        cluster = cluster.with_(inter_node=Link(
+            args.inter_node_gbits * _Gb / cluster.gpus_per_node, cluster.inter_node.latency))
+    return cluster
+
+
+def _precision(args, cluster) -> str:
+    return args.precision or ("fp32" if cluster.device == "cpu" else "bf16")
+
+
+def _load_profile(args, cluster) -> Profile | None:
+    if args.no_profile:
+        return None
+    path = args.profile
+    if path is None:
+        auto = profiling.default_profile_path(cluster.device_name)
+        if not auto.is_file():
+            return None
+        path = auto
+    profile = Profile.load(path)
+    print(f"profile: {path} ({profile.device_name}, {profile.precision}, "
+          f"{len(profile.samples)} samples)")
+    return profile
+
+
+# ---- plan -------------------------------------------------------------------------------
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_flags(p)
+    _add_cluster_flags(p)
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch-size", type=int, required=True,
+                   help="B: the largest global batch that still trains well")
+    g.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="default: bf16 on GPUs, fp32 on cpu-local")
+    g.add_argument("--schedules", type=_schedules, default=ALL_SCHEDULES,
+                   help="allowed schedules (leave out 2bw to forbid the 1-stale update)")
+    g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
+    g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    g.add_argument("--memory-fraction", type=float, default=0.9)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--no-clip-grad", action="store_true",
+                   help="the run uses --clip-grad 0 (no pipeline-wide norm before each step)")
+    g.add_argument("--max-tensor-parallel", type=int, default=None)
+    g = p.add_argument_group("output")
+    g.add_argument("--profile", default=None,
+                   help="layer profile JSON (default: tools/profiles/<device>.json if present)")
+    g.add_argument("--no-profile", action="store_true", help="closed forms only")
+    g.add_argument("--measured", default=None,
+                   help="end-to-end profile JSON: print predicted vs measured")
+    g.add_argument("--closed-form", action="store_true",
+                   help="no simulator refinement of the leading candidates")
+    g.add_argument("--simulate-top", type=int, default=5)
+    g.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    g.add_argument("--explain", action="store_true", help="print every rejected layout")
+    g.add_argument("--out", default="plan", help="directory for plan.json and the scripts")
+    g.add_argument("--no-scripts", action="store_true", help="do not print the scripts")
+    return p
+
+
+def format_table(plan: Plan, top: int) -> str:
+    head = (f"{'#':>3} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'schedule':<8} {'rc':<3} "
+            f"{'samples/s':>10} {'s/iter':>9} {'bubble':>7} {'GiB/dev':>8} {'stage':>5}  time")
+    lines = [head]
+    for i, c in enumerate(plan.ranked[:top], 1):
+        L = c.layout
+        lines.append(
+            f"{i:>3} {L.t:>3} {L.d:>3} {L.w:>4} {L.b:>3} {L.m:>4} {L.schedule:<8} "
+            f"{'yes' if L.recompute else '-':<3} {c.samples_per_s:>10.2f} {c.time.iteration:>9.4f} "
+            f"{c.time.bubble_fraction:>7.1%} {c.memory.peak / GiB:>8.2f} "
+            f"{c.memory.peak_stage.stage:>5}  {c.time.method}")
+    return "\n".join(lines)
+
+
+def format_rejections(plan: Plan) -> str:
+    def show(v):
+        return "*" if v is None else str(v)
+
+    lines = [f"{'t':>4} {'d':>4} {'w':>5} {'b':>4} {'m':>5} {'rc':>5} {'schedule':<8} reason"]
+    for r in plan.rejected:
+        lines.append(f"{show(r.t):>4} {show(r.d):>4} {show(r.w):>5} {show(r.b):>4} "
+                     f"{show(r.m):>5} {show(r.recompute):>5} {show(r.schedule):<8} {r.reason}")
+    return "\n".join(lines)
+
+
+def run_plan(argv) -> int:
+    args = plan_parser().parse_args(argv)
+    started = time.perf_counter()
+    model, cluster = _model(args), _cluster(args)
+    precision = _precision(args, cluster)
+    profile = _load_profile(args, cluster)
+    request = PlanRequest(
+        model, cluster, args.global_batch_size, precision, schedules=args.schedules,
+        micro_batch_sizes=args.micro_batch_sizes,
+        recompute={"both": (False, True), "on": (True,), "off": (False,)}[args.recompute],
+        memory_fraction=args.memory_fraction, optimizer=args.optimizer,
+        distributed_optimizer=args.use_distributed_optimizer, clip_grad=not args.no_clip_grad,
+        max_tensor_parallel=args.max_tensor_parallel,
+        simulate_top=0 if args.closed_form else args.simulate_top)
+    cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
+                     distributed_optimizer=args.use_distributed_optimizer,
+                     clip_grad=not args.no_clip_grad)
+    plan = search(request, cost)
+    paths = write_plan(plan, args.out)
+    print(f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "
+          f"(L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
+          f"s={model.seq_length} V={model.padded_vocab()}) on {cluster.num_gpus} devices "
+          f"({cluster.nodes} x {cluster.gpus_per_node} {cluster.name}, "
+          f"{cluster.memory_bytes / GiB:.0f} GiB each), B={args.global_batch_size}, {precision}, "
+          f"schedules {','.join(args.schedules)}")
+    print(f"{plan.considered} layouts considered, {len(plan.ranked)} feasible, "
+          f"{len(plan.rejected)} rejected ({paths['rejected']}); search {plan.seconds:.3f} s")
+    if args.explain:
+        print("\nrejected:\n" + format_rejections(plan))
+    if plan.best is None:
+        print("\nno feasible layout: see the rejections above (--explain) or "
+              f"{paths['rejected']}", file=sys.stderr)
+        return 1
+    print("\n" + format_table(plan, args.top))
+    best = plan.best
+    print(f"\nchoice: {best.layout.label()}  (plan: {paths['plan']})")
+    print(f"flags ({paths['flags']}):\n  {plan_flags.flag_line(best, plan)}")
+    if not args.no_scripts:
+        print(f"\n--- {paths['torchrun']} ---\n{paths['torchrun'].read_text()}"
+              f"--- {paths['sbatch']} ---\n{paths['sbatch'].read_text()}", end="")
+    if args.measured:
+        e2e = E2EProfile.load(args.measured)
+        print("\npredicted vs measured:\n"
+              + profiling.format_accuracy(profiling.compare(e2e, cost,
+                                                            simulate=not args.closed_form)))
+    print(f"\nplanned in {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+# ---- profile ----------------------------------------------------------------------------
+
+_LAYOUT_RE = re.compile(r"t(\d+)d(\d+)w(\d+)b(\d+):([a-z0-9]+)(\+rc)?")
+
+
+def parse_layout(text: str, global_batch: int) -> Layout:
+    """'t1d2w1b4:2bw' (+rc for recomputation) with m from the global batch."""
+    match = _LAYOUT_RE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected like t1d2w1b4:2bw or "
+                                         "t2d1w1b4:megatron+rc")
+    t, d, w, b = (int(x) for x in match.groups()[:4])
+    schedule, rc = match.group(5), bool(match.group(6))
+    if schedule not in ALL_SCHEDULES:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: unknown schedule {schedule}")
+    if global_batch % (b * w):
+        raise argparse.ArgumentTypeError(f"layout {text!r}: B={global_batch} is not a "
+                                         f"multiple of b x w = {b * w}")
+    return Layout(t, d, w, b, global_batch // (b * w), rc, schedule)
+
+
+def profile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan.py profile",
+                                description="measure layers, or whole configurations")
+    _add_model_flags(p)
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--cpu", action="store_true", help="profile on CPU even where CUDA is")
+    p.add_argument("--out", default=None,
+                   help="default: tools/profiles/<device>.json (layers), e2e.json (--end-to-end)")
+    g = p.add_argument_group("layer profile")
+    g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8))
+    g.add_argument("--tensor-parallel-sizes", type=_ints, default=(1, 2, 4, 8))
+    g.add_argument("--no-recompute", action="store_true")
+    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--no-links", action="store_true",
+                   help="skip timing all-reduces between two local processes")
+    g = p.add_argument_group("end-to-end profile")
+    g.add_argument("--end-to-end", action="store_true")
+    g.add_argument("--layouts", default=None,
+                   help="comma-separated, like t1d2w1b4:2bw,t2d1w1b4:megatron,t1d1w2b4:megatron")
+    g.add_argument("--candidates", type=int, default=4,
+                   help="without --layouts: the planner's best this many for --nproc devices")
+    g.add_argument("--nproc", type=int, default=2, help="processes (devices) on this machine")
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=12)
+    g.add_argument("--log-interval", type=int, default=3)
+    g.add_argument("--profile", default=None,
+                   help="layer profile JSON to predict the runs with (accuracy table)")
+    return p
+
+
+def run_profile(argv) -> int:
+    args = profile_parser().parse_args(argv)
+    model = _model(args)
+    if args.end_to_end:
+        return _run_end_to_end(args, model)
+    from megatron_2bw.runtime.cpu import cuda_usable
+
+    on_cpu = args.cpu or not cuda_usable()
+    precision = args.precision or ("fp32" if on_cpu else "bf16")
+    started = time.perf_counter()
+    profile = profiling.measure(
+        model, precision, micro_batches=args.micro_batch_sizes,
+        tensor_parallel=args.tensor_parallel_sizes,
+        recompute=(False,) if args.no_recompute else (False, True), repeats=args.repeats,
+        force_cpu=args.cpu, log=print)
+    if not args.no_links:
+        profile.intra_node_link = profiling.measure_links()
+        link = profile.intra_node_link
+        print(f"links: {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us latency "
+              f"(all-reduce between two local processes)")
+    out = args.out or profiling.default_profile_path(profile.device_name)
+    print(f"wrote {profile.save(out)} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _run_end_to_end(args, model: ModelSpec) -> int:
+    from megatron_2bw.runtime.cpu import cuda_usable
+
+    on_cpu = args.cpu or not cuda_usable()
+    precision = args.precision or ("fp32" if on_cpu else "bf16")
+    if args.layouts:
+        layouts = [parse_layout(x, args.global_batch_size) for x in args.layouts.split(",")]
+    else:
+        cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(
+            "dgx-h100", gpus_per_node=args.nproc)
+        profile = Profile.load(args.profile) if args.profile else None
+        cost = CostModel(model, cluster, precision, profile=profile)
+        plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
+        layouts = [c.layout for c in plan.ranked[:args.candidates]]
+    e2e = profiling.run_end_to_end(model, layouts, precision, train_iters=args.train_iters,
+                                   log_interval=args.log_interval, cpu=on_cpu, log=print)
+    out = Path(args.out or "e2e.json")
+    print(f"wrote {e2e.save(out)}")
+    if args.profile:
+        _print_report(e2e, Profile.load(args.profile))
+    return 0
+
+
+def _print_report(e2e: E2EProfile, profile: Profile, closed_form: bool = False) -> None:
+    cluster = preset("cpu-local") if profile.device == "cpu" else preset("dgx-h100")
+    precision = e2e.runs[0].precision if e2e.runs else profile.precision
+    cost = CostModel(e2e.model, cluster, precision, profile=profile)
+    print("predicted (closed form from the layer profile%s) vs measured:"
+          % ("" if closed_form else ", pipeline part simulated"))
+    print(profiling.format_accuracy(profiling.compare(e2e, cost, simulate=not closed_form)))
+
+
+def run_report(argv) -> int:
+    p = argparse.ArgumentParser(prog="plan.py report",
+                                description="predicted vs measured for an end-to-end profile")
+    p.add_argument("--measured", required=True, help="end-to-end profile JSON")
+    p.add_argument("--profile", required=True, help="layer profile JSON")
+    p.add_argument("--closed-form", action="store_true")
+    args = p.parse_args(argv)
+    _print_report(E2EProfile.load(args.measured), Profile.load(args.profile), args.closed_form)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"profile": run_profile, "report": run_report, "plan": run_plan}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return run_plan(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
