@@ -364,8 +364,8 @@ class CostModel:
             # A lookup and an add: memory-bound, (s, b, h) read and written a few times.
             nbytes = 3 * model.boundary_bytes(b, self.element_bytes)
             return nbytes / self.cluster.memory_bandwidth, nbytes / self.cluster.memory_bandwidth
-        flops = (model.layer_forward_flops(b) if part == "layer" else
-                 model.head_forward_flops(b)) / t
+        flops = (model.layer_forward_flops(b) / t if part == "layer" else
+                 model.head_forward_flops(b, t))
         forward = flops / self.cluster.flops(self.precision)
         # Backward = 2 x forward; recomputation adds a forward: 4/3 of the work in all
         # (PipeDream-2BW Section 4.1; Megatron-LM SC'21 Eq. 3 with 4 passes instead of 3).
@@ -427,5 +427,5 @@ def _part_work(model: ModelSpec, part: str, b: int, t: int, e: int) -> float:
     if part == "layer":
         return model.layer_forward_flops(b) / t
     if part == "head":
-        return model.head_forward_flops(b) / t
+        return model.head_forward_flops(b, t)
     return model.boundary_bytes(b, e)

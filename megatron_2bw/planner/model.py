@@ -138,11 +138,11 @@ class ModelSpec:
         h, s, f = self.hidden_size, self.seq_length, self.ffn
         return 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
 
-    def head_forward_flops(self, b: int) -> float:
-        """Logits: 2bshV (the output GEMM; Eq. 3's V/(16lh) term); BERT adds the LM-head dense
-        layer 2bsh^2."""
+    def head_forward_flops(self, b: int, t: int = 1) -> float:
+        """Logits on one of t ranks: 2bsh V/t (the output GEMM; Eq. 3's V/(16lh) term), V
+        padded for t; BERT adds its LM-head dense layer, 2bsh^2, which is not split."""
         h, s = self.hidden_size, self.seq_length
-        flops = 2 * b * s * h * self.padded_vocab()
+        flops = 2 * b * s * h * self.padded_vocab(t) / t
         if self.kind == "bert":
             flops += 2 * b * s * h * h
         return flops

@@ -1,0 +1,436 @@
+"""The planner: cost model against numbers worked out by hand here, search constraints, written
+scripts through our own flag validation, the CLI on GPT-3 175B. No processes are started.
+
+Hand numbers use a small GPT: L=4, h=64, a=4, s=32, V=128 (already a multiple of 128), f=4h.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_2bw.arguments import FlagError
+from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec, PlanRequest,
+                                  Profile, preset, search, write_plan)
+from megatron_2bw.planner.cluster import Link
+from megatron_2bw.planner.cost import simulated_iteration, _simulate_normalized
+from megatron_2bw.planner.flags import parse_for_validation
+from megatron_2bw.planner.profile import (E2ERun, Sample, compare, format_accuracy,
+                                          parse_training_log)
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                  vocab_size=128)
+GPT3 = ModelSpec("gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
+                 seq_length=2048, vocab_size=51200)
+
+
+def _plan_cli():
+    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- model sizes ---------------------------------------------------------------------------
+
+
+def test_parameter_counts_by_hand():
+    # 12h^2 + 13h per layer; embedding V h + s h; GPT-3 175B has ~174.6e9 parameters.
+    assert SMALL.layer_parameters() == 12 * 64 * 64 + 13 * 64 == 49_984
+    assert SMALL.embedding_parameters() == 128 * 64 + 32 * 64 == 10_240
+    # Stage 0 of 2: two layers and the embedding; stage 1: two layers, final LayerNorm (2h)
+    # and the last stage's copy of the tied word embedding (V h).
+    assert SMALL.stage_parameters(1, 2, 0) == 2 * 49_984 + 10_240 == 110_208
+    assert SMALL.stage_parameters(1, 2, 1) == 2 * 49_984 + 128 + 8_192 == 108_288
+    # One stage: the output layer is the embedding itself.
+    assert SMALL.num_parameters() == 4 * 49_984 + 10_240 + 128
+    assert 174.5e9 < GPT3.num_parameters() < 174.7e9
+    # t = 2: matrices and column-parallel biases halve, LayerNorms and row biases stay.
+    h = 64
+    assert SMALL.layer_parameters(2) == (4 * h * h + 2 * h * 4 * h + 3 * h + 4 * h) // 2 + 6 * h
+
+
+def test_activation_bytes_match_korthikanti():
+    # Korthikanti et al. 2022 Eq. 1/2 with 16-bit activations: sbh(10 + 24/t + 5as/(ht)).
+    s, b, h, a = 32, 2, 64, 4
+    for t in (1, 2, 4):
+        expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert SMALL.layer_activation_bytes(b, t, element_bytes=2) == pytest.approx(expected)
+
+
+# ---- memory of a layout, by hand ----------------------------------------------------------
+
+
+def _cluster_small():
+    return preset("dgx-a100", nodes=1)
+
+
+def test_memory_of_2bw_layout_by_hand():
+    cost = CostModel(SMALL, _cluster_small(), "bf16")
+    memory = cost.memory(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw"))
+    # Per parameter: 2 weight versions x 2 bytes + fp32 main_grad 4 + fp32 master 4 + Adam 8.
+    per_param = 2 * 2 + 4 + 4 + 8
+    layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)  # sbh(34 + 5as/h) = 180,224 bytes
+    mask = 32 * 2 * 64  # embedding dropout mask, 1 byte per element
+    stage0 = 110_208 * per_param + 2 * (2 * layer + mask)  # stashes d - 0 = 2 microbatches
+    head = 2 * 32 * 2 * 64 * 2 + 4 * 2 * 32 * 128  # LN and output inputs; fp32 softmax
+    logits_grad = 4 * 2 * 32 * 128
+    stage1 = 108_288 * per_param + 1 * (2 * layer + head) + logits_grad  # stashes d - 1 = 1
+    assert memory.stages[0].total == pytest.approx(stage0) == 2_933_248
+    assert memory.stages[1].total == pytest.approx(stage1) == 2_608_128
+    assert memory.peak == pytest.approx(stage0)
+    assert memory.stages[0].stashed_microbatches == 2
+
+
+def test_memory_gpipe_recompute_fp32_by_hand():
+    cost = CostModel(SMALL, _cluster_small(), "fp32")
+    memory = cost.memory(Layout(t=1, d=2, w=1, b=2, m=4, recompute=True, schedule="gpipe"))
+    # fp32 Adam: weights 4 + grads 4 + 2 moments 8 (no separate master); one version.
+    per_param = 16
+    layer_input = 32 * 2 * 64 * 4  # each checkpointed layer keeps its input, sbh x 4 bytes
+    mask = 32 * 2 * 64
+    # Full activations of one layer (recomputed during its backward), fp32 elements:
+    # replicated 4sbh e + 2 masks sbh, split (4h + 2f) sb e + as^2 b (2e + 1).
+    layer_full = 32 * 2 * 64 * (4 * 4 + 2) + 32 * 2 * (4 * 64 + 2 * 256) * 4 \
+        + 4 * 32 * 32 * 2 * (2 * 4 + 1)
+    stage0 = 110_208 * per_param + 4 * (2 * layer_input + mask) + layer_full  # GPipe: m = 4
+    assert memory.stages[0].total == pytest.approx(stage0)
+    assert memory.stages[0].stashed_microbatches == 4
+
+
+def test_data_parallel_sharded_optimizer_divides_master_and_moments():
+    base = CostModel(SMALL, _cluster_small(), "bf16")
+    sharded = CostModel(SMALL, _cluster_small(), "bf16", distributed_optimizer=True)
+    layout = Layout(t=1, d=1, w=4, b=1, m=2, recompute=False, schedule="megatron")
+    params = SMALL.num_parameters()
+    assert base.memory(layout).stages[0].optimizer == params * 12
+    assert sharded.memory(layout).stages[0].optimizer == params * 12 / 4
+
+
+# ---- communication, by hand ---------------------------------------------------------------
+
+
+def test_ring_all_reduce_bytes():
+    link = Link(bandwidth=1e9, latency=0.0)
+    # Each rank sends 2(n-1)/n of the buffer.
+    assert link.all_reduce(8e9, 8) == pytest.approx(2 * 7 / 8 * 8)
+    assert link.all_reduce(8e9, 1) == 0.0
+
+
+def test_tensor_parallel_all_reduces_on_nvlink_then_network():
+    cluster = preset("dgx-h100", nodes=4)
+    cost = CostModel(GPT3, cluster, "bf16")
+    size = 1 * 2048 * 12288 * 2  # one (s, b, h) bf16 activation: 50,331,648 bytes
+    # Middle stage of 4: 24 layers x (2 forward + 2 backward) ring all-reduces over t = 8
+    # GPUs of a node, NVLink 450 GB/s per direction, 5 us per message.
+    one = 2 * 7 * 5e-6 + 2 * 7 / 8 * size / 450e9
+    estimate = cost.time(Layout(t=8, d=4, w=1, b=1, m=4, recompute=False, schedule="flush"))
+    assert estimate.tensor_parallel[1] == pytest.approx(24 * 4 * one)
+    # t = 16 spans two nodes: 400 Gb/s InfiniBand per GPU (50 GB/s), 10 us per message.
+    one_ib = 2 * 15 * 10e-6 + 2 * 15 / 16 * size / 50e9
+    estimate = cost.time(Layout(t=16, d=2, w=1, b=1, m=4, recompute=False, schedule="flush"))
+    layers = 48
+    assert estimate.tensor_parallel[0] == pytest.approx(layers * 4 * one_ib + one_ib)
+    # Recomputation replays the forward's two all-reduces in the backward.
+    rc = cost.time(Layout(t=8, d=4, w=1, b=1, m=4, recompute=True, schedule="flush"))
+    assert rc.tensor_parallel[1] == pytest.approx(24 * 6 * one)
+
+
+def test_data_parallel_all_reduce_inside_a_node_when_it_fits():
+    cluster = preset("dgx-h100", nodes=2)
+    cost = CostModel(SMALL, cluster, "bf16", clip_grad=False)
+    grads = SMALL.num_parameters() * 4  # fp32 main_grad
+    inside = cost.time(Layout(t=1, d=1, w=8, b=1, m=1, recompute=False, schedule="megatron"))
+    assert inside.data_parallel == pytest.approx(2 * 7 * 5e-6 + 2 * 7 / 8 * grads / 450e9)
+    across = cost.time(Layout(t=1, d=1, w=16, b=1, m=1, recompute=False, schedule="megatron"))
+    assert across.data_parallel == pytest.approx(2 * 15 * 10e-6 + 2 * 15 / 16 * grads / 50e9)
+
+
+# ---- bubbles, by hand ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule,d,m,expected", [
+    ("gpipe", 4, 8, (8 + 4 - 1) * 3),   # (m + d - 1)(F + B): bubble (d-1)/(m+d-1)
+    ("flush", 4, 8, (8 + 4 - 1) * 3),
+    ("flush", 2, 4, (4 + 2 - 1) * 3),
+    ("naive", 4, 8, 8 * 4 * 3),         # d-fold: one stage at a time
+    ("2bw", 4, 8, 8 * 3),               # steady state without a pipeline-wide step: no bubble
+])
+def test_uniform_pipeline_iteration_closed_form_and_simulator(schedule, d, m, expected):
+    forward, backward = [1.0] * d, [2.0] * d
+    closed = CostModel._closed_form(schedule, d, m, forward, backward, 0.0, 0.0, "local")
+    assert closed == pytest.approx(expected)
+    simulated = simulated_iteration(schedule, d, m, tuple(forward), tuple(backward), 0.0, 0.0,
+                                    "local")
+    assert simulated == pytest.approx(expected)
+    work = m * 3
+    bubble = 1 - work / expected
+    if schedule in ("gpipe", "flush"):
+        assert bubble == pytest.approx((d - 1) / (m + d - 1))
+
+
+def test_2bw_with_pipeline_wide_step_waits_for_the_backward_wave():
+    # Gradient clipping makes the step a collective over all stages: it waits for stage 0's
+    # last backward, d - 1 backwards after the last stage's: m(F+B) + (d-1)B + S.
+    d, m, F, B, S = 4, 8, 1.0, 2.0, 0.5
+    expected = m * (F + B) + (d - 1) * B + S
+    assert CostModel._closed_form("2bw", d, m, [F] * d, [B] * d, 0.0, S, "pipeline") == expected
+    assert simulated_iteration("2bw", d, m, (F,) * d, (B,) * d, 0.0, S, "pipeline") == \
+        pytest.approx(expected)
+
+
+def test_simulator_calls_are_memoized_across_scales():
+    _simulate_normalized.cache_clear()
+    simulated_iteration("flush", 3, 5, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 0.0, 0.0, "local")
+    value = simulated_iteration("flush", 3, 5, (3e-3,) * 3, (6e-3,) * 3, 0.0, 0.0, "local")
+    assert _simulate_normalized.cache_info().hits == 1
+    assert value == pytest.approx((5 + 3 - 1) * 9e-3)
+
+
+# ---- search constraints -------------------------------------------------------------------
+
+
+GPT_8B = ModelSpec("gpt", num_layers=72, hidden_size=3072, num_attention_heads=32,
+                   seq_length=1024, vocab_size=51200)
+
+
+def test_slow_network_keeps_tensor_parallelism_inside_a_node():
+    cluster = preset("paper", nodes=8)  # 8 x V100-16GB per server, 25 Gb/s between servers
+    plan = search(PlanRequest(GPT_8B, cluster, global_batch_size=512, precision="fp16"))
+    assert plan.best is not None
+    assert any(c.layout.d > 1 for c in plan.ranked)  # a pipeline layout fits
+    assert plan.best.layout.t <= cluster.gpus_per_node
+    assert all(c.layout.t <= 8 for c in plan.ranked[:10])
+
+
+def test_2bw_excluded_when_asked():
+    cluster = preset("paper", nodes=8)
+    allowed = ("flush", "gpipe", "naive", "megatron")
+    with_2bw = search(PlanRequest(GPT_8B, cluster, 512, "fp16"))
+    without = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed))
+    assert with_2bw.best.layout.schedule == "2bw"
+    assert without.ranked and all(c.layout.schedule in allowed for c in without.ranked)
+    assert all(r.schedule != "2bw" for r in without.rejected)
+
+
+def test_2bw_needs_as_many_microbatches_as_stages():
+    cluster = preset("dgx-a100", nodes=1)
+    plan = search(PlanRequest(SMALL, cluster, global_batch_size=4, micro_batch_sizes=(1, 2),
+                              schedules=("2bw",)))
+    # d = 4, w = 2, b = 1: m = 4 / (1 x 2) = 2 < 4.
+    reasons = [r.reason for r in plan.rejected if (r.t, r.d, r.w, r.b) == (1, 4, 2, 1)]
+    assert reasons and "m >= d" in reasons[0]
+    assert all(c.layout.m >= c.layout.d for c in plan.ranked)
+
+
+def test_infeasible_memory_rejected_with_reason(tmp_path):
+    # GPT-3 on one DGX-H100: 174.6e9 parameters x 18 bytes of weights, gradients and Adam
+    # state are 3.1 TB, 393 GB per GPU even with t = 8, over 72 GiB (90% of 80 GiB).
+    cluster = preset("dgx-h100", nodes=1)
+    plan = search(PlanRequest(GPT3, cluster, global_batch_size=64))
+    assert plan.best is None
+    memory = [r for r in plan.rejected if r.reason.startswith("memory")]
+    assert memory
+    t8 = next(r for r in memory if (r.t, r.d, r.b, r.recompute, r.schedule)
+              == (8, 1, 1, True, "megatron"))
+    assert t8.memory_bytes > 174.6e9 * 18 / 8
+    assert "> 72.00 GiB" in t8.reason
+    heads = [r for r in plan.rejected if r.d is None]
+    assert all(r.t == 64 or 96 % r.t for r in heads if "heads" in r.reason)
+    paths = write_plan(plan, tmp_path)
+    rows = paths["rejected"].read_text().splitlines()
+    assert rows[0].split(",")[:3] == ["t", "d", "w"] and len(rows) == len(plan.rejected) + 1
+    assert "flags" not in paths
+
+
+# ---- written flags and scripts through our own validation -----------------------------
+
+
+def _plan_small_cluster():
+    cluster = preset("dgx-a100", nodes=2)
+    model = ModelSpec("gpt", num_layers=24, hidden_size=2048, num_attention_heads=16,
+                      seq_length=1024, vocab_size=50257)
+    return search(PlanRequest(model, cluster, global_batch_size=256)), model
+
+
+def test_flag_line_passes_validate_args(tmp_path):
+    plan, model = _plan_small_cluster()
+    paths = write_plan(plan, tmp_path)
+    layout = plan.best.layout
+    flags = shlex.split(paths["flags"].read_text())
+    args = parse_for_validation(flags + ["--mock-data"], model, world_size=layout.world)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.data_parallel_size) == (layout.t, layout.d, layout.w)
+    assert args.num_microbatches == layout.m and args.pipeline_schedule == layout.schedule
+    # The same flags for another world size are refused by our validator.
+    with pytest.raises(FlagError):
+        parse_for_validation(flags + ["--mock-data"], model, world_size=layout.world + 1)
+    document = json.loads(paths["plan"].read_text())
+    assert document["choice"]["layout"]["t"] == layout.t
+    assert len(document["alternatives"]) == min(20, len(plan.ranked))
+
+
+def _fake_bin(directory: Path, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _entry_args(recorded: str) -> list[str]:
+    words = shlex.split(recorded)
+    return words[next(i for i, w in enumerate(words) if w.endswith("_2bw.py")) + 1:]
+
+
+@pytest.mark.parametrize("script", ["torchrun", "sbatch"])
+def test_scripts_run_to_a_command_our_validator_accepts(tmp_path, script):
+    plan, model = _plan_small_cluster()
+    paths = write_plan(plan, tmp_path / "plan")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "command.txt"
+    # torchrun, srun and scontrol stand-ins: record what would have been launched.
+    _fake_bin(bin_dir, "torchrun", f'printf "%q " torchrun "$@" > {record}')
+    _fake_bin(bin_dir, "srun", '"$@"')
+    _fake_bin(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\n"')
+    tokenizer = tmp_path / "tokenizer.model"
+    tokenizer.write_text("dummy")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DATA_PATH=str(tmp_path / "d"),
+               TOKENIZER_MODEL=str(tokenizer), SLURM_NNODES="2", SLURM_JOB_ID="7",
+               SLURM_JOB_NODELIST="node-[a-b]")
+    path = paths["torchrun"] if script == "torchrun" else paths["sbatch"]
+    subprocess.run(["bash", str(path), "--train-iters", "10"], env=env, check=True, cwd=tmp_path)
+    recorded = record.read_text()
+    if script == "sbatch":
+        text = path.read_text()
+        assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+        assert "#SBATCH --gpus-per-node=8" in text
+        assert "--rdzv-backend c10d --rdzv-endpoint node-a:29500" in recorded
+        assert "--nnodes 2 --nproc-per-node 8" in recorded
+    else:
+        assert "--nnodes 2 --node-rank 0 --nproc-per-node 8" in recorded
+    args = parse_for_validation(_entry_args(recorded), model, world_size=16)
+    assert args.train_iters == 10 and args.data_path == [str(tmp_path / "d")]
+    assert args.tensor_model_parallel_size == plan.best.layout.t
+
+
+def test_bert_flags_validate_with_the_bert_parser(tmp_path):
+    model = ModelSpec("bert", num_layers=24, hidden_size=1024, num_attention_heads=16,
+                      seq_length=512, vocab_size=30592)
+    plan = search(PlanRequest(model, preset("dgx-a100", nodes=1), global_batch_size=256))
+    paths = write_plan(plan, tmp_path)
+    assert "pretrain_bert_2bw.py" in paths["torchrun"].read_text()
+    flags = shlex.split(paths["flags"].read_text()) + ["--mock-data"]
+    args = parse_for_validation(flags, model, world_size=plan.best.layout.world)
+    assert args.num_microbatches == plan.best.layout.m
+
+
+# ---- profiles -----------------------------------------------------------------------------
+
+
+def _profile(**overrides) -> Profile:
+    samples = [Sample("layer", 1, 2, False, 0.010, 0.020, 1e6),
+               Sample("layer", 1, 2, True, 0.010, 0.030, 1e5),
+               Sample("embedding", 1, 2, False, 0.001, 0.001, 1e3),
+               Sample("head", 1, 2, False, 0.004, 0.008, 2e5)]
+    fields = dict(device="cpu", device_name="cpu test", precision="fp32", model=SMALL,
+                  samples=samples, optimizer_fixed_s=0.002, optimizer_per_param_s=1e-8,
+                  runtime_overhead_bytes=100.0)
+    fields.update(overrides)
+    return Profile(**fields)
+
+
+def test_profile_round_trip_and_lookup(tmp_path):
+    profile = _profile(intra_node_link=Link(2e9, 50e-6))
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded == profile
+    # Nearest measured microbatch (2), scaled to 4; tp = 2 not measured: the tp = 1 sample.
+    sample = loaded.lookup("layer", 2, 4, False)
+    assert (sample.tp, sample.forward_s, sample.activation_bytes) == (1, 0.020, 2e6)
+
+
+def test_cost_model_uses_profile_times_by_hand():
+    profile = _profile(intra_node_link=Link(1e9, 0.0))
+    cluster = preset("cpu-local", gpus_per_node=2)
+    cost = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False)
+    estimate = cost.time(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="flush"))
+    send = 32 * 2 * 64 * 4 / 1e9  # one fp32 (s, b, h) activation over 1 GB/s
+    # Stage 0: 2 layers + embedding + send; stage 1: 2 layers + head (+ send of gradient).
+    assert estimate.forward == pytest.approx((2 * 0.010 + 0.001 + send, 2 * 0.010 + 0.004))
+    assert estimate.backward == pytest.approx((2 * 0.020 + 0.001, 2 * 0.020 + 0.008 + send))
+    # Tied embedding gradient between the two stages, then the optimizer of the larger stage.
+    embedding_sync = 2 * 1 / 2 * 128 * 64 * 4 / 1e9
+    optimizer = 0.002 + 1e-8 * 110_208
+    assert estimate.step == pytest.approx(embedding_sync + optimizer)
+    work = max(f + b for f, b in zip(estimate.forward, estimate.backward))
+    total = sum(f + b for f, b in zip(estimate.forward, estimate.backward))
+    assert estimate.iteration == pytest.approx(3 * work + total + estimate.step)
+    # tp = 2 from the tp = 1 sample: half a layer's FLOPs per rank; the head's V = 128 pads to
+    # 256 for t = 2, so a rank's logits are as wide as the unsplit ones. All-reduces over the
+    # measured 1 GB/s: 4 layers x 2 + 1 (embedding) of sbh x 4 bytes, 3 of the loss's b s x 4.
+    half = cost.time(Layout(t=2, d=1, w=1, b=2, m=4, recompute=False, schedule="megatron"))
+    activation, loss = 32 * 2 * 64 * 4 / 1e9, 2 * 32 * 4 / 1e9  # ring of 2: 2(n-1)/n = 1
+    assert half.forward[0] == pytest.approx(
+        4 * 0.010 / 2 + 0.001 + 0.004 + 9 * activation + 3 * loss)
+    memory = cost.memory(Layout(t=1, d=1, w=1, b=2, m=4, recompute=True, schedule="megatron"))
+    assert memory.stages[0].activations == pytest.approx(4 * 1e5 + 1e3 + 2e5)
+    assert memory.stages[0].overhead == 100.0
+
+
+def test_training_log_parsing_and_accuracy_table():
+    line = (" [2026-01-01 00:00:00] iteration      3/    12 | consumed samples:        48 |"
+            " elapsed time per iteration (ms): 812.5 | learning rate: 1.000E-03 |"
+            " lm loss: 6.0E+00 | peak memory (MiB): 512")
+    times, mems = parse_training_log(line + "\n" + line.replace("812.5", "400.0"))
+    assert times == [0.8125, 0.4] and mems == [512.0, 512.0]
+    cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=_profile())
+    layout = Layout(1, 2, 1, 2, 4, False, "2bw")
+    predicted = cost.time(layout, simulate=True).iteration
+    run = E2ERun(1, 2, 1, 2, 4, False, "2bw", "fp32", seconds_per_iteration=predicted / 1.25,
+                 peak_memory_bytes=2**30)
+    rows = compare(E2EProfile(SMALL, "cpu test", [run]), cost)
+    assert rows[0].time_error == pytest.approx(0.25)
+    assert "+25.0%" in format_accuracy(rows)
+
+
+# ---- the command line on GPT-3 175B -------------------------------------------------------
+
+
+def test_gpt3_175b_on_1024_h100s_plans_fast(tmp_path, capsys):
+    cli = _plan_cli()
+    started = time.perf_counter()
+    code = cli.main(["--cluster", "dgx-h100", "--nodes", "128", "--global-batch-size", "1536",
+                     "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads",
+                     "96", "--seq-length", "2048", "--closed-form", "--out", str(tmp_path)])
+    elapsed = time.perf_counter() - started
+    out = capsys.readouterr().out
+    assert code == 0 and elapsed < 5
+    assert "on 1024 devices" in out and "samples/s" in out
+    assert "#SBATCH --nodes=128" in out and "torchrun --nnodes" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    choice = plan["choice"]["layout"]
+    assert choice["t"] * choice["d"] * choice["w"] == 1024
+    assert choice["t"] <= 8 and 96 % choice["d"] == 0
+    assert plan["choice"]["peak_memory_bytes"] <= 0.9 * 80 * GiB
+
+
+def test_cli_explain_and_layout_syntax(tmp_path, capsys):
+    cli = _plan_cli()
+    code = cli.main(["--cluster", "cpu-local", "--gpus-per-node", "2", "--no-profile",
+                     "--global-batch-size", "16", "--num-layers", "4", "--hidden-size", "128",
+                     "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size",
+                     "1024", "--explain", "--no-scripts", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "rejected:" in out and "--cpu" in (tmp_path / "flags.txt").read_text()
+    assert cli.parse_layout("t1d2w1b4:2bw", 16) == Layout(1, 2, 1, 4, 4, False, "2bw")
+    assert cli.parse_layout("t2d1w1b4:megatron+rc", 16).recompute
+    with pytest.raises(Exception):
+        cli.parse_layout("t1d2w1b3:2bw", 16)
