@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Sequence
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args"]
@@ -28,6 +29,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises FlagError instead of printing usage and exiting."""
 
     def error(self, message):
+        # argparse's wording: "argument --num-layers: invalid int value: 'x'",
+        # "unrecognized arguments: --foo 3"; the error line starts with the flag to fix.
+        bad_value = re.match(r"argument ([^:/\s]+)\S*: (.*)", message)
+        if bad_value:
+            raise FlagError(bad_value.group(1), bad_value.group(2))
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            raise FlagError(unknown.group(1), f"unknown flag ({message}); see --help")
         raise FlagError("arguments", message)
 
 
