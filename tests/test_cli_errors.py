@@ -25,15 +25,15 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def assert_one_error_line(result: launch.Launch, flag: str, *fragments: str) -> str:
-    """Non-zero exit; the output ends with the only ``error:`` line, which names ``flag``
-    (and contains ``fragments``); no traceback; nothing trained."""
+    """Non-zero exit; the output ends with the only ``error:`` line, which starts with
+    ``flag`` (and contains ``fragments``); no traceback; nothing trained."""
     output = result.output
     assert result.returncode != 0, f"exit code 0 for {result.command}:\n{result.tail()}"
     lines = [line for line in output.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1, f"expected one error line, got {errors}:\n{result.tail()}"
     assert lines[-1] == errors[0], f"the error is not the last line:\n{result.tail()}"
-    assert flag in errors[0], errors[0]
+    assert errors[0].startswith(f"error: {flag}: "), f"{errors[0]!r} does not start with {flag}"
     for fragment in fragments:
         assert fragment in errors[0], (fragment, errors[0])
     assert "Traceback" not in output, output[-3000:]
@@ -68,7 +68,11 @@ FLAG_CASES = {
     "unknown-flag": (
         ["--no-such-flag", "3"],
         [],
-        1, "--no-such-flag", []),
+        1, "--no-such-flag", ["unknown flag"]),
+    "invalid-value": (
+        ["--num-layers", "four"],
+        ["--num-layers", "4"],
+        1, "--num-layers", ["'four'"]),
 }
 
 
