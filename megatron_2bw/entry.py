@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 from megatron_2bw.arguments import FlagError, parse_args
 from megatron_2bw.data.errors import DataError
 
-__all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data"]
+__all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data",
+           "bert_layer_spec", "bert_data"]
 
 _USER_ERRORS = (FlagError, DataError)
 
@@ -38,14 +39,16 @@ def _data_prefixes(data_path: Sequence[str]) -> list[str]:
     return list(data_path)
 
 
-def setup(model_type: str, argv: Sequence[str] | None = None):
+def setup(model_type: str, argv: Sequence[str] | None = None,
+          parser: argparse.ArgumentParser | None = None):
     """Parse and validate flags, check data files and build the tokenizer.
 
+    ``parser`` replaces ``arguments.build_parser()`` for a model with flags of its own (BERT's).
     Any user error ends the process here with one line, before torch.distributed starts.
     Flags are checked before megatron-core is imported, so a bad flag fails at once."""
     warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, parser=parser)
         args.model_type = model_type
         if args.mock_data:
             return args, None
@@ -128,6 +131,50 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
         train, valid, test = gpt.build_gpt_datasets(
             args.data_path, args.split, args.seq_length, args.seed, tokenizer,
             _sample_counts(args), cache_dir=args.data_cache_path)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def iterator(dataset, consumed=0):
+        if dataset is None:
+            return None
+        return gpt.make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
+                                      consumed_samples=consumed)
+
+    return DataIterators(
+        train=iterator(train, state.consumed_train_samples),
+        valid=None if valid is None else (lambda: iterator(valid)),
+        test=None if test is None else (lambda: iterator(test)),
+    )
+
+
+def bert_layer_spec(args: argparse.Namespace):
+    """transformer-engine's BERT layer spec on GPUs where it is installed, the local spec
+    otherwise."""
+    import torch
+    from megatron.core.models.bert import bert_layer_specs
+
+    if torch.cuda.is_available() and not args.cpu and bert_layer_specs.HAVE_TE:
+        return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    return bert_layer_specs.bert_layer_local_spec
+
+
+def bert_data(args: argparse.Namespace, state, tokenizer):
+    """Per-rank BERT iterators (every pipeline stage reads the batch: all of them need the
+    padding mask); training resumes at ``state.consumed_train_samples``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.data import bert, gpt
+    from megatron_2bw.training.loop import DataIterators
+
+    counts = _sample_counts(args)
+    if args.mock_data:
+        train, valid, test = bert.build_mock_bert_datasets(
+            args.seq_length, args.seed, args.vocab_size, counts,
+            binary_head=args.bert_binary_head, masking_probability=args.mask_prob)
+    else:
+        train, valid, test = bert.build_bert_datasets(
+            args.data_path, args.split, args.seq_length, args.seed, tokenizer, counts,
+            binary_head=args.bert_binary_head, masking_probability=args.mask_prob,
+            short_sequence_probability=args.short_seq_prob, cache_dir=args.data_cache_path)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def iterator(dataset, consumed=0):
