@@ -1,17 +1,121 @@
 """Pretrain a BERT model with megatron-core and a megatron-2bw pipeline schedule.
 
-Not available yet: BERT pretraining (megatron-core's BertModel, masked-LM and binary heads,
-its BERT dataset) comes with the BERT issue. Use pretrain_gpt_2bw.py meanwhile.
+    torchrun --nproc-per-node 2 pretrain_bert_2bw.py --pipeline-model-parallel-size 2 \
+        --data-path data/cache/default/stdlib_text_sentence \
+        --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model data/cache/default/tokenizer.model ...
+
+The data is sentence-level (``tools/preprocess_data.py --split-sentences``). Flags are
+Megatron-LM's (see ``python pretrain_bert_2bw.py --help``), with its BERT flags
+``--bert-no-binary-head``, ``--mask-prob`` and ``--short-seq-prob``. The loss is masked-LM plus,
+with the binary head (on by default), sentence-order prediction, as Megatron-LM's
+pretrain_bert.py computes them.
 """
 
-import sys
+import argparse
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from megatron_2bw import entry
+from megatron_2bw.arguments import build_parser
 
 
-def main() -> int:
-    print("error: pretrain_bert_2bw.py is not available yet; use pretrain_gpt_2bw.py",
-          file=sys.stderr)
-    return 2
+def _probability(zero_ok: bool, one_ok: bool):
+    """An argparse type: a float in [0, 1], its ends included as asked."""
+    def probability(text: str) -> float:
+        value = float(text)
+        if value < 0 or value > 1 or (value == 0 and not zero_ok) or (value == 1 and not one_ok):
+            interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
+            raise argparse.ArgumentTypeError(f"must lie in {interval}, got {text}")
+        return value
+
+    return probability
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def parser() -> argparse.ArgumentParser:
+    """Megatron-LM's flags with its BERT flags added, and BERT's tokenizer type by default."""
+    p = build_parser("Pretrain BERT with megatron-2bw")
+    g = p.add_argument_group("bert")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="no sentence-order prediction head (and no token types)")
+    g.add_argument("--mask-prob", default=0.15,
+                   type=_probability(zero_ok=False, one_ok=False),
+                   help="fraction of tokens masked for the masked-LM loss")
+    g.add_argument("--short-seq-prob", default=0.1,
+                   type=_probability(zero_ok=True, one_ok=True),
+                   help="probability of a sample shorter than --seq-length")
+    p.set_defaults(tokenizer_type="SentencePieceTokenizer")
+    return p
+
+
+def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
+    """megatron-core's BertModel with the local layer spec (transformer-engine's on GPUs that
+    have it); the binary head brings two token types, as in Megatron-LM."""
+    from megatron.core.models.bert.bert_model import BertModel
+
+    return BertModel(
+        config=config,
+        num_tokentypes=2 if args.bert_binary_head else 0,
+        transformer_layer_spec=entry.bert_layer_spec(args),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        add_binary_head=args.bert_binary_head,
+    )
+
+
+def loss_func(loss_mask, sentence_order, output_tensor):
+    """Masked-LM loss over the masked positions, plus the sentence-order loss with the binary
+    head; the reported values are detached copies (the schedule divides the returned loss by
+    the number of microbatches in place). A microbatch without masked positions (possible
+    for very short samples) adds no masked-LM loss instead of a NaN."""
+    lm_losses, sop_logits = output_tensor  # (b, s), (b, 2) or None
+    mask = loss_mask.reshape(-1).float()
+    lm_loss = (lm_losses.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
+    if sop_logits is None:
+        return lm_loss, {"lm loss": lm_loss.detach().clone()}
+    sop_loss = F.cross_entropy(sop_logits.reshape(-1, 2).float(), sentence_order.reshape(-1),
+                               ignore_index=-1)
+    return lm_loss + sop_loss, {"lm loss": lm_loss.detach().clone(),
+                                "sop loss": sop_loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func contract: returns (output, loss function). Every pipeline
+    stage reads the microbatch: each needs the padding mask for its attention layers."""
+    batch = next(data_iterator)
+    binary_head = _unwrap(model).add_binary_head
+    types = batch["types"] if binary_head else None
+    output = model(batch["text"], batch["padding_mask"], tokentype_ids=types,
+                   lm_labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"], batch["is_random"])
+
+
+def _unwrap(model: torch.nn.Module):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def main(argv=None):
+    args, tokenizer = entry.setup("bert", argv, parser=parser())
+    if tokenizer is not None:
+        from megatron_2bw.data.bert import check_bert_tokenizer
+        from megatron_2bw.data.errors import DataError
+
+        try:
+            check_bert_tokenizer(tokenizer)
+        except DataError as error:
+            entry.fail(error)
+    vocab_size = entry.padded_vocab(args, tokenizer)
+    entry.run(args, partial(model_provider, args=args, vocab_size=vocab_size),
+              partial(entry.bert_data, tokenizer=tokenizer), forward_step, vocab_size)
+
+
+if __name__ == "__main__":  # required: the checkpoint writer spawns a helper process
+    main()

@@ -1,0 +1,322 @@
+"""Both sides of the BERT exactness tests (tests/test_bert.py): a single-process reference and
+the pipeline runs, forked from one launcher as in tests/schedule_worker.py.
+
+    python tests/bert_worker.py SPEC.json
+
+The spec: {"out": dir, "init": path, "timeout_minutes": float,
+           "reference": {job: {"rule", "microbatches", "iterations", "binary_head"}},
+           "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
+A run is {"name", "schedule", "pp", "m", "iters", "binary_head"}; data parallelism is
+world / pp. The model is tests.reference.MODEL's size (4 layers, hidden 32, 4 heads, sequence
+16, vocabulary 64, micro batch 2, fp32, no dropout) as a BertModel with tied embeddings, and
+Adam's eps is 1e-6 (see tests/test_schedules_exact.py for why).
+
+Reference (one process, no pipeline, no DDP, no megatron optimizer): the PP=1 BertModel trained
+by torch.optim.AdamW as megatron-core sets it up on the CPU (no weight decay on biases and 1-D
+parameters, clipping by the global norm), with
+
+    sync:  W(t+1) = AdamW(W(t), g(W(t)))
+    2bw:   W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
+
+g being the gradient of the mean over microbatches of masked-LM loss + sentence-order loss.
+It writes the initial weights to SPEC["init"] and each job's result to <out>/<job>.pt.
+
+Pipeline: each process builds its stage with pretrain_bert_2bw's parser, model provider and
+forward_step, loads its slice of the initial weights, and trains like the loop (zero_grad_buffer,
+zero_grad, forward_backward_func, step); it writes its parameters under their PP=1 names and
+the "lm loss"/"sop loss" its last stage saw to <out>/<run>/rank<r>.pt.
+
+Both read the same microbatches: `microbatch(batch, replica, j)` stacks samples of
+megatron_2bw.data.bert.MockBERTDataset (random ids, random padding, BERT's masking, A/B swapped
+at random).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `tests` and `pretrain_bert_2bw` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from tests.reference import MODEL, no_weight_decay
+from tests.schedule_worker import _fork_all
+
+BERT = replace(MODEL, adam_eps=1e-6)
+SAMPLES_PER_DATASET = 1 << 30
+
+
+def microbatch(batch: int, replica: int, j: int, binary_head: bool) -> dict:
+    """Microbatch j of batch `batch` for data-parallel replica `replica` (a pure function)."""
+    from megatron_2bw.data.bert import MockBERTDataset
+
+    dataset = MockBERTDataset(SAMPLES_PER_DATASET, BERT.seq_length, BERT.vocab_size,
+                              BERT.data_seed, binary_head)
+    first = (batch * 10_007 + replica * 101 + j) * BERT.micro_batch_size
+    samples = [dataset[first + i] for i in range(BERT.micro_batch_size)]
+    return torch.utils.data.default_collate(samples)
+
+
+# ---- the reference ----------------------------------------------------------------------------
+
+def _config():
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=BERT.num_layers, hidden_size=BERT.hidden_size,
+        ffn_hidden_size=4 * BERT.hidden_size, num_attention_heads=BERT.num_attention_heads,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=BERT.init_method_std,
+        params_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False)
+
+
+def _bert(binary_head: bool):
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    return BertModel(config=_config(), num_tokentypes=2 if binary_head else 0,
+                     transformer_layer_spec=bert_layer_local_spec, vocab_size=BERT.vocab_size,
+                     max_sequence_length=BERT.seq_length, pre_process=True, post_process=True,
+                     share_embeddings_and_output_weights=True, add_binary_head=binary_head)
+
+
+def _losses(bert, data: dict, binary_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(masked-LM loss, sentence-order loss or None) of one microbatch."""
+    types = data["types"] if binary_head else None
+    per_token, sop_logits = bert(data["text"], data["padding_mask"], tokentype_ids=types,
+                                 lm_labels=data["labels"])  # (b, s), (b, 2)
+    mask = data["loss_mask"].float()
+    lm = (per_token.float() * mask).sum() / mask.sum()
+    sop = None if sop_logits is None else F.cross_entropy(sop_logits.float(), data["is_random"])
+    return lm, sop
+
+
+def _clip(grads: dict, max_norm: float) -> float:
+    """megatron-core's clip_grad_norm_fp32: the total norm, and scaling when above max_norm."""
+    total = math.sqrt(sum(float(torch.norm(g)) ** 2 for g in grads.values()))
+    coeff = max_norm / (total + 1.0e-6)
+    if max_norm > 0 and coeff < 1.0:
+        for g in grads.values():
+            g.mul_(coeff)
+    return total
+
+
+def reference_run(init: dict, *, rule: str, microbatches: int, iterations: int,
+                  binary_head: bool, replicas: int = 1) -> dict:
+    """Train the PP=1 model from `init` with `rule` ("sync" or "2bw"); returns the final
+    weights and, per iteration and replica, the mean masked-LM and sentence-order losses."""
+    bert = _bert(binary_head)
+    params = dict(bert.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(init[name])
+    groups = [{"params": [p for n, p in params.items() if not no_weight_decay(n, p)],
+               "weight_decay": BERT.weight_decay},
+              {"params": [p for n, p in params.items() if no_weight_decay(n, p)],
+               "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=BERT.lr, betas=(BERT.adam_beta1, BERT.adam_beta2),
+                                  eps=BERT.adam_eps)
+    snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
+    previous, lm_losses, sop_losses = snapshot(), [], []
+    for t in range(iterations):
+        current = snapshot()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(current[n] if rule == "sync" else previous[n])
+        for p in params.values():
+            p.grad = None
+        lm_seen, sop_seen = [], []
+        for r in range(replicas):
+            lm_sum = sop_sum = 0.0
+            for j in range(microbatches):
+                lm, sop = _losses(bert, microbatch(t, r, j, binary_head), binary_head)
+                loss = lm if sop is None else lm + sop
+                (loss / (microbatches * replicas)).backward()
+                lm_sum += float(lm)
+                sop_sum += 0.0 if sop is None else float(sop)
+            lm_seen.append(lm_sum / microbatches)
+            sop_seen.append(sop_sum / microbatches)
+        grads = {n: p.grad.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(current[n])
+        _clip(grads, BERT.clip_grad)
+        for n, p in params.items():
+            p.grad = grads[n]
+        optimizer.step()
+        previous = current
+        lm_losses.append(lm_seen)
+        sop_losses.append(sop_seen)
+    return {"weights": snapshot(), "lm_losses": lm_losses, "sop_losses": sop_losses}
+
+
+def run_reference_jobs(init_path: str, out: str, jobs: dict) -> None:
+    from megatron_2bw.runtime import distributed
+
+    distributed.initialize(1, 1, BERT.seed, force_cpu=True)
+    distributed.set_seed(BERT.seed)
+    init = {n: p.detach().clone() for n, p in _bert(binary_head=True).named_parameters()}
+    torch.save(init, init_path)
+    for name, job in jobs.items():
+        torch.save(reference_run(init, **job), Path(out) / f"{name}.pt")
+    distributed.destroy()
+
+
+# ---- the pipeline -----------------------------------------------------------------------------
+
+def _flags(run: dict, world_size: int) -> list[str]:
+    dp = world_size // run["pp"]
+    flags = [
+        "--num-layers", BERT.num_layers, "--hidden-size", BERT.hidden_size,
+        "--num-attention-heads", BERT.num_attention_heads, "--seq-length", BERT.seq_length,
+        "--max-position-embeddings", BERT.seq_length, "--vocab-size", BERT.vocab_size,
+        "--mock-data", "--cpu", "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
+        "--init-method-std", BERT.init_method_std, "--micro-batch-size", BERT.micro_batch_size,
+        "--global-batch-size", BERT.micro_batch_size * dp * run["m"],
+        "--train-iters", run["iters"], "--optimizer", "adam", "--lr", BERT.lr,
+        "--lr-decay-style", "constant", "--lr-warmup-iters", 0,
+        "--weight-decay", BERT.weight_decay, "--clip-grad", BERT.clip_grad,
+        "--adam-beta1", BERT.adam_beta1, "--adam-beta2", BERT.adam_beta2,
+        "--adam-eps", BERT.adam_eps, "--seed", BERT.seed,
+        "--pipeline-model-parallel-size", run["pp"], "--pipeline-schedule", run["schedule"],
+    ]
+    if not run["binary_head"]:
+        flags.append("--bert-no-binary-head")
+    return [str(f) for f in flags]
+
+
+def _global_name(name: str, stage: int, depth: int) -> str:
+    """A stage's parameter name as it is in the PP=1 model (layers numbered from 0 per stage)."""
+    parts = name.removeprefix("module.").split(".")
+    if parts[:2] == ["encoder", "layers"]:
+        parts[2] = str(int(parts[2]) + stage * BERT.num_layers // depth)
+    return ".".join(parts)
+
+
+def _data(m: int, binary_head: bool):
+    """This rank's microbatches of every batch in order (2BW reads ahead into the next batch)."""
+    from megatron.core import parallel_state as ps
+
+    replica, k = ps.get_data_parallel_rank(), 0
+    while True:
+        yield microbatch(k // m, replica, k % m, binary_head)
+        k += 1
+
+
+def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
+    import megatron_2bw
+    from megatron.core import parallel_state as ps
+    from megatron.core import pipeline_parallel
+
+    import pretrain_bert_2bw
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.runtime import distributed
+    from megatron_2bw.schedules import executor
+    from megatron_2bw.training import build
+
+    world = int(os.environ["WORLD_SIZE"])
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    info = distributed.initialize(1, run["pp"], BERT.seed, force_cpu=True,
+                                  timeout_minutes=timeout_minutes)
+    args = parse_args(_flags(run, world), world_size=world, parser=pretrain_bert_2bw.parser())
+    config = build.transformer_config(args, info.device)
+    provider = partial(pretrain_bert_2bw.model_provider, args=args, vocab_size=BERT.vocab_size)
+    model = build.build_model(args, config, provider)
+    init = torch.load(init_path)
+    with torch.no_grad():
+        for name, p in model[0].module.named_parameters():
+            key = _global_name(name, info.pp_rank, run["pp"])
+            if key == "output_layer.weight":  # the last stage's copy of the word embeddings
+                key = "embedding.word_embeddings.weight"
+            p.copy_(init[key])
+    optimizer = build.build_optimizer(args, model)
+    scheduler = build.build_scheduler(args, optimizer)
+    build.attach_config_hooks(config, model, optimizer)
+    executor.reset_runners()
+    megatron_2bw.install(run["schedule"])
+    fb = pipeline_parallel.get_forward_backward_func()
+
+    data, losses, started = _data(args.num_microbatches, run["binary_head"]), [], time.perf_counter()
+    for iteration in range(args.train_iters):
+        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
+            fb.prepare_drain()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_dicts = fb(forward_step_func=pretrain_bert_2bw.forward_step, data_iterator=data,
+                        model=model, num_microbatches=args.num_microbatches,
+                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                        decoder_seq_length=args.seq_length, forward_only=False)
+        succeeded, _, _ = optimizer.step()
+        if not succeeded:
+            raise RuntimeError(f"{run['name']}: optimizer step {iteration} was skipped")
+        scheduler.step(increment=1)
+        if loss_dicts:
+            losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
+                           for key in loss_dicts[0]})
+    if hasattr(fb, "drain"):
+        fb.drain()
+    seconds = time.perf_counter() - started
+
+    params = {}
+    for name, p in model[0].module.named_parameters():
+        key = _global_name(name, info.pp_rank, run["pp"])
+        if key == "output_layer.weight":
+            key = "tied:output_layer.weight"
+        params[key] = p.detach().clone()
+    (out / run["name"]).mkdir(parents=True, exist_ok=True)
+    torch.save({"pp": info.pp_rank, "dp": info.dp_rank, "params": params, "losses": losses,
+                "seconds": seconds}, out / run["name"] / f"rank{info.rank}.pt")
+    print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
+          f"{seconds:.1f} s", flush=True)
+
+
+def run_group(spec: dict, group: str) -> None:
+    from megatron_2bw.runtime import distributed
+
+    for run in spec["groups"][group]["runs"]:
+        _run(run, spec["init"], Path(spec["out"]), spec.get("timeout_minutes", 2.0))
+    distributed.destroy()
+
+
+# ---- the launcher -----------------------------------------------------------------------------
+
+def launch(spec_path: str) -> None:
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()  # before any model module is imported (as the CPU runtime does)
+    import megatron.core.distributed  # noqa: F401  (imported once here, shared by every fork)
+    import megatron.core.models.bert.bert_model  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
+    import megatron_2bw.schedules.executor  # noqa: F401
+    import megatron_2bw.training.build  # noqa: F401
+    import pretrain_bert_2bw  # noqa: F401
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    summary = {"reference": _fork_all(1, out / "reference", 300, run_reference_jobs,
+                                      spec["init"], spec["out"], spec["reference"])}
+    print("reference:", summary["reference"], flush=True)
+    if summary["reference"]["exit_codes"] == [0]:
+        for name, group in spec["groups"].items():
+            summary[name] = _fork_all(group["world"], out / name, group.get("timeout_s", 120),
+                                      run_group, spec, name)
+            print(f"{name}:", summary[name], flush=True)
+    (out / "launch.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    launch(sys.argv[1])

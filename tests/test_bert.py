@@ -1,0 +1,295 @@
+"""BERT pretraining: pretrain_bert_2bw.py end to end, and exactness against single-process
+references.
+
+1. Learning: ``torchrun pretrain_bert_2bw.py`` on 2 CPU processes (PP=2) with the 2bw and the
+   flush schedule, a 2-layer BERT (hidden 32, sequence 64, binary head) on sentence-level data
+   (200 kB of standard-library text, 512-piece sentencepiece, `--split-sentences`), 30
+   iterations of 16 samples: the first logged masked-LM loss is ~ln(512) and the mean of the
+   last three lies clearly below it, as does the validation loss at the end.
+2. Exactness (tests/bert_worker.py; tests.reference.MODEL's size as a BertModel with tied
+   embeddings, fp32, no dropout, Adam eps 1e-6, random padded samples with BERT's masking):
+   after 5 iterations, 2-stage flush, gpipe, naive and Megatron's 1F1B equal single-process
+   gradient accumulation (W(t+1) = AdamW(W(t), g(W(t)))), and 2-stage 2bw (binary head on and
+   off), 4-stage 2bw (the middle stages read only the padding mask) and 2 stages x 2 replicas
+   2bw equal the 1-stale rule W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))); weights to 1e-6 by
+   ||W - W_ref|| / ||W_ref||, the logged "lm loss" and "sop loss" to 1e-5, and the other
+   rule's result lies at least 1e-3 away. The tied output layer of the last stage must equal
+   the word embeddings of the first.
+3. Flags: a GPT tokenizer type fails at once with one error line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import dist
+
+REPO = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-6
+DISTINCT = 1e-3
+LOSS_TOLERANCE = 1e-5
+ITERS = 5
+
+TRAIN_ITERS = 30
+VOCAB = 512
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.eE]+) \|")
+_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
+
+
+# ---- 1. learning, end to end --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SentenceData:
+    data_prefix: str
+    tokenizer_model: str
+    index_cache: str
+
+
+@pytest.fixture(scope="module")
+def sentence_data(tmp_path_factory) -> SentenceData:
+    """Standard-library source text (200 kB) -> 512-piece BPE -> sentence-level .bin/.idx."""
+    from megatron_2bw.data.corpus import build_corpus
+    from megatron_2bw.data.preprocess import preprocess_jsonl
+    from megatron_2bw.data.tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("bert_data")
+    corpus = str(root / "corpus.jsonl")
+    assert build_corpus(corpus, max_chars=200_000) > 0
+    model = train_sentencepiece(corpus, str(root / "tokenizer"), VOCAB)
+    prefix = preprocess_jsonl(corpus, str(root / "bert"), "SentencePieceTokenizer", model,
+                              split_sentences=True)["text"]
+    return SentenceData(prefix, model, str(root / "index-cache"))
+
+
+def _train_flags(data: SentenceData, schedule: str) -> list[str]:
+    return [
+        "--cpu", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "64", "--make-vocab-size-divisible-by", "16",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "4", "--global-batch-size", "16",
+        "--train-iters", str(TRAIN_ITERS), "--lr", "5e-3", "--lr-warmup-iters", "2",
+        "--lr-decay-style", "cosine", "--min-lr", "5e-4", "--seed", "1234",
+        "--log-interval", "1", "--eval-interval", str(TRAIN_ITERS), "--eval-iters", "2",
+        "--split", "90,10,0", "--distributed-timeout-minutes", "2",
+        "--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
+        "--data-cache-path", data.index_cache,
+    ]
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_bert_pretraining_reduces_masked_lm_loss(sentence_data, schedule):
+    result = dist.torchrun(["pretrain_bert_2bw.py", *_train_flags(sentence_data, schedule)],
+                           nproc=2, timeout=240)
+    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.tail(60)}"
+    assert f"training {schedule} schedule on 2 cpu processes: TP=1 PP=2 DP=1" in result.output
+    losses = {int(i): float(v) for i, v in _ITERATION.findall(result.output)}
+    validation = {int(i): float(v) for i, v in _VALIDATION.findall(result.output)}
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1)), result.tail()
+    first = losses[1]
+    last = sum(losses[i] for i in range(TRAIN_ITERS - 2, TRAIN_ITERS + 1)) / 3
+    print(f"\n{schedule}: lm loss {first:.3f} -> {last:.3f} (mean of the last 3), "
+          f"validation {validation.get(TRAIN_ITERS)}")
+    # a fresh model predicts ~uniformly over the vocabulary at the masked positions
+    assert abs(first - math.log(VOCAB)) < 0.3, first
+    assert last < first - 0.6, f"{schedule}: lm loss went from {first:.3f} to only {last:.3f}"
+    assert list(validation) == [TRAIN_ITERS], result.tail()
+    assert validation[TRAIN_ITERS] < first - 0.5, validation
+
+
+# ---- 2. exactness against single-process references ---------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    pp: int
+    m: int
+    dp: int = 1
+    binary_head: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"{self.schedule}-d{self.pp}-m{self.m}-w{self.dp}"
+                f"{'' if self.binary_head else '-no-binary-head'}")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    def reference(self, rule: str | None = None) -> str:
+        rule = rule or ("2bw" if self.schedule == "2bw" else "sync")
+        return f"{rule}-m{self.m}-w{self.dp}{'' if self.binary_head else '-no-binary-head'}"
+
+    def run(self) -> dict:
+        return {"name": self.name, "schedule": self.schedule, "pp": self.pp, "m": self.m,
+                "iters": ITERS, "binary_head": self.binary_head}
+
+
+SYNC_CASES = [Case(s, pp=2, m=4) for s in ("flush", "gpipe", "naive", "megatron")]
+TWOBW_CASES = [Case("2bw", pp=2, m=4), Case("2bw", pp=2, m=2, binary_head=False),
+               Case("2bw", pp=4, m=4), Case("2bw", pp=2, m=4, dp=2)]
+
+
+def _spec(out: Path) -> dict:
+    reference, groups = {}, {}
+    for case in SYNC_CASES + TWOBW_CASES:
+        for rule in ("sync", "2bw"):
+            reference[case.reference(rule)] = {"rule": rule, "microbatches": case.m,
+                                               "iterations": ITERS, "replicas": case.dp,
+                                               "binary_head": case.binary_head}
+        group = groups.setdefault(f"world{case.world}",
+                                  {"world": case.world, "timeout_s": 120, "runs": []})
+        group["runs"].append(case.run())
+    return {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
+            "reference": reference, "groups": groups}
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bert_exact")
+    (out / "spec.json").write_text(json.dumps(_spec(out), indent=1))
+    result = dist.python([str(REPO / "tests" / "bert_worker.py"), str(out / "spec.json")],
+                         timeout=300, PYTHONWARNINGS="ignore")
+    assert result.returncode == 0, result.tail(60)
+    summary = json.loads((out / "launch.json").read_text())
+    for name, group in summary.items():
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted((out / name).glob("rank*.log")))
+        assert not group["timed_out"] and all(c == 0 for c in group["exit_codes"]), \
+            f"{name}: {group}\n{logs}"
+    print("\nlauncher: " + ", ".join(f"{name} {group['seconds']:.1f} s"
+                                     for name, group in summary.items()))
+    return out
+
+
+def _gather(out: Path, case: Case) -> tuple[dict, dict]:
+    """{name: tensor} of data-parallel replica 0 under PP=1 names, and {replica: losses}."""
+    shards = [torch.load(p) for p in sorted((out / case.name).glob("rank*.pt"))]
+    assert len(shards) == case.world, f"{case.name}: {len(shards)} of {case.world} ranks wrote"
+    replicas: dict = {}
+    for shard in shards:
+        replicas.setdefault(shard["dp"], {}).update(shard["params"])
+    for weights in replicas.values():
+        tied = weights.pop("tied:output_layer.weight")
+        assert torch.equal(tied, weights["embedding.word_embeddings.weight"]), \
+            f"{case.name}: the last stage's tied output layer left the word embeddings"
+    for dp in range(1, case.dp):
+        for name, tensor in replicas[0].items():
+            assert torch.equal(tensor, replicas[dp][name]), f"{case.name}: replica {dp}, {name}"
+    return replicas[0], {s["dp"]: s["losses"] for s in shards if s["losses"]}
+
+
+def relative_error(weights: dict, reference: dict) -> float:
+    assert sorted(weights) == sorted(reference), sorted(set(weights) ^ set(reference))
+    diff = sum(float((weights[n].double() - reference[n].double()).norm()) ** 2 for n in reference)
+    norm = sum(float(reference[n].double().norm()) ** 2 for n in reference)
+    return math.sqrt(diff / norm)
+
+
+def _check(out: Path, case: Case) -> None:
+    weights, losses = _gather(out, case)
+    ref = torch.load(out / f"{case.reference()}.pt")
+    error = relative_error(weights, ref["weights"])
+    other = "sync" if case.schedule == "2bw" else "2bw"
+    distance = relative_error(weights, torch.load(out / f"{case.reference(other)}.pt")["weights"])
+    print(f"\n{case.name}: relative error {error:.2e} against {case.reference()} "
+          f"(the {other} rule: {distance:.2e})")
+    assert error <= TOLERANCE, f"{case.name}: relative error {error:.3g} > {TOLERANCE}"
+    assert distance > DISTINCT, f"{case.name}: only {distance:.3g} from the {other} reference"
+    assert sorted(losses) == list(range(case.dp))
+    for replica, seen in losses.items():
+        assert len(seen) == ITERS
+        for key, expected in (("lm loss", ref["lm_losses"]), ("sop loss", ref["sop_losses"])):
+            if key == "sop loss" and not case.binary_head:
+                assert all(key not in step for step in seen)
+                continue
+            got = [step[key] for step in seen]
+            want = [batch[replica] for batch in expected]
+            assert max(abs(a - b) for a, b in zip(got, want)) < LOSS_TOLERANCE, \
+                f"{case.name}: replica {replica} {key} {got}, reference {want}"
+
+
+@pytest.mark.parametrize("case", SYNC_CASES, ids=lambda case: case.name)
+def test_synchronous_schedules_equal_gradient_accumulation(exact_runs, case):
+    _check(exact_runs, case)
+
+
+@pytest.mark.parametrize("case", TWOBW_CASES, ids=lambda case: case.name)
+def test_2bw_equals_one_stale_update(exact_runs, case):
+    _check(exact_runs, case)
+
+
+# ---- 3. flags -----------------------------------------------------------------------------------
+
+def test_gpt_tokenizer_type_is_refused(sentence_data, capsys):
+    """Refused before any process group: megatron-core's BERT dataset needs [CLS], [SEP] and
+    [MASK] ids."""
+    import pretrain_bert_2bw
+
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_bert_2bw.main(["--data-path", sentence_data.data_prefix,
+                                "--tokenizer-model", sentence_data.tokenizer_model,
+                                "--tokenizer-type", "GPTSentencePieceTokenizer"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: --tokenizer-type: BERT needs a tokenizer "
+                                               "with cls, sep, mask tokens: use "
+                                               "SentencePieceTokenizer")
+
+
+def test_bert_flags():
+    import pretrain_bert_2bw
+    from megatron_2bw.arguments import FlagError, parse_args
+
+    args = parse_args(["--mock-data"], world_size=1, parser=pretrain_bert_2bw.parser())
+    assert (args.bert_binary_head, args.mask_prob, args.short_seq_prob) == (True, 0.15, 0.1)
+    assert args.tokenizer_type == "SentencePieceTokenizer"
+    args = parse_args(["--mock-data", "--bert-no-binary-head"], world_size=1,
+                      parser=pretrain_bert_2bw.parser())
+    assert not args.bert_binary_head
+    with pytest.raises(FlagError, match=r"--mask-prob: must lie in \(0, 1\), got 1"):
+        parse_args(["--mock-data", "--mask-prob", "1"], world_size=1,
+                   parser=pretrain_bert_2bw.parser())
+
+
+def test_document_level_data_is_refused(sentence_data, tmp_path):
+    """Documents of one sequence (GPT's preprocessing) give the binary head no sentence pair."""
+    from megatron_2bw.data import bert
+    from megatron_2bw.data.errors import DataError
+    from megatron_2bw.data.preprocess import preprocess_jsonl
+    from megatron_2bw.data.tokenizer import build_tokenizer
+
+    corpus = str(Path(sentence_data.data_prefix).parent / "corpus.jsonl")
+    documents = preprocess_jsonl(corpus, str(tmp_path / "doc"), "SentencePieceTokenizer",
+                                 sentence_data.tokenizer_model)["text"]
+    tokenizer = build_tokenizer("SentencePieceTokenizer", sentence_data.tokenizer_model)
+    with pytest.raises(DataError, match="--data-path: no BERT sample fits in the train split"):
+        bert.build_bert_datasets([documents], "90,10,0", 64, 1234, tokenizer, (16, 16, 0),
+                                 cache_dir=str(tmp_path / "cache"))
+
+
+def test_mock_bert_samples():
+    from megatron_2bw.data.bert import MockBERTDataset
+
+    dataset = MockBERTDataset(100, 16, 64, seed=7)
+    for idx in range(100):
+        s = dataset[idx]
+        length = int(s["padding_mask"].sum())
+        assert s["padding_mask"][:length].all() and not s["padding_mask"][length:].any()
+        assert s["text"][0] == dataset.CLS and s["text"][length - 1] == dataset.SEP
+        assert (s["text"][length:] == dataset.PAD).all()
+        masked = s["loss_mask"] == 1
+        assert masked.any() and (s["labels"][masked] >= dataset.FIRST_ID).all()
+        assert (s["labels"][~masked] == -1).all() and not masked[length - 1]
+        assert set(s["types"][:length].tolist()) == {0, 1}
+        assert equal_samples(dataset[idx], s)
+    assert {dataset[i]["is_random"] for i in range(100)} == {0, 1}
+
+
+def equal_samples(a: dict, b: dict) -> bool:
+    return all((a[k] == b[k]).all() if hasattr(a[k], "all") else a[k] == b[k] for k in a)
