@@ -48,8 +48,9 @@ def forward_step(data_iterator, model):
 
 def main(argv=None):
     args, tokenizer = entry.setup("gpt", argv)
-    entry.run(args, partial(model_provider, args=args, vocab_size=entry.padded_vocab(args, tokenizer)),
-              partial(entry.gpt_data, tokenizer=tokenizer), forward_step, entry.padded_vocab(args, tokenizer))
+    vocab_size = entry.padded_vocab(args, tokenizer)
+    entry.run(args, partial(model_provider, args=args, vocab_size=vocab_size),
+              partial(entry.gpt_data, tokenizer=tokenizer), forward_step, vocab_size)
 
 
 if __name__ == "__main__":  # required: the checkpoint writer spawns a helper process

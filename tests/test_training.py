@@ -25,7 +25,7 @@ from tests import dist as launch
 TRAIN_ITERS = 24
 STOP_AT = 12
 # schedules whose checkpoint/resume is tested; add a schedule here once it trains end to end
-RESUME_SCHEDULES = ["megatron"]
+RESUME_SCHEDULES = ["megatron", "2bw"]
 LAYOUTS = {  # name -> (tensor, pipeline); data-parallel = 2 / (tensor x pipeline)
     "TP=2": (2, 1),
     "PP=2": (1, 2),
