@@ -25,20 +25,6 @@ def fail(error: Exception) -> None:
     sys.exit(2)
 
 
-def _data_prefixes(data_path: Sequence[str]) -> list[str]:
-    """Prefixes of ``--data-path``, which is either ``prefix ...`` or ``weight prefix ...``."""
-    def is_weight(token: str) -> bool:
-        try:
-            float(token)
-            return True
-        except ValueError:
-            return False
-
-    if len(data_path) > 1 and all(is_weight(t) for t in data_path[0::2]):
-        return list(data_path[1::2])
-    return list(data_path)
-
-
 def setup(model_type: str, argv: Sequence[str] | None = None,
           parser: argparse.ArgumentParser | None = None):
     """Parse and validate flags, check data files and build the tokenizer.
@@ -50,18 +36,29 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
+        _install_cpu_runtime_if_chosen(args)
         if args.mock_data:
             return args, None
         from megatron_2bw.data import tokenizer as tokenizers
+        from megatron_2bw.data.gpt import parse_data_path
         from megatron_2bw.data.indexed import check_indexed_dataset
 
-        for prefix in _data_prefixes(args.data_path):
+        for prefix in parse_data_path(args.data_path)[0]:
             check_indexed_dataset(prefix, flag="--data-path")
         tokenizer = tokenizers.build_tokenizer(args.tokenizer_type, args.tokenizer_model,
                                                args.vocab_size)
     except _USER_ERRORS as error:
         fail(error)
     return args, tokenizer
+
+
+def _install_cpu_runtime_if_chosen(args: argparse.Namespace) -> None:
+    """Install the CPU runtime (when the CPU is the device) before the data code imports
+    megatron-core's model modules: it switches off their torch.compile decorators first."""
+    from megatron_2bw.runtime import cpu
+
+    if cpu.select_device(args.cpu) == "cpu":
+        cpu.install(force=args.cpu)
 
 
 def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
@@ -117,12 +114,32 @@ def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     return args.train_iters * args.global_batch_size, eval_samples, eval_samples
 
 
-def gpt_data(args: argparse.Namespace, state, tokenizer):
-    """Per-rank GPT iterators; training resumes at ``state.consumed_train_samples``."""
+def _iterators(args: argparse.Namespace, state, train, valid, test):
+    """This data-parallel rank's iterators: training from ``state.consumed_train_samples``,
+    validation and test restarting at their first sample at every evaluation."""
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.data import gpt
+    from megatron_2bw.data.gpt import make_data_iterator
     from megatron_2bw.training.loop import DataIterators
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def iterator(dataset, consumed=0):
+        if dataset is None:
+            return None
+        return make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
+                                  consumed_samples=consumed)
+
+    return DataIterators(
+        train=iterator(train, state.consumed_train_samples),
+        valid=None if valid is None else (lambda: iterator(valid)),
+        test=None if test is None else (lambda: iterator(test)),
+    )
+
+
+def gpt_data(args: argparse.Namespace, state, tokenizer):
+    """Per-rank GPT iterators; training resumes at ``state.consumed_train_samples``."""
+    from megatron_2bw.data import gpt
 
     if args.mock_data:
         train, valid, test = gpt.build_mock_gpt_datasets(args.seq_length, args.seed,
@@ -131,19 +148,7 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
         train, valid, test = gpt.build_gpt_datasets(
             args.data_path, args.split, args.seq_length, args.seed, tokenizer,
             _sample_counts(args), cache_dir=args.data_cache_path)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-    def iterator(dataset, consumed=0):
-        if dataset is None:
-            return None
-        return gpt.make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
-                                      consumed_samples=consumed)
-
-    return DataIterators(
-        train=iterator(train, state.consumed_train_samples),
-        valid=None if valid is None else (lambda: iterator(valid)),
-        test=None if test is None else (lambda: iterator(test)),
-    )
+    return _iterators(args, state, train, valid, test)
 
 
 def bert_layer_spec(args: argparse.Namespace):
@@ -160,10 +165,7 @@ def bert_layer_spec(args: argparse.Namespace):
 def bert_data(args: argparse.Namespace, state, tokenizer):
     """Per-rank BERT iterators (every pipeline stage reads the batch: all of them need the
     padding mask); training resumes at ``state.consumed_train_samples``."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_2bw.data import bert, gpt
-    from megatron_2bw.training.loop import DataIterators
+    from megatron_2bw.data import bert
 
     counts = _sample_counts(args)
     if args.mock_data:
@@ -175,16 +177,4 @@ def bert_data(args: argparse.Namespace, state, tokenizer):
             args.data_path, args.split, args.seq_length, args.seed, tokenizer, counts,
             binary_head=args.bert_binary_head, masking_probability=args.mask_prob,
             short_sequence_probability=args.short_seq_prob, cache_dir=args.data_cache_path)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-    def iterator(dataset, consumed=0):
-        if dataset is None:
-            return None
-        return gpt.make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
-                                      consumed_samples=consumed)
-
-    return DataIterators(
-        train=iterator(train, state.consumed_train_samples),
-        valid=None if valid is None else (lambda: iterator(valid)),
-        test=None if test is None else (lambda: iterator(test)),
-    )
+    return _iterators(args, state, train, valid, test)
