@@ -284,6 +284,11 @@ def profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--train-iters", type=int, default=12)
     g.add_argument("--log-interval", type=int, default=3)
+    g.add_argument("--repeat", type=int, default=1,
+                   help="run each layout this many times, keep the fastest (busy machines)")
+    g.add_argument("--idle-below", type=float, default=None,
+                   help="before each run wait (up to 10 min) for the load average to drop "
+                        "below this")
     g.add_argument("--profile", default=None,
                    help="layer profile JSON to predict the runs with (accuracy table)")
     return p
@@ -329,7 +334,8 @@ def _run_end_to_end(args, model: ModelSpec) -> int:
         plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
     e2e = profiling.run_end_to_end(model, layouts, precision, train_iters=args.train_iters,
-                                   log_interval=args.log_interval, cpu=on_cpu, log=print)
+                                   log_interval=args.log_interval, cpu=on_cpu,
+                                   repeat=args.repeat, idle_below=args.idle_below, log=print)
     out = Path(args.out or "e2e.json")
     print(f"wrote {e2e.save(out)}")
     if args.profile:

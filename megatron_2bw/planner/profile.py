@@ -218,25 +218,37 @@ class _SavedBytes:
         return sum(self.seen.values())
 
 
+def _clock(device: str) -> Callable[[], float]:
+    """Wall time on CUDA (synchronised); on a CPU with one thread, this thread's CPU time,
+    which other processes sharing the cores do not inflate (a training process has a core to
+    itself; a busy machine should not make the profile slower than the training)."""
+    import torch
+
+    if device == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def _time_part(run_forward: Callable, params: list, sync: Callable, repeats: int,
-               warmup: int) -> tuple[float, float, float]:
+               warmup: int, clock: Callable[[], float] = time.perf_counter
+               ) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, saved bytes): medians over `repeats` timed runs of
     `run_forward()` -> scalar loss or (output, grad) and its backward."""
     import torch
 
     def once(timed: bool, counter: _SavedBytes | None = None):
         sync()
-        start = time.perf_counter()
+        start = clock()
         if counter is not None:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                 out, grad = run_forward()
         else:
             out, grad = run_forward()
         sync()
-        middle = time.perf_counter()
+        middle = clock()
         out.backward(grad)
         sync()
-        end = time.perf_counter()
+        end = clock()
         for p in params:
             p.grad = None
             if hasattr(p, "main_grad"):
@@ -280,7 +292,7 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
         ps.initialize_model_parallel(1, 1)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    overhead = _rss_bytes() if device == "cpu" else 0.0
+    overhead = _runtime_overhead() if device == "cpu" else 0.0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -315,6 +327,21 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
     log(f"optimizer step: {profile.optimizer_fixed_s * 1e3:.2f} ms + "
         f"{profile.optimizer_per_param_s * 1e9:.2f} ns/parameter")
     return profile
+
+
+def _runtime_overhead() -> float:
+    """Resident bytes of a training process before its model exists: this process with the
+    modules a training process loads imported."""
+    import importlib
+
+    for name in ("megatron_2bw.training.loop", "megatron_2bw.schedules.executor",
+                 "megatron_2bw.data.gpt", "megatron.core.optimizer",
+                 "megatron.core.models.gpt"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    return _rss_bytes()
 
 
 def _versions() -> dict:
@@ -376,7 +403,7 @@ def _measure_layer(args, model: ModelSpec, device: str, t: int, b: int, recomput
     def run():
         return block(hidden_states=x, attention_mask=None), grad
 
-    return _time_part(run, list(block.parameters()), sync, repeats, warmup)
+    return _time_part(run, list(block.parameters()), sync, repeats, warmup, _clock(device))
 
 
 def _measure_outer(args, model: ModelSpec, device: str, part: str, t: int, b: int, sync,
@@ -413,7 +440,7 @@ def _measure_outer(args, model: ModelSpec, device: str, part: str, t: int, b: in
             return loss.float().mean(), None
     if device == "cuda":
         module.cuda()
-    return _time_part(run, list(module.parameters()), sync, repeats, warmup)
+    return _time_part(run, list(module.parameters()), sync, repeats, warmup, _clock(device))
 
 
 def _measure_optimizer(args, model: ModelSpec, device: str, sync, repeats: int
@@ -440,19 +467,19 @@ def _measure_optimizer(args, model: ModelSpec, device: str, sync, repeats: int
                                                   use_distributed_optimizer=False), block)
         optimizer = build.build_optimizer(args, [ddp])
         params = sum(p.numel() for p in ddp.parameters())
-        times = []
+        times, clock = [], _clock(device)
         for i in range(repeats + 1):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             for p in ddp.parameters():
                 p.main_grad.normal_(0, 1e-3)
             sync()
-            start = time.perf_counter()
+            start = clock()
             finalize_model_grads([ddp])
             optimizer.step()
             sync()
             if i:
-                times.append(time.perf_counter() - start)
+                times.append(clock() - start)
         points.append((params, statistics.median(times)))
     (p1, t1), (p3, t3) = points
     per_param = max((t3 - t1) / (p3 - p1), 0.0)
@@ -485,7 +512,7 @@ def _links_worker(rank: int, world: int, port: int, sizes: list[int], repeats: i
             sync()
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        results.append((nbytes, statistics.median(times)))
+        results.append((nbytes, min(times)))  # the link itself, not the other processes
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -551,7 +578,8 @@ class E2ERun:
     command: tuple[str, ...] = ()
     error: str | None = None
     load_average: float | None = None
-    """1-minute load average of the machine when the run ended (CPU runs share the cores)."""
+    """Higher 1-minute load average of the machine at the run's start and end (CPU runs share
+    the cores with whatever else runs)."""
 
 
 @dataclass
@@ -621,50 +649,79 @@ def _data_flags(model: ModelSpec, scratch: Path) -> tuple[list[str], ModelSpec]:
 
 def run_end_to_end(model: ModelSpec, layouts: Sequence, precision: str = "fp32",
                    train_iters: int = 12, log_interval: int = 3, cpu: bool = True,
+                   repeat: int = 1, idle_below: float | None = None,
                    timeout: float = 600.0, log: Callable[[str], None] = lambda s: None,
                    scratch: str | os.PathLike | None = None) -> E2EProfile:
     """Train each layout (`cost.Layout`) for `train_iters` iterations with torchrun on this
-    machine (t d w processes) and read its log."""
-    from .flags import launch_flags
-
+    machine (t d w processes) and read its log. With `repeat` > 1 each layout runs that many
+    times and the fastest run is kept: other processes on the machine only ever slow a run
+    down. With `idle_below`, each run first waits (up to 10 minutes) for the 1-minute load
+    average to drop below it."""
     scratch = Path(scratch or tempfile.mkdtemp(prefix="plan-e2e-"))
     data_flags, model = _data_flags(model, scratch)
-    device_name = _cpu_name() if cpu else _cuda_name()
-    profile = E2EProfile(model=model, device_name=device_name,
+    profile = E2EProfile(model=model, device_name=_cpu_name() if cpu else _cuda_name(),
                          created=datetime.datetime.now().isoformat(timespec="seconds"))
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     for layout in layouts:
-        flags = launch_flags(layout, model, precision, cpu=cpu)
-        command = [torchrun, "--nproc-per-node", str(layout.world),
-                   "--master-port", str(_free_port()), str(REPO / "pretrain_gpt_2bw.py"),
-                   *flags, *data_flags, "--train-iters", str(train_iters),
-                   "--log-interval", str(log_interval), "--eval-iters", "0",
-                   "--lr-warmup-iters", "0", "--distributed-timeout-minutes", "5"]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        log(f"running {layout.label()}: {' '.join(command[1:])}")
-        error = None
-        try:
-            done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-            text = done.stdout + done.stderr
-            if done.returncode:
-                error = f"exit {done.returncode}: " + _last_error(text)
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            error = f"timed out after {timeout:.0f} s"
-        times, mems = parse_training_log(text)
-        steady = times[1:] or times
-        run = E2ERun(t=layout.t, d=layout.d, w=layout.w, b=layout.b, m=layout.m,
-                     recompute=layout.recompute, schedule=layout.schedule, precision=precision,
-                     seconds_per_iteration=statistics.fmean(steady) if steady else None,
-                     peak_memory_bytes=max(mems) * 2**20 if mems else None,
-                     intervals=tuple(times), command=tuple(command[1:]), error=error,
-                     load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
-        profile.runs.append(run)
-        log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration"
-            if run.seconds_per_iteration else f"  -> failed: {error}")
+        runs = []
+        for _ in range(max(repeat, 1)):
+            if idle_below is not None:
+                _wait_for_idle(idle_below, log)
+            runs.append(_run_one(layout, model, precision, data_flags, train_iters,
+                                 log_interval, cpu, timeout, log))
+        timed = [r for r in runs if r.seconds_per_iteration is not None]
+        profile.runs.append(min(timed, key=lambda r: r.seconds_per_iteration) if timed
+                            else runs[-1])
     return profile
+
+
+def _run_one(layout, model: ModelSpec, precision: str, data_flags: list[str], train_iters: int,
+             log_interval: int, cpu: bool, timeout: float, log: Callable[[str], None]) -> E2ERun:
+    from .flags import launch_flags
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--nproc-per-node", str(layout.world),
+               "--master-port", str(_free_port()), str(REPO / "pretrain_gpt_2bw.py"),
+               *launch_flags(layout, model, precision, cpu=cpu), *data_flags,
+               "--train-iters", str(train_iters), "--log-interval", str(log_interval),
+               "--eval-iters", "0", "--lr-warmup-iters", "0",
+               "--distributed-timeout-minutes", "5"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    log(f"running {layout.label()}: {' '.join(command[1:])}")
+    load_before = _load_average()
+    error = None
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        text = done.stdout + done.stderr
+        if done.returncode:
+            error = f"exit {done.returncode}: " + _last_error(text)
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        error = f"timed out after {timeout:.0f} s"
+    times, mems = parse_training_log(text)
+    steady = times[1:] or times  # the first interval holds the warm-up
+    run = E2ERun(t=layout.t, d=layout.d, w=layout.w, b=layout.b, m=layout.m,
+                 recompute=layout.recompute, schedule=layout.schedule, precision=precision,
+                 seconds_per_iteration=statistics.fmean(steady) if steady else None,
+                 peak_memory_bytes=max(mems) * 2**20 if mems else None,
+                 intervals=tuple(times), command=tuple(command[1:]), error=error,
+                 load_average=max(load_before, _load_average()))
+    log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration (load average "
+        f"{run.load_average:.1f})" if run.seconds_per_iteration else f"  -> failed: {error}")
+    return run
+
+
+def _load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _wait_for_idle(below: float, log: Callable[[str], None], limit_s: float = 600.0) -> None:
+    deadline = time.monotonic() + limit_s
+    if _load_average() >= below:
+        log(f"  waiting for the load average ({_load_average():.1f}) to drop below {below}")
+    while _load_average() >= below and time.monotonic() < deadline:
+        time.sleep(5)
 
 
 def _last_error(text: str) -> str:
@@ -693,6 +750,7 @@ class Accuracy:
     """The logging rank's: the last pipeline stage (it prints the training log)."""
     measured_memory_bytes: float | None
     error: str | None = None
+    load_average: float | None = None
 
     @property
     def time_error(self) -> float | None:
@@ -719,7 +777,7 @@ def compare(e2e: E2EProfile, cost, simulate: bool = True) -> list[Accuracy]:
         time_estimate = cost.time(layout, simulate=simulate)
         memory = cost.memory(layout).stages[-1].total
         rows.append(Accuracy(layout, time_estimate.iteration, run.seconds_per_iteration,
-                             memory, run.peak_memory_bytes, run.error))
+                             memory, run.peak_memory_bytes, run.error, run.load_average))
     return rows
 
 
@@ -735,14 +793,16 @@ def format_accuracy(rows: Sequence[Accuracy]) -> str:
         return "      -" if x is None else f"{x / 2**20:7.0f}"
 
     lines = [f"{'layout':<28} {'pred ms':>8} {'meas ms':>8} {'error':>6}   "
-             f"{'pred MiB':>8} {'meas MiB':>8} {'error':>6}"]
+             f"{'pred MiB':>8} {'meas MiB':>8} {'error':>6}  {'load':>4}"]
     for r in rows:
+        load = "   -" if r.load_average is None else f"{r.load_average:4.1f}"
         lines.append(f"{r.layout.label():<28} {ms(r.predicted_s)} {ms(r.measured_s)} "
                      f"{pct(r.time_error)}   {mib(r.predicted_memory_bytes)}  "
-                     f"{mib(r.measured_memory_bytes)} {pct(r.memory_error)}"
+                     f"{mib(r.measured_memory_bytes)} {pct(r.memory_error)}  {load}"
                      + (f"   ({r.error})" if r.error else ""))
     errors = [abs(r.time_error) for r in rows if r.time_error is not None]
     if errors:
         lines.append(f"time: mean |error| {statistics.fmean(errors) * 100:.1f}%, "
-                     f"max {max(errors) * 100:.1f}%")
+                     f"max {max(errors) * 100:.1f}%; load: the machine's 1-minute load average "
+                     f"during the run")
     return "\n".join(lines)
