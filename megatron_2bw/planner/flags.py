@@ -125,7 +125,9 @@ def sbatch_script(candidate: Candidate, plan: Plan) -> str:
         f"#SBATCH --gpus-per-node={cluster.gpus_per_node}",
         "#SBATCH --exclusive",
         "set -euo pipefail",
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "# the first node hosts the rendezvous (sed reads the whole list: no SIGPIPE under "
+        "pipefail)",
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
         "export MASTER_ADDR",
         "# shellcheck disable=SC2086",
         f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc-per-node {cluster.gpus_per_node} \\",

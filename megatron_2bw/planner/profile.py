@@ -11,8 +11,8 @@ group of 1, `initialize_model_parallel(1, 1)`). `measure_links` times all-reduce
 local processes (gloo on CPU, NCCL between two GPUs) for the intra-node link.
 
 End-to-end profile (`run_end_to_end`): whole configurations trained for a few iterations with
-torchrun on `pretrain_gpt_2bw.py`, reading the time per iteration and peak memory from the
-training log.
+torchrun on `pretrain_gpt_2bw.py` (`pretrain_bert_2bw.py` for BERT) with `--mock-data`, reading
+the time per iteration and peak memory from the training log.
 
 Profiles are JSON, named after the device (`tools/profiles/<device name>.json`), and load
 anywhere (`Profile.load`), so a profile taken on a GPU node plans on a laptop.
@@ -570,13 +570,15 @@ class E2ERun:
     schedule: str
     precision: str
     seconds_per_iteration: float | None
-    """Mean over the logged intervals after the first (which holds the warm-up)."""
+    """Median of the logged intervals after the first (which holds the warm-up)."""
     peak_memory_bytes: float | None
     """Largest "peak memory (MiB)" logged: the last rank's (it prints the log)."""
     intervals: tuple[float, ...] = ()
     """Each logged interval's time per iteration, the first included."""
     command: tuple[str, ...] = ()
     error: str | None = None
+    fastest_s: float | None = None
+    """Fastest logged interval after the first: on a shared machine the least disturbed one."""
     load_average: float | None = None
     """Higher 1-minute load average of the machine at the run's start and end (CPU runs share
     the cores with whatever else runs)."""
@@ -676,11 +678,11 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence, precision: str = "fp32",
 
 def _run_one(layout, model: ModelSpec, precision: str, data_flags: list[str], train_iters: int,
              log_interval: int, cpu: bool, timeout: float, log: Callable[[str], None]) -> E2ERun:
-    from .flags import launch_flags
+    from .flags import entry_script, launch_flags
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--nproc-per-node", str(layout.world),
-               "--master-port", str(_free_port()), str(REPO / "pretrain_gpt_2bw.py"),
+               "--master-port", str(_free_port()), str(REPO / entry_script(model)),
                *launch_flags(layout, model, precision, cpu=cpu), *data_flags,
                "--train-iters", str(train_iters), "--log-interval", str(log_interval),
                "--eval-iters", "0", "--lr-warmup-iters", "0",
@@ -703,9 +705,10 @@ def _run_one(layout, model: ModelSpec, precision: str, data_flags: list[str], tr
     steady = times[1:] or times  # the first interval holds the warm-up
     run = E2ERun(t=layout.t, d=layout.d, w=layout.w, b=layout.b, m=layout.m,
                  recompute=layout.recompute, schedule=layout.schedule, precision=precision,
-                 seconds_per_iteration=statistics.fmean(steady) if steady else None,
+                 seconds_per_iteration=statistics.median(steady) if steady else None,
                  peak_memory_bytes=max(mems) * 2**20 if mems else None,
                  intervals=tuple(times), command=tuple(command[1:]), error=error,
+                 fastest_s=min(steady) if steady else None,
                  load_average=max(load_before, _load_average()))
     log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration (load average "
         f"{run.load_average:.1f})" if run.seconds_per_iteration else f"  -> failed: {error}")
@@ -751,6 +754,7 @@ class Accuracy:
     measured_memory_bytes: float | None
     error: str | None = None
     load_average: float | None = None
+    fastest_s: float | None = None
 
     @property
     def time_error(self) -> float | None:
@@ -758,6 +762,13 @@ class Accuracy:
         if not self.measured_s:
             return None
         return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def fastest_error(self) -> float | None:
+        """Against the fastest interval (the least disturbed on a shared machine)."""
+        if not self.fastest_s:
+            return None
+        return (self.predicted_s - self.fastest_s) / self.fastest_s
 
     @property
     def memory_error(self) -> float | None:
@@ -777,7 +788,8 @@ def compare(e2e: E2EProfile, cost, simulate: bool = True) -> list[Accuracy]:
         time_estimate = cost.time(layout, simulate=simulate)
         memory = cost.memory(layout).stages[-1].total
         rows.append(Accuracy(layout, time_estimate.iteration, run.seconds_per_iteration,
-                             memory, run.peak_memory_bytes, run.error, run.load_average))
+                             memory, run.peak_memory_bytes, run.error, run.load_average,
+                             run.fastest_s))
     return rows
 
 
@@ -792,17 +804,17 @@ def format_accuracy(rows: Sequence[Accuracy]) -> str:
     def mib(x):
         return "      -" if x is None else f"{x / 2**20:7.0f}"
 
-    lines = [f"{'layout':<28} {'pred ms':>8} {'meas ms':>8} {'error':>6}   "
-             f"{'pred MiB':>8} {'meas MiB':>8} {'error':>6}  {'load':>4}"]
+    lines = [f"{'layout':<28} {'pred ms':>8} {'meas ms':>8} {'error':>6}  {'fastest':>8} "
+             f"{'error':>6}   {'pred MiB':>8} {'meas MiB':>8} {'error':>6}  {'load':>4}"]
     for r in rows:
         load = "   -" if r.load_average is None else f"{r.load_average:4.1f}"
         lines.append(f"{r.layout.label():<28} {ms(r.predicted_s)} {ms(r.measured_s)} "
-                     f"{pct(r.time_error)}   {mib(r.predicted_memory_bytes)}  "
-                     f"{mib(r.measured_memory_bytes)} {pct(r.memory_error)}  {load}"
-                     + (f"   ({r.error})" if r.error else ""))
+                     f"{pct(r.time_error)}  {ms(r.fastest_s)} {pct(r.fastest_error)}   "
+                     f"{mib(r.predicted_memory_bytes)}  {mib(r.measured_memory_bytes)} "
+                     f"{pct(r.memory_error)}  {load}" + (f"   ({r.error})" if r.error else ""))
     errors = [abs(r.time_error) for r in rows if r.time_error is not None]
     if errors:
-        lines.append(f"time: mean |error| {statistics.fmean(errors) * 100:.1f}%, "
-                     f"max {max(errors) * 100:.1f}%; load: the machine's 1-minute load average "
-                     f"during the run")
+        lines.append(f"time (median interval): mean |error| {statistics.fmean(errors) * 100:.1f}%, "
+                     f"max {max(errors) * 100:.1f}%; fastest: the least disturbed interval; "
+                     f"load: the machine's 1-minute load average during the run")
     return "\n".join(lines)
