@@ -185,14 +185,14 @@ def stage_summary(records: Iterable) -> dict[int, dict]:
 
 def _one_rank_per_stage(records: Sequence[TraceRecord]) -> dict[int, list[TraceRecord]]:
     """The records of the lowest rank of each stage (data-parallel replicas would overlap)."""
-    first_rank: dict[int, int | None] = {}
+    ranks: dict[int, set] = {}
     for r in records:
-        if r.stage not in first_rank or (r.rank is not None and first_rank[r.stage] is not None
-                                         and r.rank < first_rank[r.stage]):
-            first_rank[r.stage] = r.rank
+        ranks.setdefault(r.stage, set()).add(r.rank)
+    chosen = {stage: min(rs, key=lambda rank: -1 if rank is None else rank)
+              for stage, rs in ranks.items()}
     out: dict[int, list[TraceRecord]] = {}
     for r in records:
-        if r.rank == first_rank[r.stage]:
+        if r.rank == chosen[r.stage]:
             out.setdefault(r.stage, []).append(r)
     return out
 

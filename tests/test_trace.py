@@ -188,3 +188,14 @@ def test_stage_summary_counts_idle_time():
     assert set(summary) == {0, 1}
     assert summary[0]["busy"]["F"] == 2.0 and summary[0]["busy"]["B"] == 4.0
     assert summary[0]["idle"] == pytest.approx(summary[0]["span"] - 6.0)
+
+
+def test_data_parallel_replicas_draw_the_lowest_rank(tmp_path):
+    records = [trace.TraceRecord(0, "F", 0, 0, 0.0, 1.0, rank=2),
+               trace.TraceRecord(0, "F", 0, 0, 0.0, 3.0, rank=0),
+               trace.TraceRecord(1, "F", 0, 0, 1.0, 2.0, rank=1),
+               trace.TraceRecord(1, "F", 0, 0, 1.0, 5.0, rank=3)]
+    summary = trace.stage_summary(records)
+    assert summary[0]["busy"]["F"] == 3.0 and summary[1]["busy"]["F"] == 1.0
+    trace.to_png(records, tmp_path / "dp.png")
+    assert (tmp_path / "dp.png").read_bytes()[:4] == b"\x89PNG"

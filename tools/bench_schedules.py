@@ -28,8 +28,16 @@ and the last stage synchronises all stages at every optimizer step, which under 
 (d-1) x backward stall per batch that the other schedules pay anyway in their flush.
 ``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them.
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
-the model-parallel group) even with clipping off; ``--unchain-optimizer`` steps its single
-inner optimizer instead, so that no collective remains at the step (the table says which).
+the model-parallel group) even with clipping off, so the harness steps its one inner optimizer
+(the same update, no collective); ``--keep-chained-optimizer`` steps the ChainedOptimizer as
+the training loop does.
+
+Where the time goes, per stage (``a/b`` = stage 0/stage 1, medians over measured iterations):
+``cpu ms`` the main thread's CPU time (compute and Python), ``runq ms`` its run-queue delay
+(ready to run while another process had the core: load from outside the benchmark, or the
+stages of one pipeline sharing a core), ``recv ms`` time blocked in the executor's p2p receives
+(idle waiting for the neighbour; '-' for Megatron's own schedule and PP=1). Per iteration,
+wall ~ cpu + runq + recv + time blocked in collectives.
 """
 
 from __future__ import annotations
@@ -101,6 +109,54 @@ class _SavedBytes:
         return result
 
 
+class _Waits:
+    """Per-iteration instrumentation of this process: time blocked in the executor's p2p
+    receives (wraps ``StageComm._recv``; None for Megatron's own schedule, which uses its own
+    p2p), time in ``torch.distributed.all_reduce`` calls (the loop's loss average, megatron-core's
+    grad norm), and the main thread's run-queue delay (``/proc/self/task/TID/schedstat``:
+    runnable but not running, i.e. another thread or process had the core)."""
+
+    def __init__(self):
+        import threading
+
+        import torch.distributed as dist
+
+        from megatron_2bw.schedules import p2p
+
+        self.recv = 0.0
+        self.collective = 0.0
+        self.used = False
+        all_reduce = dist.all_reduce
+
+        def timed_all_reduce(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return all_reduce(*args, **kwargs)
+            finally:
+                self.collective += time.perf_counter() - start
+
+        dist.all_reduce = timed_all_reduce
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        original = getattr(p2p.StageComm, "_recv", None)
+        if original is not None:
+            def timed_recv(comm, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return original(comm, *args, **kwargs)
+                finally:
+                    self.recv += time.perf_counter() - start
+                    self.used = True
+
+            p2p.StageComm._recv = timed_recv
+
+    def run_queue(self) -> float | None:
+        try:
+            with open(self._schedstat) as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
+
+
 def worker(argv: list[str]) -> int:
     ours, flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     p = argparse.ArgumentParser(prog="bench_schedules.py --worker")
@@ -108,7 +164,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--iters", type=int, required=True)
-    p.add_argument("--unchain-optimizer", action="store_true")
+    p.add_argument("--keep-chained-optimizer", action="store_true")
     p.add_argument("--timeline", action="store_true")
     opts = p.parse_args(ours)
 
@@ -126,26 +182,35 @@ def worker(argv: list[str]) -> int:
 
     args = parse_args(flags)
     megatron_2bw.install(args.pipeline_schedule)
+    waits = _Waits()
     vocab = entry.padded_vocab(args, None)
     saved = _SavedBytes(pretrain_gpt_2bw.forward_step)
     trainer = Trainer(args, partial(pretrain_gpt_2bw.model_provider, args=args, vocab_size=vocab),
                       _synthetic_data, saved, vocab)
     optimizer_note = type(trainer.optimizer).__name__
-    if opts.unchain_optimizer and len(getattr(trainer.optimizer, "chained_optimizers", ())) == 1:
+    chained = getattr(trainer.optimizer, "chained_optimizers", ())
+    if not opts.keep_chained_optimizer and len(chained) == 1:
         trainer.optimizer = trainer.optimizer.chained_optimizers[0]
         optimizer_note += " -> " + type(trainer.optimizer).__name__
     runner = trainer.forward_backward
     if opts.timeline and hasattr(runner, "timeline"):
         runner.timeline = []
     total = opts.warmup + opts.iters + 1  # + the drain call (2BW), not measured
-    seconds, ends = [], []
+    seconds, cpu_seconds, runq_seconds, recv_seconds, coll_seconds, ends = [], [], [], [], [], []
     for i in range(total):
         if i == total - 1 and hasattr(runner, "prepare_drain"):
             runner.prepare_drain()
         saved.active = 0 < i < opts.warmup or (opts.warmup == 1 and i == 0)
-        start = time.perf_counter()
+        start, cpu_start, runq_start = time.perf_counter(), time.thread_time(), waits.run_queue()
+        waits.recv = waits.collective = 0.0
         trainer.train_step()
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.thread_time() - cpu_start)
+        runq_end = waits.run_queue()
+        runq_seconds.append(None if runq_start is None or runq_end is None
+                            else runq_end - runq_start)
+        recv_seconds.append(waits.recv if waits.used else None)
+        coll_seconds.append(waits.collective)
         ends.append(time.perf_counter())
     if hasattr(runner, "drain"):
         runner.drain()
@@ -157,6 +222,10 @@ def worker(argv: list[str]) -> int:
     result = {
         "rank": rank, "stage": ps.get_pipeline_model_parallel_rank(),
         "seconds": seconds[opts.warmup:opts.warmup + opts.iters],
+        "cpu_seconds": cpu_seconds[opts.warmup:opts.warmup + opts.iters],
+        "run_queue_seconds": runq_seconds[opts.warmup:opts.warmup + opts.iters],
+        "recv_seconds": recv_seconds[opts.warmup:opts.warmup + opts.iters],
+        "collective_seconds": coll_seconds[opts.warmup:opts.warmup + opts.iters],
         "measured_wall": ends[opts.warmup + opts.iters - 1] - ends[opts.warmup - 1]
         if opts.warmup else None,
         "param_bytes": sum(p.numel() * p.element_size() for p in chunk.parameters()),
@@ -206,9 +275,11 @@ def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, 
         command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc),
                    "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker",
                    "--out", out, "--warmup", str(a.warmup), "--iters", str(a.iters)]
-        command += ["--unchain-optimizer"] if a.unchain_optimizer else []
+        command += ["--keep-chained-optimizer"] if a.keep_chained_optimizer else []
         command += ["--timeline"] if timeline_dir else []
         command += ["--", *flags]
+        if a.nice:
+            command = ["nice", "-n", str(a.nice), *command]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         print(f"  {label}: {nproc} process{'es' if nproc > 1 else ''} ...", end="", flush=True,
               file=sys.stderr)
@@ -251,6 +322,15 @@ def _per_stage(values) -> str:
     return "/".join(values)
 
 
+def _median_ms(stages: list[dict], key: str) -> str:
+    """Per stage, the median over measured iterations of ``key``, in ms ('-' if not measured)."""
+    def one(values):
+        values = [v for v in values if v is not None]
+        return f"{statistics.median(values) * 1e3:.0f}" if values else "-"
+
+    return _per_stage(one(stage.get(key) or []) for stage in stages)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--worker" in argv:
@@ -264,23 +344,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every configuration this many times, interleaved; the table "
                         "shows the median over rounds")
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--clip-grad", type=float, default=0.0)
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share input and output embeddings (an all-reduce at every step)")
     p.add_argument("--sync-variants", action="store_true",
                    help="also run 2bw and flush with --clip-grad 1.0 and tied embeddings")
-    p.add_argument("--unchain-optimizer", action="store_true",
-                   help="step megatron-core's single inner optimizer instead of the "
-                        "ChainedOptimizer, which all-reduces the grad norm even without clipping")
+    p.add_argument("--keep-chained-optimizer", action="store_true",
+                   help="step megatron-core's ChainedOptimizer as the training loop does; it "
+                        "all-reduces the grad norm over the stages even without clipping")
     p.add_argument("--timeline-dir", type=Path, default=None,
                    help="also record timelines of this package's schedules here "
                         "(draw with tools/timeline.py --records DIR/<schedule>)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="run the configurations under 'nice -n N'; a negative N (needs the "
+                        "privilege) keeps other processes on a shared machine from taking the "
+                        "stages' cores (see the runq column)")
     p.add_argument("--json", type=Path, default=None, help="also write all measurements here")
     a = p.parse_args(argv)
     a.warmup = max(a.warmup, 1)
@@ -292,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab={a.vocab_size}; micro batch b={b}, m={m} microbatches, global batch {b * m}; "
           f"PP={d} on {d} single-threaded CPU processes; {a.warmup} warm-up + {a.iters} measured "
           f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
-          f"{', optimizer unchained' if a.unchain_optimizer else ''}", file=sys.stderr)
+          f"{', ChainedOptimizer kept' if a.keep_chained_optimizer else ''}", file=sys.stderr)
     # (row name, schedule, processes, clip-grad, tied, label)
     configs = [("single (PP=1)", "megatron", 1, a.clip_grad, a.tie_embeddings, "single")]
     configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch) for sch in schedules]
@@ -318,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = time_of.get("2bw")
     boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
     header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8}  "
-              f"{'stash/stage':>11} {'stash MiB/stage':>15} {'weights MiB/stage':>17}")
+              f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
+              f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
     rows = [header, "-" * len(header)]
     for name, run in runs.items():
         schedule = name.split()[0]
@@ -332,12 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         by_stage = {r["stage"]: r for r in run["ranks"]}
         saved = [by_stage[i]["saved_bytes_per_microbatch"] or boundary for i in sorted(by_stage)]
         weights = [by_stage[i]["param_bytes"] * versions for i in sorted(by_stage)]
+        stages = [by_stage[i] for i in sorted(by_stage)]
         rows.append(
             f"{name:<17} {t * 1e3:8.1f} {b * m / t:9.2f} "
             f"{(reference / t if reference else float('nan')):7.2f} {ideal / t:8.2f}  "
-            f"{_per_stage(str(c) for c in stash):>11} "
-            f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>15} "
-            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>17}")
+            f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
+            f"{_median_ms(stages, 'recv_seconds'):>9} "
+            f"{_median_ms(stages, 'collective_seconds'):>9}  "
+            f"{_per_stage(str(c) for c in stash):>5} "
+            f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
+            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11}")
+    rows.append("per stage (stage 0/1/...): cpu = main-thread CPU ms per iteration, runq = ms "
+                "ready but not running (other processes had the core), recv = ms blocked in p2p "
+                "receives; stash = peak stashed microbatches; weights = parameters x versions")
     rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
                 f" per iteration; boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
                 f"saved for backward per microbatch and stage (measured): "
@@ -346,15 +438,18 @@ def main(argv: list[str] | None = None) -> int:
                 + " MiB")
     optimizers = {r["optimizer"] for run in runs.values() for r in run["ranks"]}
     rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
-                + ("" if a.unchain_optimizer else
-                   " (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over the "
-                   "stages at every step, also with --clip-grad 0; see --unchain-optimizer)"))
+                + (" (kept: megatron-core's ChainedOptimizer.step() all-reduces the grad norm "
+                   "over the stages at every step, also with --clip-grad 0)"
+                   if a.keep_chained_optimizer else
+                   " (the harness steps the one inner optimizer: megatron-core's "
+                   "ChainedOptimizer.step() would all-reduce the grad norm over the stages at "
+                   "every step, also with --clip-grad 0; --keep-chained-optimizer shows it)"))
     rows.append(f"note: --clip-grad {a.clip_grad} and "
                 f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row; a grad-norm"
                 " or tied-embedding all-reduce syncs all stages at each step and costs 2BW a "
                 "(d-1) x backward stall per batch (--sync-variants shows it)")
     rows.append(f"load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} "
-                f"(on {os.cpu_count()} CPUs)")
+                f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}")
     print("\n".join(rows))
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
