@@ -434,3 +434,33 @@ def test_cli_explain_and_layout_syntax(tmp_path, capsys):
     assert cli.parse_layout("t2d1w1b4:megatron+rc", 16).recompute
     with pytest.raises(Exception):
         cli.parse_layout("t1d2w1b3:2bw", 16)
+
+
+def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tmp_path):
+    from megatron_2bw.planner import profile as profiling
+
+    launched = []
+
+    def fake_run(command, **kwargs):
+        launched.append(command)
+        lines = [f"iteration {i} | elapsed time per iteration (ms): {ms} | peak memory (MiB): "
+                 f"{mib}" for i, (ms, mib) in enumerate([(900, 400), (500, 410), (520, 420),
+                                                         (480, 415)])]
+        return subprocess.CompletedProcess(command, 0, "\n".join(lines), "")
+
+    monkeypatch.setattr(profiling.subprocess, "run", fake_run)
+    monkeypatch.setattr(profiling, "_mock_data_supported", lambda: True)
+    layouts = [Layout(1, 2, 1, 4, 4, False, "2bw"), Layout(2, 1, 1, 4, 4, True, "megatron")]
+    e2e = profiling.run_end_to_end(SMALL, layouts, "fp32", scratch=tmp_path)
+    run = e2e.runs[0]
+    # The first interval holds the warm-up: median and fastest of 500, 520, 480.
+    assert run.seconds_per_iteration == pytest.approx(0.5)
+    assert run.fastest_s == pytest.approx(0.48) and run.peak_memory_bytes == 420 * 2**20
+    for layout, command in zip(layouts, launched):
+        assert command[command.index("--nproc-per-node") + 1] == str(layout.world)
+        script = next(i for i, word in enumerate(command) if word.endswith("pretrain_gpt_2bw.py"))
+        args = parse_for_validation(command[script + 1:], SMALL, world_size=layout.world)
+        assert args.mock_data and args.cpu and args.num_microbatches == layout.m
+        assert (args.recompute_granularity == "full") == layout.recompute
+    loaded = E2EProfile.load(e2e.save(tmp_path / "e2e.json"))
+    assert loaded.runs == e2e.runs
