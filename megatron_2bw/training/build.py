@@ -101,7 +101,22 @@ def build_optimizer(args: argparse.Namespace, model: list):
         initial_loss_scale=args.initial_loss_scale,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model)
+    return _unchained(get_megatron_optimizer(config, model))
+
+
+def _unchained(optimizer):
+    """The one inner optimizer of a single-member ChainedOptimizer.
+
+    megatron-core wraps even a single optimizer in a ChainedOptimizer, whose step() all-reduces
+    the gradient norm over the model-parallel group (every pipeline stage) although nothing
+    reads it without clipping. That collective syncs all stages at each step, which stalls
+    2BW's pipeline by (d-1) backward passes per batch. The inner optimizer computes the norm
+    only when --clip-grad > 0."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if isinstance(optimizer, ChainedOptimizer) and len(optimizer.chained_optimizers) == 1:
+        return optimizer.chained_optimizers[0]
+    return optimizer
 
 
 def build_scheduler(args: argparse.Namespace, optimizer):
