@@ -101,7 +101,7 @@ def torchrun_script(candidate: Candidate, plan: Plan) -> str:
         'NODE_RANK="${NODE_RANK:-0}"',
         'MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"',
         'MASTER_PORT="${MASTER_PORT:-29500}"',
-        f"# shellcheck disable=SC2086",
+        "# shellcheck disable=SC2086",
         f"torchrun --nnodes \"$NNODES\" --node-rank \"$NODE_RANK\" "
         f"--nproc-per-node {cluster.gpus_per_node} \\",
         '    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \\',

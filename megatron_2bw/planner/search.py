@@ -13,7 +13,7 @@ size b from the list; 2BW needs m >= d (Section 3.1); the fullest device within 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .cluster import GiB, Cluster
 from .cost import CostModel, Layout, MemoryEstimate, TimeEstimate
