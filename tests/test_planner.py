@@ -464,3 +464,14 @@ def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tm
         assert (args.recompute_granularity == "full") == layout.recompute
     loaded = E2EProfile.load(e2e.save(tmp_path / "e2e.json"))
     assert loaded.runs == e2e.runs
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe", "naive"])
+def test_first_and_last_stage_bound_the_middle_ones(schedule):
+    cost = CostModel(GPT_8B, preset("paper", nodes=8), "fp16")
+    for recompute in (False, True):
+        layout = Layout(t=2, d=8, w=4, b=2, m=8, recompute=recompute, schedule=schedule)
+        every = cost.memory(layout)
+        bounding = cost.memory(layout, every_stage=False)
+        assert [s.stage for s in bounding.stages] == [0, 7]
+        assert bounding.peak == every.peak

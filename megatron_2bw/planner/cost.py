@@ -113,6 +113,7 @@ class StageMemory:
 @dataclass(frozen=True)
 class MemoryEstimate:
     stages: tuple[StageMemory, ...]
+    """Every stage, or the first and the last, which bound the others."""
 
     @functools.cached_property
     def peak_stage(self) -> StageMemory:
@@ -217,8 +218,12 @@ class CostModel:
             self.cluster = self.cluster.with_(intra_node=self.profile.intra_node_link)
 
     # ---- memory ---------------------------------------------------------------------------
-    def memory(self, layout: Layout) -> MemoryEstimate:
-        """Bytes on each stage's devices (PipeDream-2BW Section 4.3, MEMORY)."""
+    def memory(self, layout: Layout, every_stage: bool = True) -> MemoryEstimate:
+        """Bytes on each stage's devices (PipeDream-2BW Section 4.3, MEMORY).
+
+        `every_stage=False` gives the first and the last stage only, which bound the rest: a
+        middle stage holds the same layers as the first without the embedding, and stashes at
+        most as many microbatches (d - i is largest at i = 0)."""
         model, e = self.model, self.element_bytes
         t, d, b, m = layout.t, layout.d, layout.b, layout.m
         spec = _schedule_spec(layout.schedule)
@@ -234,7 +239,7 @@ class CostModel:
         head = self._activation_bytes("head", b, t)
         logits_gradient = model.logits_gradient_bytes(b, t)
         stages = []
-        for i in range(d):
+        for i in (range(d) if every_stage else sorted({0, d - 1})):
             params = model.stage_parameters(t, d, i)
             first, last = i == 0, i == d - 1
             # Activations one microbatch leaves on this stage: each layer's (its input only

@@ -180,6 +180,7 @@ def _candidate_json(c: Candidate, plan: Plan, rank: int) -> dict:
         "peak_memory_bytes": c.memory.peak,
         "peak_memory_stage": c.memory.peak_stage.stage,
         "memory": [dataclasses.asdict(s) | {"total": s.total} for s in c.memory.stages],
+        "memory_stages": "the first and the last stage (they bound the middle ones)",
         "time": {k: v for k, v in dataclasses.asdict(c.time).items()},
         "flags": _flags_for(c, plan),
     }

@@ -165,7 +165,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                                 t, d, w, b, m, rc, schedule,
                                 f"2bw needs m >= d, got m = B/(b w) = {m} < d={d}"))
                             continue
-                        memory = cost.memory(layout)
+                        memory = cost.memory(layout, every_stage=False)
                         if memory.peak > limit:
                             worst = memory.peak_stage
                             rejected.append(Rejection(
