@@ -56,6 +56,8 @@ def test_select_device(monkeypatch, available, count, force, expected):
 
 
 def test_install_refuses_when_cuda_is_usable(monkeypatch):
+    was_installed = cpu.is_installed()  # an earlier in-process test may have run an entry point
+    cpu.uninstall()
     _fake_cuda(monkeypatch, True, 1)
     current_device = torch.cuda.current_device
     try:
@@ -66,6 +68,8 @@ def test_install_refuses_when_cuda_is_usable(monkeypatch):
         assert torch.overrides._get_current_function_mode_stack() == []
     finally:
         cpu.uninstall()  # only acts if install wrongly went through
+        if was_installed:
+            cpu.install(force=True)
 
 
 _INSTALL_ROUND_TRIP = textwrap.dedent('''
