@@ -28,9 +28,9 @@ and the last stage synchronises all stages at every optimizer step, which under 
 (d-1) x backward stall per batch that the other schedules pay anyway in their flush.
 ``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them.
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
-the model-parallel group) even with clipping off, so the harness steps its one inner optimizer
-(the same update, no collective); ``--keep-chained-optimizer`` steps the ChainedOptimizer as
-the training loop does.
+the model-parallel group) even with clipping off; the training code steps its one inner optimizer
+instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
+wrapper back to show what that all-reduce costs.
 
 Where the time goes, per stage (``a/b`` = stage 0/stage 1, medians over measured iterations):
 ``cpu ms`` the main thread's CPU time (compute and Python), ``runq ms`` its run-queue delay
@@ -164,7 +164,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--iters", type=int, required=True)
-    p.add_argument("--keep-chained-optimizer", action="store_true")
+    p.add_argument("--chained-optimizer", action="store_true")
     p.add_argument("--timeline", action="store_true")
     opts = p.parse_args(ours)
 
@@ -187,11 +187,11 @@ def worker(argv: list[str]) -> int:
     saved = _SavedBytes(pretrain_gpt_2bw.forward_step)
     trainer = Trainer(args, partial(pretrain_gpt_2bw.model_provider, args=args, vocab_size=vocab),
                       _synthetic_data, saved, vocab)
+    if opts.chained_optimizer and not hasattr(trainer.optimizer, "chained_optimizers"):
+        from megatron.core.optimizer import ChainedOptimizer
+
+        trainer.optimizer = ChainedOptimizer([trainer.optimizer])  # get_megatron_optimizer's
     optimizer_note = type(trainer.optimizer).__name__
-    chained = getattr(trainer.optimizer, "chained_optimizers", ())
-    if not opts.keep_chained_optimizer and len(chained) == 1:
-        trainer.optimizer = trainer.optimizer.chained_optimizers[0]
-        optimizer_note += " -> " + type(trainer.optimizer).__name__
     runner = trainer.forward_backward
     if opts.timeline and hasattr(runner, "timeline"):
         runner.timeline = []
@@ -275,7 +275,7 @@ def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, 
         command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc),
                    "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker",
                    "--out", out, "--warmup", str(a.warmup), "--iters", str(a.iters)]
-        command += ["--keep-chained-optimizer"] if a.keep_chained_optimizer else []
+        command += ["--chained-optimizer"] if a.chained_optimizer else []
         command += ["--timeline"] if timeline_dir else []
         command += ["--", *flags]
         if a.nice:
@@ -355,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="share input and output embeddings (an all-reduce at every step)")
     p.add_argument("--sync-variants", action="store_true",
                    help="also run 2bw and flush with --clip-grad 1.0 and tied embeddings")
-    p.add_argument("--keep-chained-optimizer", action="store_true",
-                   help="step megatron-core's ChainedOptimizer as the training loop does; it "
-                        "all-reduces the grad norm over the stages even without clipping")
+    p.add_argument("--chained-optimizer", action="store_true",
+                   help="step the optimizer wrapped in megatron-core's ChainedOptimizer (as "
+                        "get_megatron_optimizer returns it), which all-reduces the grad norm "
+                        "over the stages at every step even without clipping")
     p.add_argument("--timeline-dir", type=Path, default=None,
                    help="also record timelines of this package's schedules here "
                         "(draw with tools/timeline.py --records DIR/<schedule>)")
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab={a.vocab_size}; micro batch b={b}, m={m} microbatches, global batch {b * m}; "
           f"PP={d} on {d} single-threaded CPU processes; {a.warmup} warm-up + {a.iters} measured "
           f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
-          f"{', ChainedOptimizer kept' if a.keep_chained_optimizer else ''}", file=sys.stderr)
+          f"{', ChainedOptimizer' if a.chained_optimizer else ''}", file=sys.stderr)
     # (row name, schedule, processes, clip-grad, tied, label)
     configs = [("single (PP=1)", "megatron", 1, a.clip_grad, a.tie_embeddings, "single")]
     configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch) for sch in schedules]
@@ -438,12 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                 + " MiB")
     optimizers = {r["optimizer"] for run in runs.values() for r in run["ranks"]}
     rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
-                + (" (kept: megatron-core's ChainedOptimizer.step() all-reduces the grad norm "
-                   "over the stages at every step, also with --clip-grad 0)"
-                   if a.keep_chained_optimizer else
-                   " (the harness steps the one inner optimizer: megatron-core's "
-                   "ChainedOptimizer.step() would all-reduce the grad norm over the stages at "
-                   "every step, also with --clip-grad 0; --keep-chained-optimizer shows it)"))
+                + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
+                   "the stages at every step, also with --clip-grad 0)"
+                   if "ChainedOptimizer" in optimizers else ""))
     rows.append(f"note: --clip-grad {a.clip_grad} and "
                 f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row; a grad-norm"
                 " or tied-embedding all-reduce syncs all stages at each step and costs 2BW a "

@@ -13,18 +13,18 @@ on and writes ``OUT/rank{R}.jsonl`` when training ends (records in perf_counter 
 header holds ``time.time() - time.perf_counter()``, so the ranks are merged on the wall
 clock; see ``megatron_2bw.trace``). The 4-stage 2BW run on 4 CPU processes:
 
-    python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 --unchain-optimizer \
+    python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 \
         --png runs/timeline/2bw_d4.png --chrome-trace runs/timeline/2bw_d4.json --batches 2:5 -- \
         --pipeline-schedule 2bw --pipeline-model-parallel-size 4 --num-layers 4 \
         --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 \
         --global-batch-size 8 --train-iters 6 --log-interval 6 --eval-iters 0 \
         --clip-grad 0 --untie-embeddings-and-output-weights
 
-Two collectives over all stages would line the stages up at every step and hide 2BW's
-continuous pipeline: the training loop's stop-signal check at every log line (hence
-``--log-interval`` = ``--train-iters``), and megatron-core 0.16.1's ``ChainedOptimizer.step()``,
-which all-reduces the grad norm even with ``--clip-grad 0`` (``--unchain-optimizer`` steps its
-one inner optimizer instead: the same update; leave it out to see the training loop as it is).
+A collective over all ranks lines the stages up and would hide 2BW's continuous pipeline:
+the training loop checks for a stop signal with one at every log line (hence
+``--log-interval`` = ``--train-iters``), clipping all-reduces the grad norm (``--clip-grad 0``)
+and tied embeddings all-reduce their gradient between the first and the last stage
+(``--untie-embeddings-and-output-weights``).
 
 Without ``--data-path`` or ``--mock-data`` among the training flags, ``run`` uses the default
 data set (``python -m megatron_2bw.data.default``, built once and cached). The same in two
@@ -174,7 +174,6 @@ def record(argv: list[str]) -> int:
     ours, flags = _split_flags(argv)
     p = argparse.ArgumentParser(prog="timeline.py record")
     p.add_argument("--out", required=True, help="directory for rank{R}.jsonl")
-    _add_unchain(p)
     args = p.parse_args(ours)
     rank = int(os.environ.get("RANK", "0"))
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -199,8 +198,6 @@ def record(argv: list[str]) -> int:
         return runner
 
     executor.forward_backward_func_for = recording  # patch.py looks it up at every call
-    if args.unchain_optimizer:
-        _unchain_optimizer()
     import pretrain_gpt_2bw
 
     try:
@@ -217,28 +214,6 @@ def record(argv: list[str]) -> int:
     return 0
 
 
-def _add_unchain(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--unchain-optimizer", action="store_true",
-                   help="step megatron-core's one inner optimizer instead of its "
-                        "ChainedOptimizer, whose step() all-reduces the grad norm over all "
-                        "stages even with --clip-grad 0 (a sync at every step that stalls 2BW)")
-
-
-def _unchain_optimizer() -> None:
-    """Make the training loop's optimizer the ChainedOptimizer's only member (the same update
-    without the grad-norm all-reduce; kept chained when it holds several)."""
-    from megatron_2bw.training import build
-
-    build_optimizer = build.build_optimizer
-
-    def unchained(*args, **kwargs):
-        optimizer = build_optimizer(*args, **kwargs)
-        members = getattr(optimizer, "chained_optimizers", ())
-        return members[0] if len(members) == 1 else optimizer
-
-    build.build_optimizer = unchained  # the loop looks it up when it builds
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -252,7 +227,6 @@ def run(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
     p.add_argument("--out", required=True, help="directory for the per-rank records")
     p.add_argument("--batches", default=None, metavar="A:B", help="draw batches A..B-1 only")
-    _add_unchain(p)
     _add_outputs(p)
     args = p.parse_args(ours)
     if "--data-path" not in flags and "--mock-data" not in flags:
@@ -267,8 +241,7 @@ def run(argv: list[str]) -> int:
         stale.unlink()
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
                str(args.nproc), "--master-port", str(_free_port()), str(Path(__file__).resolve()),
-               "record", "--out", str(out),
-               *(["--unchain-optimizer"] if args.unchain_optimizer else []), "--", *flags]
+               "record", "--out", str(out), "--", *flags]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("running:", " ".join(command), flush=True)
     started = time.perf_counter()
