@@ -1,0 +1,168 @@
+"""Read back what the training loop prints (``megatron_2bw.training.logs``).
+
+    iteration     10/   200 | consumed samples: 160 | elapsed time per iteration (ms): 812.5 |
+        learning rate: 1.000E-03 | ... | lm loss: 5.123E+00 | ... | samples/s: 19.69 |
+        tokens/s: 2521 | TFLOP/s per device: 0.0123 | peak memory (MiB): 611
+    validation loss at iteration 50 | lm loss value: 4.812E+00 | lm loss PPL: 1.23E+02
+    training 2bw schedule on 2 cpu processes: TP=1 PP=2 DP=1, 4 microbatches per batch
+
+Lines are split at ``|`` into ``name: value`` fields, so fields may move or be added without
+breaking the parser; a line without the fields a record needs is skipped. Tools that launch
+runs add one line per process with that process's peak memory (:func:`rank_memory_line`): the
+loop logs only on the last rank.
+
+    log = parse_log(text)
+    log.iterations[-1].ms_per_iteration, log.validations[-1].loss, log.rank_memory_mib
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["IterationRecord", "ValidationRecord", "RunHeader", "ParsedLog", "parse_iteration",
+           "parse_validation", "parse_header", "parse_log", "rank_memory_line"]
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One logged interval (means over the iterations since the previous log line)."""
+
+    iteration: int
+    train_iters: int
+    ms_per_iteration: float
+    loss: float
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops_per_device: float | None = None
+    peak_memory_mib: float | None = None
+    learning_rate: float | None = None
+    grad_norm: float | None = None
+    global_batch_size: int | None = None
+    skipped: int | None = None
+
+
+@dataclass(frozen=True)
+class ValidationRecord:
+    iteration: int
+    loss: float
+    split: str = "validation"
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """The loop's first line: schedule and layout."""
+
+    schedule: str
+    world_size: int
+    device: str
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+
+
+@dataclass
+class ParsedLog:
+    iterations: list[IterationRecord] = field(default_factory=list)
+    validations: list[ValidationRecord] = field(default_factory=list)
+    header: RunHeader | None = None
+    rank_memory_mib: dict[int, float] = field(default_factory=dict)
+    """rank -> peak memory (MiB), from :func:`rank_memory_line` lines."""
+
+    def valid(self, split: str = "validation") -> list[ValidationRecord]:
+        return [v for v in self.validations if v.split == split]
+
+
+_ITERATION = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+)")
+_VALIDATION = re.compile(r"(\w+) loss at iteration (\d+)")
+_HEADER = re.compile(r"training (\S+) schedule on (\d+) (\S+) process(?:es)?: "
+                     r"TP=(\d+) PP=(\d+) DP=(\d+), (\d+) microbatch")
+_RANK_MEMORY = re.compile(r"^\s*rank (\d+) peak memory \(MiB\): ([-+0-9.eE]+)\s*$")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)", re.I)
+
+
+def _fields(line: str) -> dict[str, str]:
+    """'a: 1 | b c: 2' -> {'a': '1', 'b c': '2'} (the first ':' of each part splits it)."""
+    out = {}
+    for part in line.split("|"):
+        name, sep, value = part.partition(":")
+        if sep:
+            out[name.strip()] = value.strip()
+    return out
+
+
+def _number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    match = _NUMBER.match(text.strip())
+    return float(match.group(0)) if match else None
+
+
+def _integer(text: str | None) -> int | None:
+    value = _number(text)
+    return None if value is None or math.isnan(value) else int(value)
+
+
+def parse_iteration(line: str) -> IterationRecord | None:
+    """The record of a training log line, or None for any other line."""
+    head = _ITERATION.search(line.split("|", 1)[0])
+    if head is None:
+        return None
+    f = _fields(line)
+    ms, loss = _number(f.get("elapsed time per iteration (ms)")), _number(f.get("lm loss"))
+    if ms is None or loss is None:
+        return None
+    return IterationRecord(
+        iteration=int(head.group(1)), train_iters=int(head.group(2)), ms_per_iteration=ms,
+        loss=loss, samples_per_s=_number(f.get("samples/s")),
+        tokens_per_s=_number(f.get("tokens/s")),
+        tflops_per_device=_number(f.get("TFLOP/s per device")),
+        peak_memory_mib=_number(f.get("peak memory (MiB)")),
+        learning_rate=_number(f.get("learning rate")), grad_norm=_number(f.get("grad norm")),
+        global_batch_size=_integer(f.get("global batch size")),
+        skipped=_integer(f.get("skipped iterations")))
+
+
+def parse_validation(line: str) -> ValidationRecord | None:
+    """' validation loss at iteration 50 | lm loss value: 4.8E+00 | ...' -> its record."""
+    head = _VALIDATION.search(line.split("|", 1)[0])
+    loss = _number(_fields(line).get("lm loss value"))
+    if head is None or loss is None:
+        return None
+    return ValidationRecord(iteration=int(head.group(2)), loss=loss, split=head.group(1))
+
+
+def parse_header(line: str) -> RunHeader | None:
+    match = _HEADER.search(line)
+    if match is None:
+        return None
+    schedule, world, device, tp, pp, dp, m = match.groups()
+    return RunHeader(schedule, int(world), device, int(tp), int(pp), int(dp), int(m))
+
+
+def rank_memory_line(rank: int, mib: float) -> str:
+    """The line a launcher prints for one process's peak memory (read by :func:`parse_log`)."""
+    return f" rank {rank} peak memory (MiB): {mib:.0f}"
+
+
+def parse_log(text: str) -> ParsedLog:
+    """Every record in a log (torchrun's interleaved output of all ranks is fine)."""
+    log = ParsedLog()
+    for line in text.splitlines():
+        if "|" in line:
+            record = parse_iteration(line)
+            if record is not None:
+                log.iterations.append(record)
+                continue
+            validation = parse_validation(line)
+            if validation is not None:
+                log.validations.append(validation)
+                continue
+        memory = _RANK_MEMORY.match(line)
+        if memory:
+            log.rank_memory_mib[int(memory.group(1))] = float(memory.group(2))
+        elif log.header is None:
+            log.header = parse_header(line)
+    return log

@@ -1,0 +1,205 @@
+"""Log parsing (megatron_2bw.logparse) and the summary math of tools/compare.py and
+tools/convergence.py, on hand-written log lines and synthetic records; no training runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_2bw.logparse import (IterationRecord, ParsedLog, RunHeader, parse_header,
+                                   parse_iteration, parse_log, parse_validation,
+                                   rank_memory_line)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ITERATION_LINE = (
+    " [2026-01-01 10:00:00] iteration     20/    40 | consumed samples:       640 |"
+    " elapsed time per iteration (ms): 1500.0 | learning rate: 1.000E-04 |"
+    " global batch size: 32 | lm loss: 6.931472E+00 | grad norm: 1.250 |"
+    " skipped iterations: 0 | samples/s: 21.33 | tokens/s: 2731 |"
+    " TFLOP/s per device: 0.0295 | peak memory (MiB): 601")
+LOG = "\n".join([
+    "W1122 10:00:00 torch/distributed/run.py: Setting OMP_NUM_THREADS",
+    " training 2bw schedule on 2 cpu processes: TP=1 PP=2 DP=1, 8 microbatches per batch",
+    ITERATION_LINE,
+    "-" * 80,
+    " validation loss at iteration 20 | lm loss value: 6.500000E+00 | lm loss PPL: 6.65E+02",
+    "-" * 80,
+    " test loss at iteration 40 | lm loss value: 6.250000E+00 | lm loss PPL: 5.18E+02",
+    " rank 0 peak memory (MiB): 512",
+    " rank 1 peak memory (MiB): 640",
+])
+
+
+# ---- logparse ---------------------------------------------------------------------------------
+
+def test_iteration_line_fields():
+    r = parse_iteration(ITERATION_LINE)
+    assert (r.iteration, r.train_iters, r.global_batch_size, r.skipped) == (20, 40, 32, 0)
+    assert r.ms_per_iteration == 1500.0 and r.loss == pytest.approx(6.931472)
+    assert r.learning_rate == pytest.approx(1e-4) and r.grad_norm == pytest.approx(1.25)
+    assert r.samples_per_s == pytest.approx(21.33) and r.tokens_per_s == 2731
+    assert r.tflops_per_device == pytest.approx(0.0295) and r.peak_memory_mib == 601
+
+
+def test_grad_norm_na_and_other_lines():
+    assert parse_iteration(ITERATION_LINE.replace("1.250", "n/a")).grad_norm is None
+    assert parse_iteration(" validation loss at iteration 20 | lm loss value: 6.5") is None
+    assert parse_iteration("iteration 3/10 started") is None  # no fields
+    assert parse_validation(ITERATION_LINE) is None
+
+
+def test_whole_log():
+    log = parse_log(LOG)
+    assert log.header == RunHeader("2bw", 2, "cpu", 1, 2, 1, 8)
+    assert [r.iteration for r in log.iterations] == [20]
+    assert [(v.split, v.iteration, v.loss) for v in log.validations] == [
+        ("validation", 20, 6.5), ("test", 40, 6.25)]
+    assert [v.loss for v in log.valid()] == [6.5]
+    assert log.rank_memory_mib == {0: 512.0, 1: 640.0}
+
+
+def test_parser_reads_what_the_training_loop_writes(capsys):
+    """Round trip through megatron_2bw.training.logs: 32 samples in 1.6 s per iteration are
+    20 samples/s, x 128 tokens = 2560 tokens/s; 1e12 FLOPs / 1.6 s / 2 devices = 0.3125."""
+    from megatron_2bw.training.logs import IterationLog, Logger
+
+    line = IterationLog(iteration=30, train_iters=100, seconds_per_iteration=1.6, lr=3e-4,
+                        loss=5.25, grad_norm=None, consumed_samples=960, global_batch_size=32,
+                        seq_length=128, flops_per_iteration=1e12, world_size=2,
+                        peak_mem_mib=700.4).line()
+    r = parse_iteration(line)
+    assert (r.iteration, r.train_iters, r.ms_per_iteration, r.loss) == (30, 100, 1600.0, 5.25)
+    assert (r.samples_per_s, r.tokens_per_s, r.peak_memory_mib) == (20.0, 2560.0, 700.0)
+    assert r.tflops_per_device == pytest.approx(0.3125)
+    Logger(True, None).validation(30, 4.75)
+    (v,) = parse_log(capsys.readouterr().out).validations
+    assert (v.split, v.iteration, v.loss) == ("validation", 30, 4.75)
+    assert parse_header(" training flush schedule on 4 cuda processes: TP=2 PP=2 DP=1, "
+                        "1 microbatches per batch") == RunHeader("flush", 4, "cuda", 2, 2, 1, 1)
+    assert parse_log(rank_memory_line(3, 1234.4)).rank_memory_mib == {3: 1234.0}
+
+
+# ---- compare: summary math --------------------------------------------------------------------
+
+def _records(ms: list[float], interval: int = 5, batch: int = 32) -> list[IterationRecord]:
+    total = interval * len(ms)
+    return [IterationRecord(iteration=interval * (i + 1), train_iters=total,
+                            ms_per_iteration=t, loss=5.0, samples_per_s=batch * 1000 / t,
+                            tokens_per_s=batch * 128 * 1000 / t, tflops_per_device=10 / t,
+                            peak_memory_mib=600.0 + i)
+            for i, t in enumerate(ms)]
+
+
+# lines at iterations 5..40; 5 and 10 are warm-up, 40 (the drain) is left out
+TIMES = [3000, 2000, 1000, 1100, 900, 1200, 1000, 5000]
+
+
+def test_median_over_measured_lines_without_warmup_and_the_last():
+    compare = _tool("compare")
+    log = ParsedLog(iterations=_records(TIMES), rank_memory_mib={0: 500.0, 1: 700.0},
+                    header=RunHeader("2bw", 2, "cpu", 1, 2, 1, 8))
+    s = compare.summarize(compare.Entry("2BW", "2bw", 1, 2), log, warmup=10)
+    # measured: 1000, 1100, 900, 1200, 1000 ms -> median 1000 ms; samples/s 32 at 1000 ms
+    assert s.measured_lines == 5 and s.ms_per_iteration == 1000
+    assert s.samples_per_s == pytest.approx(32.0) and s.tflops_per_device == pytest.approx(0.01)
+    assert s.dp == 1 and s.microbatches == 8
+    assert s.peak_memory_mib == {0: 500.0, 1: 700.0} and s.max_memory_mib == 700.0
+    # warm-up 15: 1100, 900, 1200, 1000 -> median (1000 + 1100) / 2
+    assert compare.summarize(compare.Entry("2BW", "2bw", 1, 2), log, warmup=15
+                             ).ms_per_iteration == 1050
+
+
+def test_memory_falls_back_to_the_logging_rank():
+    compare = _tool("compare")
+    log = ParsedLog(iterations=_records(TIMES), header=RunHeader("flush", 4, "cuda", 1, 4, 1, 8))
+    s = compare.summarize(compare.Entry("Flush", "flush", 1, 4), log, warmup=10)
+    assert s.peak_memory_mib == {3: 607.0}  # the last rank logs; its largest value
+
+
+def test_nothing_to_measure_is_an_error():
+    compare = _tool("compare")
+    log = ParsedLog(iterations=_records([1000, 1000]))
+    with pytest.raises(ValueError, match="no log line after 10 warm-up"):
+        compare.summarize(compare.Entry("x", "2bw", 1, 2), log, warmup=10)
+
+
+def _summary(compare, label, schedule, samples, memory=None, tp=1, pp=2):
+    return compare.Summary(label=label, schedule=schedule, tp=tp, pp=pp, dp=1, microbatches=8,
+                           measured_lines=5, ms_per_iteration=32000 / samples,
+                           samples_per_s=samples, tokens_per_s=None, tflops_per_device=None,
+                           peak_memory_mib=memory or {0: 500.0, 1: 600.0})
+
+
+def test_speedups_and_table():
+    compare = _tool("compare")
+    rows = [_summary(compare, "Tensor MP", "megatron", 8.0, tp=2, pp=1),
+            _summary(compare, "GPipe", "gpipe", 20.0),
+            _summary(compare, "PipeDream-2BW", "2bw", 32.0)]
+    assert compare.speedups(rows, "PipeDream-2BW") == {
+        "Tensor MP": 4.0, "GPipe": 1.6, "PipeDream-2BW": 1.0}
+    with pytest.raises(ValueError, match="not an entry"):
+        compare.speedups(rows, "PipeDream")
+    for s in rows:
+        compare._add_schedule_memory(s)
+    assert (rows[0].stash, rows[0].versions) == ([1], 1)  # PP=1: one microbatch in flight
+    assert (rows[1].stash, rows[1].versions) == ([8, 8], 1)  # GPipe stashes all m
+    assert (rows[2].stash, rows[2].versions) == ([2, 1], 2)  # 1F1B: d - i; two versions
+    table = compare.format_table(rows, "PipeDream-2BW")
+    tensor_mp = next(line for line in table.splitlines() if line.startswith("Tensor MP"))
+    assert "2x1x1" in tensor_mp and "4000.0" in tensor_mp and "4.00x" in tensor_mp
+    assert "500/600" in tensor_mp and "r0/r1" in table
+
+
+def test_entry_spec():
+    compare = _tool("compare")
+    assert compare.parse_entry("2BW PP=4:2bw:1:4") == compare.Entry("2BW PP=4", "2bw", 1, 4)
+    assert compare.parse_entry("a:b:megatron:2:1").label == "a:b"
+    for bad in ("2bw:1:2", "x:pipedream:1:2", "x:2bw:one:2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            compare.parse_entry(bad)
+
+
+def test_chart_is_written(tmp_path):
+    compare = _tool("compare")
+    rows = [_summary(compare, "GPipe", "gpipe", 20.0), _summary(compare, "2BW", "2bw", 32.0)]
+    path = compare.plot(rows, tmp_path / "chart.png", "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- convergence ------------------------------------------------------------------------------
+
+def test_final_losses_and_relative_gap():
+    convergence = _tool("convergence")
+    log = parse_log(LOG + "\n" + ITERATION_LINE.replace(" 20/", " 40/").replace(
+        "6.931472E+00", "5.000000E+00"))
+    assert convergence.final_losses(log) == {"train": 5.0, "valid": 6.5, "iteration": 40}
+    assert convergence.relative_gap(4.04, 4.00) == pytest.approx(0.01)
+    assert convergence.relative_gap(3.96, 4.00) == pytest.approx(-0.01)
+
+
+def test_rounds_take_the_median_round_and_the_largest_memory():
+    compare = _tool("compare")
+    rounds = [_summary(compare, "2BW", "2bw", samples, memory={0: 500.0 + i, 1: 650.0 - i})
+              for i, samples in enumerate((32.0, 16.0, 20.0))]  # 1000, 2000, 1600 ms
+    s = compare.median_over_rounds(rounds)
+    assert (s.ms_per_iteration, s.samples_per_s) == (1600.0, 20.0)
+    assert s.peak_memory_mib == {0: 502.0, 1: 650.0} and s.measured_lines == 15
+    # two rounds: the faster of the middle two
+    assert compare.median_over_rounds(rounds[1:]).ms_per_iteration == 1600.0
