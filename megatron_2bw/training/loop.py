@@ -37,9 +37,9 @@ class DataIterators:
 
 class _StopSignal:
     """SIGTERM/SIGINT (Slurm pre-emption, Ctrl-C) ask for a save and a clean stop at the next
-    log boundary instead of losing the work since the last checkpoint. Checked only there:
-    the check is a collective over all ranks, which would otherwise sync the pipeline each
-    iteration."""
+    check (every max(--log-interval, 20) iterations) instead of losing the work since the last
+    checkpoint. The check is a collective over all ranks: done every iteration it would sync
+    the pipeline at each step."""
 
     def __init__(self):
         self.received = False
@@ -64,6 +64,7 @@ def _cpu_group():
 
 
 _CPU_GROUP = None
+_MIN_STOP_CHECK_INTERVAL = 20  # iterations; the check is a collective over every stage
 
 
 def _mean_loss_over_data_parallel(loss_dicts: list, key: str) -> float | None:
@@ -212,6 +213,7 @@ class Trainer:
     def train(self) -> dict:
         """Train to --train-iters; return the last training and validation losses."""
         a, stop = self.args, _StopSignal()
+        stop_check_interval = max(a.log_interval, _MIN_STOP_CHECK_INTERVAL)
         last = {"train_loss": None, "valid_loss": None}
         losses, skipped, started = [], 0, time.perf_counter()
         self.logger.print(f" training {a.pipeline_schedule} schedule on {self.info.world_size} "
@@ -220,7 +222,7 @@ class Trainer:
                           f"{a.num_microbatches} microbatches per batch")
         while self.state.iteration < a.train_iters:
             upcoming = self.state.iteration + 1
-            stop_requested = upcoming % a.log_interval == 0 and stop.any_rank()
+            stop_requested = upcoming % stop_check_interval == 0 and stop.any_rank()
             if stop_requested or self._pauses_after(upcoming):
                 self._prepare_drain()
             loss, grad_norm, succeeded = self.train_step()
