@@ -2,6 +2,7 @@
 #   make demo   small GPT, PipeDream-2BW, 2 pipeline stages on 2 CPU processes
 #   make test   the test suite (CPU, gloo)
 #   make bench  schedules side by side on 2 CPU processes
+#   make compare / make convergence   the paper's baseline table and Figure 5 on CPU
 
 PYTHON_BOOT ?= python3
 VENV        := .venv
@@ -12,7 +13,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench data clean-venv
+.PHONY: demo test bench compare convergence data clean-venv
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -32,6 +33,12 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_schedules.py
+
+compare: $(VENV)/.installed
+	$(PY) tools/compare.py
+
+convergence: $(VENV)/.installed
+	$(PY) tools/convergence.py
 
 clean-venv:
 	rm -rf $(VENV)
