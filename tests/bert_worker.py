@@ -34,7 +34,6 @@ at random).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -48,8 +47,8 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `pretrain_ber
 import torch
 import torch.nn.functional as F
 
-from tests.reference import MODEL, no_weight_decay
-from tests.schedule_worker import _fork_all
+from tests.reference import MODEL, clip_grads, no_weight_decay
+from tests.schedule_worker import fork_all, train_iterations
 
 BERT = replace(MODEL, adam_eps=1e-6)
 SAMPLES_PER_DATASET = 1 << 30
@@ -101,16 +100,6 @@ def _losses(bert, data: dict, binary_head: bool) -> tuple[torch.Tensor, torch.Te
     return lm, sop
 
 
-def _clip(grads: dict, max_norm: float) -> float:
-    """megatron-core's clip_grad_norm_fp32: the total norm, and scaling when above max_norm."""
-    total = math.sqrt(sum(float(torch.norm(g)) ** 2 for g in grads.values()))
-    coeff = max_norm / (total + 1.0e-6)
-    if max_norm > 0 and coeff < 1.0:
-        for g in grads.values():
-            g.mul_(coeff)
-    return total
-
-
 def reference_run(init: dict, *, rule: str, microbatches: int, iterations: int,
                   binary_head: bool, replicas: int = 1) -> dict:
     """Train the PP=1 model from `init` with `rule` ("sync" or "2bw"); returns the final
@@ -150,7 +139,7 @@ def reference_run(init: dict, *, rule: str, microbatches: int, iterations: int,
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(current[n])
-        _clip(grads, BERT.clip_grad)
+        clip_grads(grads, BERT.clip_grad)
         for n, p in params.items():
             p.grad = grads[n]
         optimizer.step()
@@ -247,26 +236,10 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
 
-    data, losses, started = _data(args.num_microbatches, run["binary_head"]), [], time.perf_counter()
-    for iteration in range(args.train_iters):
-        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
-            fb.prepare_drain()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss_dicts = fb(forward_step_func=pretrain_bert_2bw.forward_step, data_iterator=data,
-                        model=model, num_microbatches=args.num_microbatches,
-                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                        decoder_seq_length=args.seq_length, forward_only=False)
-        succeeded, _, _ = optimizer.step()
-        if not succeeded:
-            raise RuntimeError(f"{run['name']}: optimizer step {iteration} was skipped")
-        scheduler.step(increment=1)
-        if loss_dicts:
-            losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
-                           for key in loss_dicts[0]})
-    if hasattr(fb, "drain"):
-        fb.drain()
+    started = time.perf_counter()
+    losses = train_iterations(run["name"], args, fb, pretrain_bert_2bw.forward_step,
+                              _data(args.num_microbatches, run["binary_head"]), model, optimizer,
+                              scheduler)
     seconds = time.perf_counter() - started
 
     params = {}
@@ -307,12 +280,12 @@ def launch(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
-    summary = {"reference": _fork_all(1, out / "reference", 300, run_reference_jobs,
+    summary = {"reference": fork_all(1, out / "reference", 300, run_reference_jobs,
                                       spec["init"], spec["out"], spec["reference"])}
     print("reference:", summary["reference"], flush=True)
     if summary["reference"]["exit_codes"] == [0]:
         for name, group in spec["groups"].items():
-            summary[name] = _fork_all(group["world"], out / name, group.get("timeout_s", 120),
+            summary[name] = fork_all(group["world"], out / name, group.get("timeout_s", 120),
                                       run_group, spec, name)
             print(f"{name}:", summary[name], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))

@@ -117,7 +117,7 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
     return {n: p.grad.detach().clone() for n, p in params.items()}, losses
 
 
-def _clip(grads: dict, max_norm: float) -> float:
+def clip_grads(grads: dict, max_norm: float) -> float:
     """megatron-core's clip_grad_norm_fp32: total norm in Python floats, scale when above."""
     total = math.sqrt(sum(float(torch.norm(g)) ** 2 for g in grads.values()))
     coeff = max_norm / (total + 1.0e-6)
@@ -156,7 +156,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, it
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(current[n])
-        norms.append(_clip(grads, model.clip_grad))
+        norms.append(clip_grads(grads, model.clip_grad))
         for n, p in params.items():
             p.grad = grads[n]
         optimizer.step()

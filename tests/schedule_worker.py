@@ -171,25 +171,10 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     if run.get("fail") and info.pp_rank == run["fail"]["stage"]:
         _inject_send_failure(info.pp_rank, run["fail"]["send"])
 
-    data, losses, started = _data(model_spec, args.num_microbatches), [], time.perf_counter()
-    for iteration in range(args.train_iters):
-        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
-            fb.prepare_drain()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss_dicts = fb(forward_step_func=pretrain_gpt_2bw.forward_step, data_iterator=data,
-                        model=model, num_microbatches=args.num_microbatches,
-                        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                        decoder_seq_length=args.seq_length, forward_only=False)
-        succeeded, _, _ = optimizer.step()
-        if not succeeded:
-            raise RuntimeError(f"{run['name']}: optimizer step {iteration} was skipped")
-        scheduler.step(increment=1)
-        if loss_dicts:
-            losses.append(float(torch.stack([d["lm loss"] for d in loss_dicts]).mean()))
-    if hasattr(fb, "drain"):
-        fb.drain()
+    started = time.perf_counter()
+    data = _data(model_spec, args.num_microbatches)
+    losses = [record["lm loss"] for record in train_iterations(
+        run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler)]
     seconds = time.perf_counter() - started
 
     params = {}
@@ -203,6 +188,33 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 "losses": losses, "seconds": seconds}, out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
+
+
+def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
+                     scheduler) -> list[dict]:
+    """Megatron's training step, ``args.train_iters`` times, with the schedule's drain on the
+    last; on the stage that computes the loss, each iteration's mean of every logged loss."""
+    losses = []
+    for iteration in range(args.train_iters):
+        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
+            fb.prepare_drain()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_dicts = fb(forward_step_func=forward_step, data_iterator=data, model=model,
+                        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size,
+                        decoder_seq_length=args.seq_length, forward_only=False)
+        succeeded, _, _ = optimizer.step()
+        if not succeeded:
+            raise RuntimeError(f"{name}: optimizer step {iteration} was skipped")
+        scheduler.step(increment=1)
+        if loss_dicts:
+            losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
+                           for key in loss_dicts[0]})
+    if hasattr(fb, "drain"):
+        fb.drain()
+    return losses
 
 
 def run_group(spec: dict, group: str) -> None:
@@ -242,7 +254,7 @@ def _child(rank: int, world: int, port: int, log: str, target, *target_args) -> 
     os._exit(0)
 
 
-def _fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> dict:
+def fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> dict:
     """Fork `world` processes running `target`; wait for each (killing all at the deadline)."""
     import multiprocessing
 
@@ -288,12 +300,12 @@ def launch(spec_path: str) -> None:
     out = Path(spec["out"])
     summary = {}
     if spec.get("reference"):
-        summary["reference"] = _fork_all(1, out / "reference", 600, reference.run_jobs,
+        summary["reference"] = fork_all(1, out / "reference", 600, reference.run_jobs,
                                          spec["init"], spec["out"], spec["reference"])
         print("reference:", summary["reference"], flush=True)
     if summary.get("reference", {}).get("exit_codes", [0]) == [0]:
         for name, group in spec.get("groups", {}).items():
-            summary[name] = _fork_all(group["world"], out / name, group.get("timeout_s", 300),
+            summary[name] = fork_all(group["world"], out / name, group.get("timeout_s", 300),
                                       run_group, spec, name)
             print(f"{name}:", summary[name], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))

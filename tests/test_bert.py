@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_2bw.logparse import parse_log
 from tests import dist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,8 +39,6 @@ ITERS = 5
 
 TRAIN_ITERS = 30
 VOCAB = 512
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.eE]+) \|")
-_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
 
 
 # ---- 1. learning, end to end --------------------------------------------------------------------
@@ -90,8 +88,9 @@ def test_bert_pretraining_reduces_masked_lm_loss(sentence_data, schedule):
                            nproc=2, timeout=240)
     assert result.returncode == 0, f"exit code {result.returncode}:\n{result.tail(60)}"
     assert f"training {schedule} schedule on 2 cpu processes: TP=1 PP=2 DP=1" in result.output
-    losses = {int(i): float(v) for i, v in _ITERATION.findall(result.output)}
-    validation = {int(i): float(v) for i, v in _VALIDATION.findall(result.output)}
+    log = parse_log(result.output)
+    losses = {record.iteration: record.loss for record in log.iterations}
+    validation = {record.iteration: record.loss for record in log.valid()}
     assert sorted(losses) == list(range(1, TRAIN_ITERS + 1)), result.tail()
     first = losses[1]
     last = sum(losses[i] for i in range(TRAIN_ITERS - 2, TRAIN_ITERS + 1)) / 3

@@ -385,6 +385,34 @@ def test_cost_model_uses_profile_times_by_hand():
     assert memory.stages[0].overhead == 100.0
 
 
+def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch):
+    from megatron_2bw.planner import profile as profiling
+
+    # One device, b = 2, m = 4, SMALL (tied embeddings): per microbatch 4 layers x (10 + 20 ms)
+    # + embedding 1 + 1 ms + head 4 + 8 ms; the step is the optimizer on all 210,304 parameters
+    # (4 x (12 h^2 + 13 h) + V h + s h + 2 h for the final LayerNorm; no all-reduce on 1 rank).
+    parts = 4 * (4 * 0.030 + 0.002 + 0.012) + 0.002 + 1e-8 * 210_304
+    measured = 1.5 * parts
+
+    def fake_run(model, layouts, precision, **kwargs):
+        (layout,) = layouts
+        assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, 1, 2, 4)
+        run = E2ERun(1, 1, 1, 2, 4, False, "megatron", precision, measured, None)
+        return E2EProfile(model, "cpu test", [run])
+
+    monkeypatch.setattr(profiling, "run_end_to_end", fake_run)
+    profile = profiling.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2)
+    assert profile.compute_scale == pytest.approx(1.5)
+    assert profile.calibration["predicted_s"] == pytest.approx(parts)
+    cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=profile,
+                     clip_grad=False)
+    estimate = cost.time(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="flush"))
+    send = 32 * 2 * 64 * 4 / 1e9  # communication is not scaled
+    assert estimate.forward == pytest.approx((1.5 * (2 * 0.010 + 0.001) + send,
+                                              1.5 * (2 * 0.010 + 0.004)))
+    assert estimate.optimizer == pytest.approx(1.5 * (0.002 + 1e-8 * 110_208))
+
+
 def test_training_log_parsing_and_accuracy_table():
     line = (" [2026-01-01 00:00:00] iteration      3/    12 | consumed samples:        48 |"
             " elapsed time per iteration (ms): 812.5 | learning rate: 1.000E-03 |"

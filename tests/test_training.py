@@ -15,11 +15,11 @@ once per session and shared between tests.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import pytest
 
+from megatron_2bw.logparse import parse_log
 from tests import dist as launch
 
 TRAIN_ITERS = 24
@@ -33,8 +33,6 @@ LAYOUTS = {  # name -> (tensor, pipeline); data-parallel = 2 / (tensor x pipelin
 }
 RTOL = 1e-5
 
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.eE]+) \|")
-_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
 
 
 @dataclass
@@ -52,8 +50,9 @@ class Run:
 
 
 def _parse(result: launch.Launch) -> Run:
-    losses = {int(i): float(v) for i, v in _ITERATION.findall(result.output)}
-    validation = {int(i): float(v) for i, v in _VALIDATION.findall(result.output)}
+    log = parse_log(result.output)
+    losses = {record.iteration: record.loss for record in log.iterations}
+    validation = {record.iteration: record.loss for record in log.valid()}
     return Run(result, losses, validation)
 
 

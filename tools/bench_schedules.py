@@ -305,6 +305,11 @@ def _iteration_time(run: dict) -> float:
     return max(statistics.median(r["seconds"]) for r in run["ranks"])
 
 
+def _paired(numerators: list[float], denominators: list[float], scale: float = 1.0) -> float:
+    """Median over rounds of ``scale * numerator / denominator`` taken within each round."""
+    return statistics.median(scale * n / x for n, x in zip(numerators, denominators))
+
+
 def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
     from megatron_2bw.schedules import pipeline_actions, simulate
 
@@ -320,6 +325,18 @@ def _versions(schedule: str) -> int:
 
 def _per_stage(values) -> str:
     return "/".join(values)
+
+
+def _pooled(rounds: list[dict]) -> list[dict]:
+    """Per stage, the per-iteration measurements of every round joined."""
+    stages: dict[int, dict[str, list]] = {}
+    for run in rounds:
+        for rank in run["ranks"]:
+            joined = stages.setdefault(rank["stage"], {})
+            for key, value in rank.items():
+                if isinstance(value, list):
+                    joined.setdefault(key, []).extend(value)
+    return [stages[i] for i in sorted(stages)]
 
 
 def _median_ms(stages: list[dict], key: str) -> str:
@@ -385,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         configs += [(f"{sch} +clip+tied", sch, d, 1.0, True, f"{sch}_clip_tied")
                     for sch in ("2bw", "flush")]
     load_before = os.getloadavg()
-    runs: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     times: dict[str, list[float]] = {name: [] for name, *_ in configs}
     for round_ in range(a.rounds):  # rounds interleave the configurations (drifting load)
         if a.rounds > 1:
@@ -393,20 +410,31 @@ def main(argv: list[str] | None = None) -> int:
         for name, schedule, nproc, clip, tied, label in configs:
             run = _launch(a, schedule, nproc, clip, tied, label,
                           a.timeline_dir if nproc > 1 and round_ == 0 else None)
-            runs.setdefault(name, run)
+            runs.setdefault(name, []).append(run)
             times[name].append(_iteration_time(run))
     load_after = os.getloadavg()
     time_of = {name: statistics.median(ts) for name, ts in times.items()}
+    if a.json:  # written before the table, so a formatting error loses no measurement
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                      "ms_per_round": {
+                                          k: [t * 1e3 for t in v] for k, v in times.items()},
+                                      "runs": runs}, indent=1))
 
     single = time_of["single (PP=1)"]
     ideal = single / d
-    reference = time_of.get("2bw")
+    # Ratios pair the runs of one round (minutes apart at most) before taking the median over
+    # rounds: a shared machine's speed drifts by 10-20% between rounds, which would otherwise
+    # enter a ratio of two medians taken at different times.
+    vs_ideal = {name: _paired(times["single (PP=1)"], ts, 1 / d) for name, ts in times.items()}
+    vs_2bw = {name: _paired(times["2bw"], ts) if "2bw" in times else float("nan")
+              for name, ts in times.items()}
     boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
     header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8}  "
               f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
               f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
     rows = [header, "-" * len(header)]
-    for name, run in runs.items():
+    for name, rounds in runs.items():
         schedule = name.split()[0]
         t = time_of[name]
         if name.startswith("single"):
@@ -415,29 +443,34 @@ def main(argv: list[str] | None = None) -> int:
         else:
             stash = _stash_counts(schedule, d, m)
             versions = _versions(schedule)
-        by_stage = {r["stage"]: r for r in run["ranks"]}
+        by_stage = {r["stage"]: r for r in rounds[0]["ranks"]}
         saved = [by_stage[i]["saved_bytes_per_microbatch"] or boundary for i in sorted(by_stage)]
         weights = [by_stage[i]["param_bytes"] * versions for i in sorted(by_stage)]
-        stages = [by_stage[i] for i in sorted(by_stage)]
+        stages = _pooled(rounds)
         rows.append(
             f"{name:<17} {t * 1e3:8.1f} {b * m / t:9.2f} "
-            f"{(reference / t if reference else float('nan')):7.2f} {ideal / t:8.2f}  "
+            f"{vs_2bw[name]:7.2f} {vs_ideal[name]:8.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
             f"{_median_ms(stages, 'collective_seconds'):>9}  "
             f"{_per_stage(str(c) for c in stash):>5} "
             f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
             f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11}")
-    rows.append("per stage (stage 0/1/...): cpu = main-thread CPU ms per iteration, runq = ms "
-                "ready but not running (other processes had the core), recv = ms blocked in p2p "
-                "receives; stash = peak stashed microbatches; weights = parameters x versions")
+    rows.append("ms/iter: median over rounds of the slowest stage's median; vs 2bw and vs ideal:"
+                " median over rounds of the ratio within a round; per stage (stage "
+                "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
+                "ms ready but not running (another process had the core), recv = ms blocked in "
+                "p2p receives, coll = ms in all-reduces; stash = peak stashed microbatches; "
+                "weights = parameters x versions")
     rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
                 f" per iteration; boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
                 f"saved for backward per microbatch and stage (measured): "
                 + "/".join(f"{(r['saved_bytes_per_microbatch'] or 0) / 2**20:.1f}"
-                           for r in sorted(runs[schedules[0]]['ranks'], key=lambda r: r['stage']))
+                           for r in sorted(runs[schedules[0]][0]['ranks'],
+                                           key=lambda r: r['stage']))
                 + " MiB")
-    optimizers = {r["optimizer"] for run in runs.values() for r in run["ranks"]}
+    optimizers = {r["optimizer"] for rounds in runs.values() for run in rounds
+                  for r in run["ranks"]}
     rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
                 + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
                    "the stages at every step, also with --clip-grad 0)"
@@ -449,11 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(f"load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} "
                 f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}")
     print("\n".join(rows))
-    if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                      "single_ms": single * 1e3, "ms_per_round": {
-                                          k: [t * 1e3 for t in v] for k, v in times.items()},
-                                      "runs": runs}, indent=1))
     return 0
 
 

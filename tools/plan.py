@@ -274,6 +274,9 @@ def profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--no-links", action="store_true",
                    help="skip timing all-reduces between two local processes")
+    g.add_argument("--no-calibrate", action="store_true",
+                   help="skip the one-device training run that scales the parts to a whole "
+                        "iteration (compute_scale)")
     g = p.add_argument_group("end-to-end profile")
     g.add_argument("--end-to-end", action="store_true")
     g.add_argument("--layouts", default=None,
@@ -314,6 +317,8 @@ def run_profile(argv) -> int:
         link = profile.intra_node_link
         print(f"links: {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us latency "
               f"(all-reduce between two local processes)")
+    if not args.no_calibrate:
+        profiling.calibrate(profile, max(args.micro_batch_sizes), cpu=on_cpu, log=print)
     out = args.out or profiling.default_profile_path(profile.device_name)
     print(f"wrote {profile.save(out)} in {time.perf_counter() - started:.1f} s")
     return 0

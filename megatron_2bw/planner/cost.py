@@ -396,6 +396,7 @@ class CostModel:
                       / _part_work(pm, part, b, sample.tp, e))
         bytes_ratio = (_closed_form_bytes(self.model, part, b, t, recompute, e)
                        / max(_closed_form_bytes(pm, part, b, sample.tp, recompute, e), 1.0))
+        time_ratio *= self.profile.compute_scale
         return (sample.forward_s * time_ratio, sample.backward_s * time_ratio,
                 sample.activation_bytes * bytes_ratio)
 
@@ -403,7 +404,7 @@ class CostModel:
         """Seconds of the optimizer step on `params` parameters."""
         shard = params / w if self.distributed_optimizer else params
         if self.profile is not None and self.profile.optimizer_per_param_s > 0:
-            return self.profile.optimizer_step_s(shard)
+            return self.profile.optimizer_step_s(shard) * self.profile.compute_scale
         # Memory-bound: Adam reads and writes fp32 master and both moments (24 bytes), reads
         # the fp32 gradient (4) and writes the parameter (e); SGD one moment instead of two.
         moments = MOMENT_BYTES[self.optimizer]

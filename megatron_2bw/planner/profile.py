@@ -87,6 +87,13 @@ class Profile:
     megatron-core loaded; 0 on CUDA, whose allocator statistics start empty)."""
     intra_node_link: Link | None = None
     """Measured between two local processes, when `measure_links` ran."""
+    compute_scale: float = 1.0
+    """A whole training iteration of the profiled model on one device (`calibrate`), measured,
+    over its prediction from the parts above: the work the parts leave out (data, the loss,
+    DDP's gradient hooks, the training loop, the working set of a whole model instead of one
+    layer). The cost model multiplies every compute and optimizer time by it."""
+    calibration: dict = field(default_factory=dict)
+    """What `compute_scale` comes from: the layout, measured and predicted seconds."""
     created: str = ""
     versions: dict = field(default_factory=dict)
 
@@ -673,6 +680,32 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence, precision: str = "fp32",
         timed = [r for r in runs if r.seconds_per_iteration is not None]
         profile.runs.append(min(timed, key=lambda r: r.seconds_per_iteration) if timed
                             else runs[-1])
+    return profile
+
+
+def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, train_iters: int = 10,
+              cpu: bool = True, log: Callable[[str], None] = lambda s: None) -> Profile:
+    """Set `profile.compute_scale`: train the profiled model on one device (t = d = w = 1,
+    `microbatches` of `micro_batch`) and divide its measured time per iteration by the one the
+    profile's parts predict. Returns the profile."""
+    from .cluster import preset
+    from .cost import CostModel, Layout
+
+    layout = Layout(1, 1, 1, micro_batch, microbatches, False, "megatron")
+    measured = run_end_to_end(profile.model, [layout], profile.precision, train_iters=train_iters,
+                              log_interval=1, cpu=cpu, log=log).runs[0]
+    if measured.seconds_per_iteration is None:
+        log(f"calibration failed ({measured.error}); compute_scale stays 1")
+        return profile
+    profile.compute_scale = 1.0
+    cluster = preset("cpu-local" if profile.device == "cpu" else "dgx-h100", gpus_per_node=1)
+    predicted = CostModel(profile.model, cluster, profile.precision, profile=profile).time(
+        layout).iteration
+    profile.compute_scale = measured.seconds_per_iteration / predicted
+    profile.calibration = {"layout": layout.label(), "measured_s": measured.seconds_per_iteration,
+                           "predicted_s": predicted}
+    log(f"calibration {layout.label()}: measured {measured.seconds_per_iteration * 1e3:.1f} ms, "
+        f"parts predict {predicted * 1e3:.1f} ms -> compute scale {profile.compute_scale:.3f}")
     return profile
 
 
