@@ -385,25 +385,36 @@ def test_cost_model_uses_profile_times_by_hand():
     assert memory.stages[0].overhead == 100.0
 
 
-def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
     from megatron_2bw.planner import profile as profiling
 
     # One device, b = 2, m = 4, SMALL (tied embeddings): per microbatch 4 layers x (10 + 20 ms)
     # + embedding 1 + 1 ms + head 4 + 8 ms; the step is the optimizer on all 210,304 parameters
     # (4 x (12 h^2 + 13 h) + V h + s h + 2 h for the final LayerNorm; no all-reduce on 1 rank).
+    # On 2 devices (data-parallel) the gradient all-reduce is not scaled: a ring of 2 moves
+    # the 4-byte gradients once over the profile's 1 GB/s link.
     parts = 4 * (4 * 0.030 + 0.002 + 0.012) + 0.002 + 1e-8 * 210_304
-    measured = 1.5 * parts
+    all_reduce = 210_304 * 4 / 1e9 if devices == 2 else 0.0
+    measured = 1.5 * parts + all_reduce
+    # Memory: fp32 weights 4 + gradients 4 + Adam's two moments 8 bytes per parameter, and
+    # the activations of the one microbatch in flight: 4 layers x 1e6 + embedding 1e3 + head
+    # 2e5 (no recomputation), and the head's logits gradient (b s V x 4 bytes) in transit.
+    tensors = 16 * 210_304 + 4 * 1e6 + 1e3 + 2e5 + 2 * 32 * 128 * 4
+    peak_bytes = tensors + 50e6
 
     def fake_run(model, layouts, precision, **kwargs):
         (layout,) = layouts
-        assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, 1, 2, 4)
-        run = E2ERun(1, 1, 1, 2, 4, False, "megatron", precision, measured, None)
+        assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, devices, 2, 4)
+        run = E2ERun(1, 1, devices, 2, 4, False, "megatron", precision, measured, peak_bytes)
         return E2EProfile(model, "cpu test", [run])
 
     monkeypatch.setattr(profiling, "run_end_to_end", fake_run)
-    profile = profiling.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2)
+    profile = profiling.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2,
+                                  devices=devices)
     assert profile.compute_scale == pytest.approx(1.5)
-    assert profile.calibration["predicted_s"] == pytest.approx(parts)
+    assert profile.calibration["predicted_s"] == pytest.approx(parts + all_reduce)
+    assert profile.runtime_overhead_bytes == pytest.approx(50e6)
     cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=profile,
                      clip_grad=False)
     estimate = cost.time(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="flush"))

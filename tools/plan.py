@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -277,6 +278,9 @@ def profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-calibrate", action="store_true",
                    help="skip the one-device training run that scales the parts to a whole "
                         "iteration (compute_scale)")
+    g.add_argument("--calibrate-devices", type=int, default=None,
+                   help="devices the calibration run trains on, data-parallel (default: every "
+                        "core on CPU, 1 on CUDA): as many as the planned runs keep busy")
     g = p.add_argument_group("end-to-end profile")
     g.add_argument("--end-to-end", action="store_true")
     g.add_argument("--layouts", default=None,
@@ -318,7 +322,9 @@ def run_profile(argv) -> int:
         print(f"links: {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us latency "
               f"(all-reduce between two local processes)")
     if not args.no_calibrate:
-        profiling.calibrate(profile, max(args.micro_batch_sizes), cpu=on_cpu, log=print)
+        devices = args.calibrate_devices or ((os.cpu_count() or 1) if on_cpu else 1)
+        profiling.calibrate(profile, max(args.micro_batch_sizes), devices=devices, cpu=on_cpu,
+                            log=print)
     out = args.out or profiling.default_profile_path(profile.device_name)
     print(f"wrote {profile.save(out)} in {time.perf_counter() - started:.1f} s")
     return 0

@@ -683,29 +683,47 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence, precision: str = "fp32",
     return profile
 
 
-def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, train_iters: int = 10,
-              cpu: bool = True, log: Callable[[str], None] = lambda s: None) -> Profile:
-    """Set `profile.compute_scale`: train the profiled model on one device (t = d = w = 1,
-    `microbatches` of `micro_batch`) and divide its measured time per iteration by the one the
-    profile's parts predict. Returns the profile."""
+def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, devices: int = 1,
+              train_iters: int = 10, cpu: bool = True,
+              log: Callable[[str], None] = lambda s: None) -> Profile:
+    """Set `profile.compute_scale`: train the profiled model data-parallel on `devices` local
+    devices (t = d = 1, w = devices, `microbatches` of `micro_batch` each) and solve
+    measured = scale x (compute + optimizer) + communication for the scale, the communication
+    (gradient all-reduce) as the cost model predicts it. With every local device busy, as in
+    the runs planned, the scale also holds what devices sharing a machine cost each other
+    (CPU cores sharing caches and memory bandwidth, stragglers at each all-reduce).
+    Returns the profile."""
     from .cluster import preset
     from .cost import CostModel, Layout
 
-    layout = Layout(1, 1, 1, micro_batch, microbatches, False, "megatron")
+    layout = Layout(1, 1, devices, micro_batch, microbatches, False, "megatron")
     measured = run_end_to_end(profile.model, [layout], profile.precision, train_iters=train_iters,
                               log_interval=1, cpu=cpu, log=log).runs[0]
     if measured.seconds_per_iteration is None:
         log(f"calibration failed ({measured.error}); compute_scale stays 1")
         return profile
     profile.compute_scale = 1.0
-    cluster = preset("cpu-local" if profile.device == "cpu" else "dgx-h100", gpus_per_node=1)
-    predicted = CostModel(profile.model, cluster, profile.precision, profile=profile).time(
-        layout).iteration
-    profile.compute_scale = measured.seconds_per_iteration / predicted
+    cluster = preset("cpu-local" if profile.device == "cpu" else "dgx-h100",
+                     gpus_per_node=devices)
+    estimate = CostModel(profile.model, cluster, profile.precision, profile=profile).time(layout)
+    communication = estimate.step - estimate.optimizer
+    profile.compute_scale = ((measured.seconds_per_iteration - communication)
+                             / (estimate.iteration - communication))
     profile.calibration = {"layout": layout.label(), "measured_s": measured.seconds_per_iteration,
-                           "predicted_s": predicted}
+                           "predicted_s": estimate.iteration}
+    if measured.peak_memory_bytes and profile.device == "cpu":
+        # The resident set of a training process holds more than the tensors and the imported
+        # modules (process groups, the data pipeline, the allocator's free lists): the
+        # overhead is what the run's peak leaves after the modelled tensors.
+        tensors = CostModel(profile.model, cluster, profile.precision, profile=profile).memory(
+            layout).stages[-1].total - profile.runtime_overhead_bytes
+        profile.calibration["imported_bytes"] = profile.runtime_overhead_bytes
+        profile.runtime_overhead_bytes = max(measured.peak_memory_bytes - tensors,
+                                             profile.runtime_overhead_bytes)
     log(f"calibration {layout.label()}: measured {measured.seconds_per_iteration * 1e3:.1f} ms, "
-        f"parts predict {predicted * 1e3:.1f} ms -> compute scale {profile.compute_scale:.3f}")
+        f"parts predict {estimate.iteration * 1e3:.1f} ms -> compute scale "
+        f"{profile.compute_scale:.3f}; runtime memory "
+        f"{profile.runtime_overhead_bytes / 2**20:.0f} MiB")
     return profile
 
 
