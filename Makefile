@@ -32,7 +32,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests -q
 
 bench: $(VENV)/.installed
-	$(PY) tools/bench_schedules.py
+	$(PY) tools/bench_schedules.py --rounds 5
 
 compare: $(VENV)/.installed
 	$(PY) tools/compare.py

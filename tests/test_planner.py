@@ -475,6 +475,17 @@ def test_cli_explain_and_layout_syntax(tmp_path, capsys):
         cli.parse_layout("t1d2w1b3:2bw", 16)
 
 
+def test_report_refuses_a_layer_profile_as_measured_runs(tmp_path, capsys):
+    cli = _plan_cli()
+    layer = _profile().save(tmp_path / "layer.json")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", "--measured", str(layer), "--profile", str(layer)])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert error.startswith("error: --measured") and "layer profile" in error
+    assert len(error.strip().splitlines()) == 1
+
+
 def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tmp_path):
     from megatron_2bw.planner import profile as profiling
 

@@ -106,6 +106,15 @@ def _cluster(args):
     return cluster
 
 
+def _load(kind, path, flag: str):
+    """`kind.load(path)`, or exit with one line naming the flag."""
+    try:
+        return kind.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"error: {flag} {path}: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _precision(args, cluster) -> str:
     return args.precision or ("fp32" if cluster.device == "cpu" else "bf16")
 
@@ -119,7 +128,7 @@ def _load_profile(args, cluster) -> Profile | None:
         if not auto.is_file():
             return None
         path = auto
-    profile = Profile.load(path)
+    profile = _load(Profile, path, "--profile")
     print(f"profile: {path} ({profile.device_name}, {profile.precision}, "
           f"{len(profile.samples)} samples)")
     return profile
@@ -230,7 +239,7 @@ def run_plan(argv) -> int:
         print(f"\n--- {paths['torchrun']} ---\n{paths['torchrun'].read_text()}"
               f"--- {paths['sbatch']} ---\n{paths['sbatch'].read_text()}", end="")
     if args.measured:
-        e2e = E2EProfile.load(args.measured)
+        e2e = _load(E2EProfile, args.measured, "--measured")
         print("\npredicted vs measured:\n"
               + profiling.format_accuracy(profiling.compare(e2e, cost,
                                                             simulate=not args.closed_form)))
@@ -340,7 +349,7 @@ def _run_end_to_end(args, model: ModelSpec) -> int:
     else:
         cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(
             "dgx-h100", gpus_per_node=args.nproc)
-        profile = Profile.load(args.profile) if args.profile else None
+        profile = _load(Profile, args.profile, "--profile") if args.profile else None
         cost = CostModel(model, cluster, precision, profile=profile)
         plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
@@ -350,7 +359,7 @@ def _run_end_to_end(args, model: ModelSpec) -> int:
     out = Path(args.out or "e2e.json")
     print(f"wrote {e2e.save(out)}")
     if args.profile:
-        _print_report(e2e, Profile.load(args.profile))
+        _print_report(e2e, _load(Profile, args.profile, "--profile"))
     return 0
 
 
@@ -370,7 +379,8 @@ def run_report(argv) -> int:
     p.add_argument("--profile", required=True, help="layer profile JSON")
     p.add_argument("--closed-form", action="store_true")
     args = p.parse_args(argv)
-    _print_report(E2EProfile.load(args.measured), Profile.load(args.profile), args.closed_form)
+    _print_report(_load(E2EProfile, args.measured, "--measured"),
+                  _load(Profile, args.profile, "--profile"), args.closed_form)
     return 0
 
 

@@ -47,6 +47,30 @@ PROFILE_DIR = REPO / "tools" / "profiles"
 PARTS = ("layer", "embedding", "head")
 
 
+class _JsonFile:
+    """Saved as indented JSON with a "format" line; a file of another format is refused."""
+
+    FORMAT = ""
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "format": self.FORMAT}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        data = json.loads(Path(path).read_text())
+        found = data.pop("format", cls.FORMAT)
+        if found != cls.FORMAT:
+            raise ValueError(f"{path} holds a {found!r}, not a {cls.FORMAT!r} (a layer profile "
+                             "goes with --profile, end-to-end runs with --measured)")
+        return cls.from_json(data)
+
+
 @dataclass(frozen=True)
 class Sample:
     """One measured part at one (tensor-parallel size, microbatch size, recomputation)."""
@@ -66,7 +90,7 @@ class Sample:
 
 
 @dataclass
-class Profile:
+class Profile(_JsonFile):
     """A layer profile: what `plan.py profile` writes and `plan.py --profile` reads."""
 
     device: str
@@ -122,10 +146,7 @@ class Profile:
         return self.optimizer_fixed_s + self.optimizer_per_param_s * params
 
     # ---- JSON -----------------------------------------------------------------------------
-    def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["format"] = "megatron-2bw layer profile v1"
-        return out
+    FORMAT = "megatron-2bw layer profile v1"
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
@@ -136,19 +157,6 @@ class Profile:
         if data.get("intra_node_link"):
             data["intra_node_link"] = Link(**data["intra_node_link"])
         return cls(**data)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Profile":
-        data = json.loads(Path(path).read_text())
-        if data.get("format", "").startswith("megatron-2bw end-to-end"):
-            raise ValueError(f"{path} is an end-to-end profile; pass it with --measured")
-        return cls.from_json(data)
 
 
 def device_slug(name: str) -> str:
@@ -592,16 +600,13 @@ class E2ERun:
 
 
 @dataclass
-class E2EProfile:
+class E2EProfile(_JsonFile):
     model: ModelSpec
     device_name: str
     runs: list[E2ERun] = field(default_factory=list)
     created: str = ""
 
-    def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["format"] = "megatron-2bw end-to-end profile v1"
-        return out
+    FORMAT = "megatron-2bw end-to-end profile v1"
 
     @classmethod
     def from_json(cls, data: dict) -> "E2EProfile":
@@ -612,16 +617,6 @@ class E2EProfile:
                                   "command": tuple(r.get("command", ()))})
                         for r in data.get("runs", [])]
         return cls(**data)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "E2EProfile":
-        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 _TIME_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
