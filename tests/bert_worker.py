@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference import MODEL, clip_grads, no_weight_decay
-from tests.schedule_worker import fork_all, train_iterations
+from tests.schedule_worker import fork_all, train_iterations, training_flags
 
 BERT = replace(MODEL, adam_eps=1e-6)
 SAMPLES_PER_DATASET = 1 << 30
@@ -164,24 +164,8 @@ def run_reference_jobs(init_path: str, out: str, jobs: dict) -> None:
 # ---- the pipeline -----------------------------------------------------------------------------
 
 def _flags(run: dict, world_size: int) -> list[str]:
-    dp = world_size // run["pp"]
-    flags = [
-        "--num-layers", BERT.num_layers, "--hidden-size", BERT.hidden_size,
-        "--num-attention-heads", BERT.num_attention_heads, "--seq-length", BERT.seq_length,
-        "--max-position-embeddings", BERT.seq_length, "--vocab-size", BERT.vocab_size,
-        "--mock-data", "--cpu", "--hidden-dropout", 0.0, "--attention-dropout", 0.0,
-        "--init-method-std", BERT.init_method_std, "--micro-batch-size", BERT.micro_batch_size,
-        "--global-batch-size", BERT.micro_batch_size * dp * run["m"],
-        "--train-iters", run["iters"], "--optimizer", "adam", "--lr", BERT.lr,
-        "--lr-decay-style", "constant", "--lr-warmup-iters", 0,
-        "--weight-decay", BERT.weight_decay, "--clip-grad", BERT.clip_grad,
-        "--adam-beta1", BERT.adam_beta1, "--adam-beta2", BERT.adam_beta2,
-        "--adam-eps", BERT.adam_eps, "--seed", BERT.seed,
-        "--pipeline-model-parallel-size", run["pp"], "--pipeline-schedule", run["schedule"],
-    ]
-    if not run["binary_head"]:
-        flags.append("--bert-no-binary-head")
-    return [str(f) for f in flags]
+    flags = training_flags({"tp": 1, **run}, BERT, world_size)
+    return flags if run["binary_head"] else flags + ["--bert-no-binary-head"]
 
 
 def _global_name(name: str, stage: int, depth: int) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env"]
+__all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env",
+           "tiny_training_flags"]
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -121,3 +122,18 @@ def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
 def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
     """One plain Python process, from the repository root."""
     return _run([PYTHON, *script_args], subprocess_env(**env), timeout)
+
+
+def tiny_training_flags(*, seq_length: int, train_iters: int) -> list[str]:
+    """A 2-layer model, hidden 32, 16 samples per batch in microbatches of 4, cosine
+    learning rate, a log line per iteration and a validation at the end, on CPU processes."""
+    return [
+        "--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", str(seq_length), "--make-vocab-size-divisible-by", "16",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--micro-batch-size", "4", "--global-batch-size", "16",
+        "--train-iters", str(train_iters), "--lr", "5e-3", "--lr-warmup-iters", "2",
+        "--lr-decay-style", "cosine", "--min-lr", "5e-4", "--seed", "1234",
+        "--log-interval", "1", "--eval-interval", str(train_iters), "--eval-iters", "2",
+        "--split", "90,10,0", "--distributed-timeout-minutes", "2",
+    ]

@@ -49,7 +49,8 @@ from tests.reference import MODEL, Model, microbatch
 
 # ---- one process ----------------------------------------------------------------------------
 
-def _flags(run: dict, model: Model, world_size: int) -> list[str]:
+def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
+    """Megatron-LM flags of one run: the model's sizes and optimizer, the run's layout."""
     tp, pp = run["tp"], run["pp"]
     dp = world_size // (tp * pp)
     flags = [
@@ -155,7 +156,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
         ps.destroy_model_parallel()
     info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
                                   timeout_minutes=timeout_minutes)
-    args = parse_args(_flags(run, model_spec, world), world_size=world)
+    args = parse_args(training_flags(run, model_spec, world), world_size=world)
     config = build.transformer_config(args, info.device)
     provider = partial(pretrain_gpt_2bw.model_provider, args=args,
                        vocab_size=model_spec.vocab_size)

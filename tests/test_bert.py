@@ -67,19 +67,10 @@ def sentence_data(tmp_path_factory) -> SentenceData:
 
 
 def _train_flags(data: SentenceData, schedule: str) -> list[str]:
-    return [
-        "--cpu", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "64", "--make-vocab-size-divisible-by", "16",
-        "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--micro-batch-size", "4", "--global-batch-size", "16",
-        "--train-iters", str(TRAIN_ITERS), "--lr", "5e-3", "--lr-warmup-iters", "2",
-        "--lr-decay-style", "cosine", "--min-lr", "5e-4", "--seed", "1234",
-        "--log-interval", "1", "--eval-interval", str(TRAIN_ITERS), "--eval-iters", "2",
-        "--split", "90,10,0", "--distributed-timeout-minutes", "2",
-        "--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
-        "--data-cache-path", data.index_cache,
-    ]
+    return [*dist.tiny_training_flags(seq_length=64, train_iters=TRAIN_ITERS),
+            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+            "--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
+            "--data-cache-path", data.index_cache]
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])

@@ -58,19 +58,9 @@ def _parse(result: launch.Launch) -> Run:
 
 def model_flags(data, tp: int, pp: int, schedule: str = "megatron") -> list[str]:
     """A 2-layer GPT, hidden 32, sequence 32, 16 samples per batch in microbatches of 4."""
-    return [
-        "--cpu", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-        "--pipeline-schedule", schedule,
-        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--make-vocab-size-divisible-by", "16",
-        "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--micro-batch-size", "4", "--global-batch-size", "16",
-        "--train-iters", str(TRAIN_ITERS), "--lr", "5e-3", "--lr-warmup-iters", "2",
-        "--lr-decay-style", "cosine", "--min-lr", "5e-4", "--seed", "1234",
-        "--log-interval", "1", "--eval-interval", str(TRAIN_ITERS), "--eval-iters", "2",
-        "--split", "90,10,0", "--distributed-timeout-minutes", "2",
-        *data.flags(),
-    ]
+    return [*launch.tiny_training_flags(seq_length=32, train_iters=TRAIN_ITERS),
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--pipeline-schedule", schedule, *data.flags()]
 
 
 _RUNS: dict[tuple[str, ...], Run] = {}
