@@ -8,6 +8,12 @@ does the same model on ONE process (PP = 1, same global batch) for the bubble-fr
 
     ideal time per iteration = single-process time / d
 
+and, as a check of the machine, d copies of that single process run at once, one per core
+("single, d at once"; the "vs busy" column): on a machine whose cores share caches, memory
+bandwidth or a host, a process runs slower while the other cores work, which a pipeline of d
+busy processes pays and a process alone does not. Each copy holds the whole model (a stage holds
+1/d of it), so this reference errs on the slow side.
+
 Each run is ``torchrun`` over this file in worker mode: an in-process harness builds megatron-2bw's
 ``Trainer`` and times each ``train_step`` (forward/backward of the m microbatches, the
 optimizer step) with ``time.perf_counter``; no evaluation, no checkpoint, no log-interval
@@ -57,6 +63,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
+SINGLE = "single (PP=1)"
+BUSY = "single, d at once"
 
 
 # --- worker: one rank of one configuration ------------------------------------------------------
@@ -264,38 +272,54 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
 
 
 def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, tied: bool,
-            label: str, timeline_dir: Path | None) -> dict:
-    """One configuration under torchrun; returns the per-rank results."""
+            label: str, timeline_dir: Path | None, copies: int = 1) -> dict:
+    """One configuration under torchrun; returns the per-rank results. ``copies`` > 1 starts
+    that many independent jobs at once (the busy-machine reference): copy i reports as stage i."""
     flags = _model_flags(a) + ["--pipeline-schedule", schedule,
                                "--pipeline-model-parallel-size", str(nproc),
                                "--clip-grad", str(clip_grad)]
     if not tied:
         flags.append("--untie-embeddings-and-output-weights")
-    with tempfile.TemporaryDirectory() as out:
-        command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(nproc),
-                   "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker",
-                   "--out", out, "--warmup", str(a.warmup), "--iters", str(a.iters)]
-        command += ["--chained-optimizer"] if a.chained_optimizer else []
-        command += ["--timeline"] if timeline_dir else []
-        command += ["--", *flags]
-        if a.nice:
-            command = ["nice", "-n", str(a.nice), *command]
+    with tempfile.TemporaryDirectory() as root:
+        outs = [Path(root, str(i)) for i in range(copies)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        print(f"  {label}: {nproc} process{'es' if nproc > 1 else ''} ...", end="", flush=True,
-              file=sys.stderr)
+        what = f"{copies} x 1 process at once" if copies > 1 else \
+            f"{nproc} process{'es' if nproc > 1 else ''}"
+        print(f"  {label}: {what} ...", end="", flush=True, file=sys.stderr)
         started = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        jobs = []
+        for out in outs:
+            out.mkdir()
+            command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
+                       str(nproc), "--master-port", str(_free_port()),
+                       str(Path(__file__).resolve()), "--worker", "--out", str(out),
+                       "--warmup", str(a.warmup), "--iters", str(a.iters)]
+            command += ["--chained-optimizer"] if a.chained_optimizer else []
+            command += ["--timeline"] if timeline_dir else []
+            command += ["--", *flags]
+            if a.nice:
+                command = ["nice", "-n", str(a.nice), *command]
+            jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
+        outputs = [job.communicate()[0] for job in jobs]
         print(f" {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-            raise SystemExit(f"error: {label} failed (exit code {done.returncode}):\n{tail}")
-        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-        if timeline_dir is not None and any(Path(out).glob("rank*.jsonl")):
+        for job, output in zip(jobs, outputs):
+            if job.returncode != 0:
+                tail = "\n".join(output.splitlines()[-30:])
+                raise SystemExit(f"error: {label} failed (exit code {job.returncode}):\n{tail}")
+        ranks = []
+        for copy, out in enumerate(outs):
+            for path in sorted(out.glob("rank*.json")):
+                rank = json.loads(path.read_text())
+                if copies > 1:
+                    rank["rank"] = rank["stage"] = copy
+                ranks.append(rank)
+        if timeline_dir is not None and any(outs[0].glob("rank*.jsonl")):
             target = timeline_dir / label
             target.mkdir(parents=True, exist_ok=True)
             for stale in target.glob("*.jsonl"):
                 stale.unlink()
-            for p in Path(out).glob("rank*.jsonl"):
+            for p in outs[0].glob("rank*.jsonl"):
                 (target / p.name).write_text(p.read_text())
     return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
 
@@ -396,10 +420,12 @@ def main(argv: list[str] | None = None) -> int:
           f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
           f"{', ChainedOptimizer' if a.chained_optimizer else ''}", file=sys.stderr)
     # (row name, schedule, processes, clip-grad, tied, label)
-    configs = [("single (PP=1)", "megatron", 1, a.clip_grad, a.tie_embeddings, "single")]
-    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch) for sch in schedules]
+    # (row name, schedule, processes, clip-grad, tied, label, copies at once)
+    configs = [(SINGLE, "megatron", 1, a.clip_grad, a.tie_embeddings, "single", 1),
+               (BUSY, "megatron", 1, a.clip_grad, a.tie_embeddings, "single_busy", d)]
+    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch, 1) for sch in schedules]
     if a.sync_variants:
-        configs += [(f"{sch} +clip+tied", sch, d, 1.0, True, f"{sch}_clip_tied")
+        configs += [(f"{sch} +clip+tied", sch, d, 1.0, True, f"{sch}_clip_tied", 1)
                     for sch in ("2bw", "flush")]
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {}
@@ -407,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(a.rounds):  # rounds interleave the configurations (drifting load)
         if a.rounds > 1:
             print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
-        for name, schedule, nproc, clip, tied, label in configs:
+        for name, schedule, nproc, clip, tied, label, copies in configs:
             run = _launch(a, schedule, nproc, clip, tied, label,
-                          a.timeline_dir if nproc > 1 and round_ == 0 else None)
+                          a.timeline_dir if nproc > 1 and round_ == 0 else None, copies)
             runs.setdefault(name, []).append(run)
             times[name].append(_iteration_time(run))
     load_after = os.getloadavg()
@@ -421,16 +447,18 @@ def main(argv: list[str] | None = None) -> int:
                                           k: [t * 1e3 for t in v] for k, v in times.items()},
                                       "runs": runs}, indent=1))
 
-    single = time_of["single (PP=1)"]
+    single, busy = time_of[SINGLE], time_of[BUSY]
     ideal = single / d
     # Ratios pair the runs of one round (minutes apart at most) before taking the median over
     # rounds: a shared machine's speed drifts by 10-20% between rounds, which would otherwise
     # enter a ratio of two medians taken at different times.
-    vs_ideal = {name: _paired(times["single (PP=1)"], ts, 1 / d) for name, ts in times.items()}
+    vs_ideal = {name: _paired(times[SINGLE], ts, 1 / d) for name, ts in times.items()}
+    vs_busy = {name: _paired(times[BUSY], ts, 1 / d) for name, ts in times.items()}
     vs_2bw = {name: _paired(times["2bw"], ts) if "2bw" in times else float("nan")
               for name, ts in times.items()}
     boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
-    header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8}  "
+    header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} "
+              f"{'vs busy':>7}  "
               f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
               f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
     rows = [header, "-" * len(header)]
@@ -438,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = name.split()[0]
         t = time_of[name]
         if name.startswith("single"):
-            stash = [1]
+            stash = [1] * len(rounds[0]["ranks"])
             versions = 1
         else:
             stash = _stash_counts(schedule, d, m)
@@ -449,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = _pooled(rounds)
         rows.append(
             f"{name:<17} {t * 1e3:8.1f} {b * m / t:9.2f} "
-            f"{vs_2bw[name]:7.2f} {vs_ideal[name]:8.2f}  "
+            f"{vs_2bw[name]:7.2f} {vs_ideal[name]:8.2f} {vs_busy[name]:7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
             f"{_median_ms(stages, 'collective_seconds'):>9}  "
@@ -463,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                 "p2p receives, coll = ms in all-reduces; stash = peak stashed microbatches; "
                 "weights = parameters x versions")
     rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
-                f" per iteration; boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
+                f" per iteration; busy = the same with d copies of the single process running at"
+                f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"
+                f" machine's shared caches, memory and host give each of d busy cores; every copy"
+                f" holds the whole model, a stage only 1/d of it); boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
                 f"saved for backward per microbatch and stage (measured): "
                 + "/".join(f"{(r['saved_bytes_per_microbatch'] or 0) / 2**20:.1f}"
                            for r in sorted(runs[schedules[0]][0]['ranks'],
