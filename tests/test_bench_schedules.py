@@ -1,0 +1,67 @@
+"""tools/bench_schedules.py end to end on a tiny GPT: every row it prints comes from real runs,
+and its memory columns agree with numbers derived here by hand.
+
+One round of single / single-at-once / 2bw / flush with d = m = 2 (about a minute on 2 cores).
+Timings are not checked (tests check correctness, benchmarks report speed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tests.dist import python
+
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 2, 64, 2, 32, 128, 2
+
+
+def _layer_params(h: int) -> int:
+    """One GPT layer with biases: two layer norms (2h each), QKV (3h^2 + 3h), attention
+    projection (h^2 + h), MLP h -> 4h -> h (8h^2 + 5h)."""
+    return 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (8 * h * h + 5 * h)
+
+
+def _stage_params() -> list[int]:
+    """PP=2, untied: stage 0 = word and position embeddings + layer 1; stage 1 = layer 2 + the
+    final layer norm + the output layer (no bias). The vocabulary is a multiple of 128 already."""
+    per_layer = _layer_params(HIDDEN)
+    return [VOCAB * HIDDEN + SEQ * HIDDEN + per_layer,
+            per_layer + 2 * HIDDEN + VOCAB * HIDDEN]
+
+
+def test_bench_rows_and_memory_columns(tmp_path):
+    measurements = tmp_path / "bench.json"
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw,flush", "--iters", "2",
+                  "--warmup", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+                  "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+                  "--vocab-size", str(VOCAB), "--micro-batch-size", str(MICRO),
+                  "--json", str(measurements)], timeout=420)
+    assert run.returncode == 0, run.output[-3000:]
+    rows = {line[:17].strip(): line[17:].split() for line in run.output.splitlines()
+            if line[:17].strip() in ("single (PP=1)", "single, d at once", "2bw", "flush")}
+    assert set(rows) == {"single (PP=1)", "single, d at once", "2bw", "flush"}, run.output
+
+    # ms/iter samples/s vs2bw vs-ideal vs-busy cpu runq recv coll stash stash-MiB weights-MiB
+    for name, cells in rows.items():
+        ms, samples = float(cells[0]), float(cells[1])
+        assert ms > 0 and math.isclose(samples, 2 * MICRO / (ms / 1e3), rel_tol=0.01), name
+    assert float(rows["2bw"][2]) == 1.0
+    assert float(rows["single (PP=1)"][3]) == 0.5  # single / d over itself
+    # peak stashed microbatches: d - i for 2bw and flush (1F1B), one for a whole-model process
+    assert rows["2bw"][9] == rows["flush"][9] == "2/1"
+    assert rows["single, d at once"][9] == "1/1" and rows["single (PP=1)"][9] == "1"
+
+    data = json.loads(measurements.read_text())
+    expected = _stage_params()
+    for name in ("2bw", "flush"):
+        (run_,) = data["runs"][name]
+        by_stage = sorted(run_["ranks"], key=lambda r: r["stage"])
+        assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
+        # the forward saves at least the stage's input activation, s*b*h fp32 (stage 1)
+        assert by_stage[1]["saved_bytes_per_microbatch"] >= SEQ * MICRO * HIDDEN * 4
+        assert all(len(r["seconds"]) == 2 for r in by_stage)
+    (busy,) = data["runs"]["single, d at once"]
+    assert [r["stage"] for r in busy["ranks"]] == [0, 1]  # two independent copies
+    assert all(r["param_bytes"] == 4 * sum(expected) for r in busy["ranks"])
+    weights = [float(x) for x in rows["2bw"][11].split("/")]  # MiB, two versions
+    assert weights == [round(2 * 4 * n / 2**20, 1) for n in expected]
