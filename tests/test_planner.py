@@ -188,6 +188,30 @@ def test_2bw_with_pipeline_wide_step_waits_for_the_backward_wave():
         pytest.approx(expected)
 
 
+def test_2bw_step_waits_for_the_first_stage_with_tied_embeddings():
+    # Without clipping, tied input/output embeddings still sum their gradient between the first
+    # and the last stage at the step: the last stage waits for stage 0's last backward, d - 1
+    # backwards after its own, and the stages between follow the last one. Untied, no wait.
+    import dataclasses
+
+    profile = _profile(intra_node_link=Link(1e9, 0.0))
+    cluster = preset("cpu-local", gpus_per_node=2)
+    layout = Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw")
+    untied_model = dataclasses.replace(SMALL, untie_embeddings=True)
+    tied = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False).time(layout)
+    untied = CostModel(untied_model, cluster, "fp32", profile=profile,
+                       clip_grad=False).time(layout)
+    send = 32 * 2 * 64 * 4 / 1e9  # one fp32 (s, b, h) tensor over 1 GB/s
+    # Stage 1 (2 layers + head, plus the gradient send) is the bottleneck either way.
+    stage1 = (2 * 0.010 + 0.004) + (2 * 0.020 + 0.008 + send)
+    assert untied.iteration == pytest.approx(4 * stage1 + untied.step)
+    lag = 2 * 0.020 + 0.001  # stage 0's last backward (the gradient's send is in stage 1's)
+    assert tied.iteration == pytest.approx(4 * stage1 + lag + tied.step)
+    simulated = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False).time(
+        layout, simulate=True)
+    assert simulated.iteration == pytest.approx(tied.iteration, rel=1e-3)
+
+
 def test_simulator_calls_are_memoized_across_scales():
     _simulate_normalized.cache_clear()
     simulated_iteration("flush", 3, 5, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 0.0, 0.0, "local")

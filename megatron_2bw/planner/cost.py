@@ -205,7 +205,8 @@ class CostModel:
     """`--use-distributed-optimizer`: master weights and moments sharded over the w replicas."""
     clip_grad: bool = True
     """Gradient clipping (Megatron's default 1.0) all-reduces the norm over all stages, so the
-    optimizer step is a pipeline-wide synchronisation; so is fp16's found-inf check."""
+    optimizer step is a pipeline-wide synchronisation; so are fp16's found-inf check and the
+    tied embedding's gradient all-reduce between the first and the last stage."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -314,7 +315,10 @@ class CostModel:
         optimizer = max(self._optimizer_step(p, w) for p in stage_params)
         norm = (tp_link.all_reduce(4, t) + pp_link.all_reduce(4, d)) if self.clip_grad else 0.0
         step = data_parallel + embedding_sync + optimizer + norm
-        sync = "pipeline" if (self.clip_grad or self.precision == "fp16") and d > 1 else "local"
+        # The grad norm and fp16's found-inf span all stages; the tied embedding's all-reduce
+        # makes the last stage wait for the first, and the stages between follow the last.
+        pipeline_wide = self.clip_grad or self.precision == "fp16" or model.tied
+        sync = "pipeline" if pipeline_wide and d > 1 else "local"
 
         work = [f + bw for f, bw in zip(forward, backward)]
         bottleneck = max(work)
@@ -349,9 +353,9 @@ class CostModel:
             return (m - 1) * bottleneck + sum(work) + 2 * (d - 1) * p2p + step
         if schedule == "2bw":
             # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
-            # (global gradient norm) waits for stage 0's last backward, which the backward wave
-            # reaches d - 1 stages after the last stage's.
-            lag = sum(backward[1:]) + (d - 1) * p2p if sync == "pipeline" else 0.0
+            # (global gradient norm) waits for stage 0's last backward: after the last stage's,
+            # the backward wave runs through stages d - 2, ..., 0.
+            lag = sum(backward[:-1]) + (d - 1) * p2p if sync == "pipeline" else 0.0
             return m * bottleneck + lag + step
         if schedule == "naive":
             # One stage busy at a time: every microbatch crosses all stages (d-fold).
