@@ -245,6 +245,13 @@ def plot(summaries: list[Summary], path: Path, title: str) -> Path:
     right.set_title("memory footprint")
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=8)
+    return save_figure(fig, title, path)
+
+
+def save_figure(fig, title: str, path: Path) -> Path:
+    """Title, lay out and write ``fig`` as a PNG (creating the folder), then free it."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ for _path in (str(REPO), str(TOOLS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from compare import run_logged, torchrun  # noqa: E402
+from compare import run_logged, save_figure, torchrun  # noqa: E402
 from megatron_2bw.logparse import ParsedLog, parse_log  # noqa: E402
 
 __all__ = ["MODEL_FLAGS", "final_losses", "relative_gap", "plot", "main"]
@@ -89,12 +89,7 @@ def plot(logs: dict[str, ParsedLog], path: Path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     train.set_ylabel("lm loss")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, title, path)
 
 
 def _data_flags(model: str) -> list[str]:
