@@ -65,6 +65,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
                    help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; naive: inter-layer "
                         "model parallelism without pipelining; megatron: Megatron's own 1F1B")
+    g.add_argument("--no-deferred-step", action="store_true",
+                   help="2bw: run the optimizer step where the training loop calls it; by "
+                        "default a step with gradient clipping or tied embeddings is deferred "
+                        "to its first reader so that its pipeline-wide all-reduces do not stall "
+                        "the stages (one extra fp32 gradient copy per stage)")
     g.add_argument("--cpu", action="store_true",
                    help="train on CPU processes over gloo even where CUDA is available")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

@@ -169,6 +169,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
+    if hasattr(fb, "attach_optimizer"):
+        fb.attach_optimizer(optimizer, defer=run.get("deferred", True))
     if run.get("fail") and info.pp_rank == run["fail"]["stage"]:
         _inject_send_failure(info.pp_rank, run["fail"]["send"])
 
@@ -186,7 +188,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
         params[key] = (p.detach().clone(), _split_dim(p))
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
-                "losses": losses, "seconds": seconds}, out / run["name"] / f"rank{info.rank}.pt")
+                "losses": losses, "seconds": seconds,
+                "step_mode": getattr(fb, "step_mode", None)}, out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
 

@@ -77,18 +77,24 @@ def _cluster_small():
 def test_memory_of_2bw_layout_by_hand():
     cost = CostModel(SMALL, _cluster_small(), "bf16")
     memory = cost.memory(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw"))
-    # Per parameter: 2 weight versions x 2 bytes + fp32 main_grad 4 + fp32 master 4 + Adam 8.
-    per_param = 2 * 2 + 4 + 4 + 8
+    # Per parameter: 2 weight versions x 2 bytes + fp32 main_grad 4 + fp32 master 4 + Adam 8
+    # + the deferred step's fp32 gradient copy 4 (clipping is on).
+    per_param = 2 * 2 + 4 + 4 + 8 + 4
     layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)  # sbh(34 + 5as/h) = 180,224 bytes
     mask = 32 * 2 * 64  # embedding dropout mask, 1 byte per element
     stage0 = 110_208 * per_param + 2 * (2 * layer + mask)  # stashes d - 0 = 2 microbatches
     head = 2 * 32 * 2 * 64 * 2 + 4 * 2 * 32 * 128  # LN and output inputs; fp32 softmax
     logits_grad = 4 * 2 * 32 * 128
     stage1 = 108_288 * per_param + 1 * (2 * layer + head) + logits_grad  # stashes d - 1 = 1
-    assert memory.stages[0].total == pytest.approx(stage0) == 2_933_248
-    assert memory.stages[1].total == pytest.approx(stage1) == 2_608_128
+    assert memory.stages[0].total == pytest.approx(stage0) == 3_374_080
+    assert memory.stages[1].total == pytest.approx(stage1) == 3_041_280
     assert memory.peak == pytest.approx(stage0)
     assert memory.stages[0].stashed_microbatches == 2
+    # The step where the loop calls it: no copy.
+    synchronous = CostModel(SMALL, _cluster_small(), "bf16", deferred_step=False).memory(
+        Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw"))
+    assert [s.total for s in synchronous.stages] == pytest.approx(
+        [stage0 - 4 * 110_208, stage1 - 4 * 108_288])
 
 
 def test_memory_gpipe_recompute_fp32_by_hand():
@@ -190,25 +196,29 @@ def test_2bw_with_pipeline_wide_step_waits_for_the_backward_wave():
 
 def test_2bw_step_waits_for_the_first_stage_with_tied_embeddings():
     # Without clipping, tied input/output embeddings still sum their gradient between the first
-    # and the last stage at the step: the last stage waits for stage 0's last backward, d - 1
-    # backwards after its own, and the stages between follow the last one. Untied, no wait.
+    # and the last stage at the step: where the loop calls the step, the last stage waits for
+    # stage 0's last backward, d - 1 backwards after its own, and the stages between follow the
+    # last one. Untied, or with the step deferred (the default), no wait.
     import dataclasses
 
     profile = _profile(intra_node_link=Link(1e9, 0.0))
     cluster = preset("cpu-local", gpus_per_node=2)
     layout = Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw")
     untied_model = dataclasses.replace(SMALL, untie_embeddings=True)
-    tied = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False).time(layout)
+    tied = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False,
+                     deferred_step=False).time(layout)
     untied = CostModel(untied_model, cluster, "fp32", profile=profile,
-                       clip_grad=False).time(layout)
+                       clip_grad=False, deferred_step=False).time(layout)
+    deferred = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False).time(layout)
     send = 32 * 2 * 64 * 4 / 1e9  # one fp32 (s, b, h) tensor over 1 GB/s
     # Stage 1 (2 layers + head, plus the gradient send) is the bottleneck either way.
     stage1 = (2 * 0.010 + 0.004) + (2 * 0.020 + 0.008 + send)
     assert untied.iteration == pytest.approx(4 * stage1 + untied.step)
     lag = 2 * 0.020 + 0.001  # stage 0's last backward (the gradient's send is in stage 1's)
     assert tied.iteration == pytest.approx(4 * stage1 + lag + tied.step)
-    simulated = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False).time(
-        layout, simulate=True)
+    assert deferred.iteration == pytest.approx(4 * stage1 + tied.step)
+    simulated = CostModel(SMALL, cluster, "fp32", profile=profile, clip_grad=False,
+                          deferred_step=False).time(layout, simulate=True)
     assert simulated.iteration == pytest.approx(tied.iteration, rel=1e-3)
 
 

@@ -73,12 +73,15 @@ class Case:
     recompute: bool = False
     tp: int = 1
     tie: bool = True
+    deferred: bool = True
+    """2bw: the optimizer step deferred to its first reader (clipping and tied embeddings
+    are on unless tie=False), or where the loop calls it."""
 
     @property
     def name(self) -> str:
         return (f"{self.schedule}-d{self.d}-m{self.m}-w{self.w}-tp{self.tp}"
                 f"{'-recompute' if self.recompute else ''}{'' if self.tie else '-untied'}"
-                f"-i{self.iters}")
+                f"{'' if self.deferred else '-sync-step'}-i{self.iters}")
 
     @property
     def world(self) -> int:
@@ -91,12 +94,13 @@ class Case:
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
-                "model": {"adam_eps": ADAM_EPS}}
+                "deferred": self.deferred, "model": {"adam_eps": ADAM_EPS}}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
 TWOBW_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=6),
+    Case("2bw", d=2, m=2, w=1, iters=6, deferred=False),
     Case("2bw", d=2, m=4, w=1, iters=6, recompute=True, tie=False),
     Case("2bw", d=2, m=2, w=2, iters=6),
     Case("2bw", d=2, m=4, w=2, iters=6, recompute=True),
@@ -302,7 +306,13 @@ def test_synchronous_schedules_match_reference_and_megatron(launch):
 
 @pytest.mark.parametrize("case", TWOBW_CASES, ids=lambda case: case.name)
 def test_2bw_matches_delayed_update_reference(launch, case):
+    """Every case clips (MODEL.clip_grad), so every stage defers its step unless told not to;
+    the reference applies each step at once."""
     launch.finished(f"2bw-world{case.world}")
+    modes = {torch.load(path)["step_mode"] for path in (launch.out / case.name).glob("rank*.pt")}
+    expected = "deferred" if case.deferred else \
+        "at the loop's optimizer.step() (--no-deferred-step)"
+    assert modes == {expected}, f"{case.name}: optimizer step {modes}"
     _check_against_reference(launch, case)
 
 

@@ -30,9 +30,11 @@ the weight versions the schedule keeps (2 for 2BW).
 
 Fairness: by default ``--clip-grad 0 --untie-embeddings-and-output-weights``. A grad-norm
 all-reduce over the pipeline stages (clipping) or the tied-embedding all-reduce between the first
-and the last stage synchronises all stages at every optimizer step, which under 2BW adds a
-(d-1) x backward stall per batch that the other schedules pay anyway in their flush.
-``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them.
+and the last stage synchronises all stages at every optimizer step, which the other schedules
+pay anyway in their flush; under 2BW it would add a (d-1) x backward stall per batch, which the
+deferred step removes (``megatron_2bw.deferred``; ``--no-deferred-step`` keeps the stall).
+``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them:
+2bw deferred, 2bw with the step where the loop calls it, and flush.
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
 the model-parallel group) even with clipping off; the training code steps its one inner optimizer
 instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
@@ -120,8 +122,8 @@ class _SavedBytes:
 class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
     receives (wraps ``StageComm._recv``; None for Megatron's own schedule, which uses its own
-    p2p), time in ``torch.distributed.all_reduce`` calls (the loop's loss average, megatron-core's
-    grad norm), and the main thread's run-queue delay (``/proc/self/task/TID/schedstat``:
+    p2p), time in the main thread's ``torch.distributed.all_reduce`` calls (the loop's loss
+    average, megatron-core's grad norm) and waiting for a deferred step's collectives, and the main thread's run-queue delay (``/proc/self/task/TID/schedstat``:
     runnable but not running, i.e. another thread or process had the core)."""
 
     def __init__(self):
@@ -129,6 +131,7 @@ class _Waits:
 
         import torch.distributed as dist
 
+        from megatron_2bw.deferred import DeferredStep
         from megatron_2bw.schedules import p2p
 
         self.recv = 0.0
@@ -136,7 +139,11 @@ class _Waits:
         self.used = False
         all_reduce = dist.all_reduce
 
+        main_thread = threading.get_ident()
+
         def timed_all_reduce(*args, **kwargs):
+            if threading.get_ident() != main_thread:  # a deferred step's helper thread
+                return all_reduce(*args, **kwargs)
             start = time.perf_counter()
             try:
                 return all_reduce(*args, **kwargs)
@@ -144,6 +151,16 @@ class _Waits:
                 self.collective += time.perf_counter() - start
 
         dist.all_reduce = timed_all_reduce
+        wait = DeferredStep.wait_collectives
+
+        def timed_wait(step):
+            start = time.perf_counter()
+            try:
+                return wait(step)
+            finally:
+                self.collective += time.perf_counter() - start
+
+        DeferredStep.wait_collectives = timed_wait
         self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         original = getattr(p2p.StageComm, "_recv", None)
         if original is not None:
@@ -199,6 +216,9 @@ def worker(argv: list[str]) -> int:
         from megatron.core.optimizer import ChainedOptimizer
 
         trainer.optimizer = ChainedOptimizer([trainer.optimizer])  # get_megatron_optimizer's
+        if hasattr(trainer.forward_backward, "attach_optimizer"):
+            trainer.forward_backward.attach_optimizer(trainer.optimizer,
+                                                      defer=not args.no_deferred_step)
     optimizer_note = type(trainer.optimizer).__name__
     runner = trainer.forward_backward
     if opts.timeline and hasattr(runner, "timeline"):
@@ -272,12 +292,13 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
 
 
 def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, tied: bool,
-            label: str, timeline_dir: Path | None, copies: int = 1) -> dict:
+            label: str, timeline_dir: Path | None, copies: int = 1,
+            extra: tuple[str, ...] = ()) -> dict:
     """One configuration under torchrun; returns the per-rank results. ``copies`` > 1 starts
     that many independent jobs at once (the busy-machine reference): copy i reports as stage i."""
     flags = _model_flags(a) + ["--pipeline-schedule", schedule,
                                "--pipeline-model-parallel-size", str(nproc),
-                               "--clip-grad", str(clip_grad)]
+                               "--clip-grad", str(clip_grad), *extra]
     if not tied:
         flags.append("--untie-embeddings-and-output-weights")
     with tempfile.TemporaryDirectory() as root:
@@ -419,23 +440,24 @@ def main(argv: list[str] | None = None) -> int:
           f"PP={d} on {d} single-threaded CPU processes; {a.warmup} warm-up + {a.iters} measured "
           f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
           f"{', ChainedOptimizer' if a.chained_optimizer else ''}", file=sys.stderr)
-    # (row name, schedule, processes, clip-grad, tied, label)
-    # (row name, schedule, processes, clip-grad, tied, label, copies at once)
-    configs = [(SINGLE, "megatron", 1, a.clip_grad, a.tie_embeddings, "single", 1),
-               (BUSY, "megatron", 1, a.clip_grad, a.tie_embeddings, "single_busy", d)]
-    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch, 1) for sch in schedules]
+    # (row name, schedule, processes, clip-grad, tied, label, copies at once, extra flags)
+    configs = [(SINGLE, "megatron", 1, a.clip_grad, a.tie_embeddings, "single", 1, ()),
+               (BUSY, "megatron", 1, a.clip_grad, a.tie_embeddings, "single_busy", d, ())]
+    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch, 1, ()) for sch in schedules]
     if a.sync_variants:
-        configs += [(f"{sch} +clip+tied", sch, d, 1.0, True, f"{sch}_clip_tied", 1)
-                    for sch in ("2bw", "flush")]
+        configs += [("2bw +clip+tied", "2bw", d, 1.0, True, "2bw_clip_tied", 1, ()),
+                    ("2bw +clip+tied, loop step", "2bw", d, 1.0, True, "2bw_clip_tied_loop", 1,
+                     ("--no-deferred-step",)),
+                    ("flush +clip+tied", "flush", d, 1.0, True, "flush_clip_tied", 1, ())]
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {}
     times: dict[str, list[float]] = {name: [] for name, *_ in configs}
     for round_ in range(a.rounds):  # rounds interleave the configurations (drifting load)
         if a.rounds > 1:
             print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
-        for name, schedule, nproc, clip, tied, label, copies in configs:
+        for name, schedule, nproc, clip, tied, label, copies, extra in configs:
             run = _launch(a, schedule, nproc, clip, tied, label,
-                          a.timeline_dir if nproc > 1 and round_ == 0 else None, copies)
+                          a.timeline_dir if nproc > 1 and round_ == 0 else None, copies, extra)
             runs.setdefault(name, []).append(run)
             times[name].append(_iteration_time(run))
     load_after = os.getloadavg()
@@ -457,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     vs_2bw = {name: _paired(times["2bw"], ts) if "2bw" in times else float("nan")
               for name, ts in times.items()}
     boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
-    header = (f"{'schedule':<17} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} "
+    width = max(17, *(len(name) for name in runs))
+    header = (f"{'schedule':<{width}} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} "
               f"{'vs busy':>7}  "
               f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
               f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
@@ -476,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = [by_stage[i]["param_bytes"] * versions for i in sorted(by_stage)]
         stages = _pooled(rounds)
         rows.append(
-            f"{name:<17} {t * 1e3:8.1f} {b * m / t:9.2f} "
+            f"{name:<{width}} {t * 1e3:8.1f} {b * m / t:9.2f} "
             f"{vs_2bw[name]:7.2f} {vs_ideal[name]:8.2f} {vs_busy[name]:7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
@@ -507,9 +530,10 @@ def main(argv: list[str] | None = None) -> int:
                    "the stages at every step, also with --clip-grad 0)"
                    if "ChainedOptimizer" in optimizers else ""))
     rows.append(f"note: --clip-grad {a.clip_grad} and "
-                f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row; a grad-norm"
-                " or tied-embedding all-reduce syncs all stages at each step and costs 2BW a "
-                "(d-1) x backward stall per batch (--sync-variants shows it)")
+                f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row but the "
+                "+clip+tied ones; a grad-norm or tied-embedding all-reduce syncs all stages at "
+                "each step, which costs 2BW a (d-1) x backward stall per batch unless its step "
+                "is deferred (the default; --sync-variants shows both)")
     rows.append(f"load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} "
                 f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}")
     print("\n".join(rows))

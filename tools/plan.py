@@ -156,6 +156,9 @@ def plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--no-clip-grad", action="store_true",
                    help="the run uses --clip-grad 0 (no pipeline-wide norm before each step)")
+    g.add_argument("--no-deferred-step", action="store_true",
+                   help="2bw runs its step where the loop calls it (clipping or tied embeddings "
+                        "then stall the pipeline at each step)")
     g.add_argument("--max-tensor-parallel", type=int, default=None)
     g = p.add_argument_group("output")
     g.add_argument("--profile", default=None,
@@ -210,11 +213,11 @@ def run_plan(argv) -> int:
         recompute={"both": (False, True), "on": (True,), "off": (False,)}[args.recompute],
         memory_fraction=args.memory_fraction, optimizer=args.optimizer,
         distributed_optimizer=args.use_distributed_optimizer, clip_grad=not args.no_clip_grad,
-        max_tensor_parallel=args.max_tensor_parallel,
+        deferred_step=not args.no_deferred_step, max_tensor_parallel=args.max_tensor_parallel,
         simulate_top=0 if args.closed_form else args.simulate_top)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      distributed_optimizer=args.use_distributed_optimizer,
-                     clip_grad=not args.no_clip_grad)
+                     clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step)
     plan = search(request, cost)
     paths = write_plan(plan, args.out)
     print(f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "

@@ -103,11 +103,14 @@ class StageMemory:
     """Alive only during a backward: a recomputed layer, the logits' gradient."""
     overhead: float
     """Runtime memory before any model (profile's; 0 without one)."""
+    gradient_copy: float = 0.0
+    """2BW's deferred step holds the optimizer's gradients of one batch while the next
+    batch's accumulate (megatron_2bw.deferred)."""
 
     @property
     def total(self) -> float:
         return (self.weights + self.extra_versions + self.gradients + self.optimizer
-                + self.activations + self.transient + self.overhead)
+                + self.activations + self.transient + self.overhead + self.gradient_copy)
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,10 @@ class CostModel:
     """Gradient clipping (Megatron's default 1.0) all-reduces the norm over all stages, so the
     optimizer step is a pipeline-wide synchronisation; so are fp16's found-inf check and the
     tied embedding's gradient all-reduce between the first and the last stage."""
+    deferred_step: bool = True
+    """2BW defers a step whose norm or embedding all-reduce spans the pipeline to the first
+    reader of its result (megatron_2bw.deferred): no wait, one more fp32 gradient copy. fp16's
+    found-inf check is not deferred."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -243,6 +250,8 @@ class CostModel:
         for i in (range(d) if every_stage else sorted({0, d - 1})):
             params = model.stage_parameters(t, d, i)
             first, last = i == 0, i == d - 1
+            deferred = self._deferred(layout.schedule, d) and (
+                self.clip_grad or (model.tied and (first or last)))
             # Activations one microbatch leaves on this stage: each layer's (its input only
             # with recomputation; Section 4.1), plus the embedding's and the head's.
             per_microbatch = (model.num_layers // d * layer_kept + first * embedding
@@ -261,8 +270,14 @@ class CostModel:
                 stashed_microbatches=stash,
                 activations=stash * per_microbatch,
                 transient=transient,
-                overhead=overhead))
+                overhead=overhead,
+                gradient_copy=deferred * params * GRAD_BYTES))
         return MemoryEstimate(tuple(stages))
+
+    def _deferred(self, schedule: str, d: int) -> bool:
+        """Whether 2BW's step is deferred (it is whenever it would span the pipeline)."""
+        return (schedule == "2bw" and d > 1 and self.deferred_step
+                and self.precision != "fp16")
 
     # ---- time -----------------------------------------------------------------------------
     def time(self, layout: Layout, simulate: bool = False) -> TimeEstimate:
@@ -317,7 +332,8 @@ class CostModel:
         step = data_parallel + embedding_sync + optimizer + norm
         # The grad norm and fp16's found-inf span all stages; the tied embedding's all-reduce
         # makes the last stage wait for the first, and the stages between follow the last.
-        pipeline_wide = self.clip_grad or self.precision == "fp16" or model.tied
+        pipeline_wide = self.precision == "fp16" or (
+            (self.clip_grad or model.tied) and not self._deferred(layout.schedule, d))
         sync = "pipeline" if pipeline_wide and d > 1 else "local"
 
         work = [f + bw for f, bw in zip(forward, backward)]

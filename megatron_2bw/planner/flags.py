@@ -33,7 +33,8 @@ def entry_script(model: ModelSpec) -> str:
 
 
 def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool = False,
-                 distributed_optimizer: bool = False) -> list[str]:
+                 distributed_optimizer: bool = False, clip_grad: bool = True,
+                 deferred_step: bool = True) -> list[str]:
     """The layout and model as our entry scripts' flags (Megatron-LM's names), data excluded."""
     flags = [
         "--tensor-model-parallel-size", str(layout.t),
@@ -62,6 +63,10 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
                   "--recompute-num-layers", "1"]
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
+    if not clip_grad:
+        flags += ["--clip-grad", "0"]
+    if not deferred_step and layout.schedule == "2bw":
+        flags.append("--no-deferred-step")
     if cpu:
         flags.append("--cpu")
     return flags
@@ -70,7 +75,8 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
 def _flags_for(candidate: Candidate, plan: Plan) -> list[str]:
     r = plan.request
     return launch_flags(candidate.layout, r.model, r.precision, cpu=r.cluster.device == "cpu",
-                        distributed_optimizer=r.distributed_optimizer)
+                        distributed_optimizer=r.distributed_optimizer, clip_grad=r.clip_grad,
+                        deferred_step=r.deferred_step)
 
 
 def flag_line(candidate: Candidate, plan: Plan) -> str:

@@ -43,6 +43,8 @@ class PlanRequest:
     optimizer: str = "adam"
     distributed_optimizer: bool = False
     clip_grad: bool = True
+    deferred_step: bool = True
+    """2BW defers its step when clipping or tied embeddings would make it pipeline-wide."""
     max_tensor_parallel: int | None = None
     simulate_top: int = 5
     """Re-time the best this many with the schedule simulator (0: closed forms only) ..."""
@@ -127,7 +129,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
     model, cluster = request.model, request.cluster
     cost = cost or CostModel(model, cluster, request.precision, optimizer=request.optimizer,
                              distributed_optimizer=request.distributed_optimizer,
-                             clip_grad=request.clip_grad)
+                             clip_grad=request.clip_grad, deferred_step=request.deferred_step)
     n, B, limit = cluster.num_gpus, request.global_batch_size, request.memory_limit
     feasible: list[Candidate] = []
     rejected: list[Rejection] = []

@@ -257,6 +257,17 @@ def install(force: bool = False) -> None:
     _installed = state
 
 
+def thread_context():
+    """A context that maps CUDA calls to the CPU in the calling thread, as install() did in
+    the main thread (torch function modes are per thread); a no-op without the runtime."""
+    import contextlib
+
+    mode = None if _installed is None else _installed.mode
+    if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+        return contextlib.nullcontext()
+    return mode
+
+
 def uninstall() -> None:
     """Undo :func:`install` (tests use it; training processes keep the runtime to the end)."""
     global _installed

@@ -11,7 +11,8 @@ One executor for every schedule: the order lives in the action lists
     B: point weights at the microbatch's version; g = recv(stage+1) or loss;
        backward(stash.pop(mb), g); send(dx, stage-1)
     S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
-       2BW fork the weights so Megatron's optimizer step writes the new version
+       2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
+       deferred 2BW step, begin it (the first action reading the new version applies it)
 
 A 2BW call leaves its look-ahead forwards in flight; ``prepare_drain()`` makes the next call
 leave the pipeline empty (before an evaluation, a checkpoint or the end of training).
@@ -29,6 +30,7 @@ import torch
 
 from megatron_2bw.schedules import Action, Kind, call_actions, communication, format_grid
 from megatron_2bw.schedules.p2p import CommError, StageComm
+from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -74,6 +76,10 @@ class PipelineRunner:
         self.versions: WeightVersions | None = None
         self.comm: StageComm | None = None
         self.timeline: list[TimelineRecord] | None = None  # set to [] to record
+        self.optimizer = None  # attach_optimizer(): 2BW may then defer the step
+        self.defer = True
+        self.deferred: DeferredStep | None = None
+        self.step_mode: str | None = None  # how 2BW steps, once known (first call)
 
     # ---- Megatron's forward_backward_func signature ---------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -98,11 +104,23 @@ class PipelineRunner:
         """The next training call leaves no microbatch in flight."""
         self.drain_next = True
 
+    def attach_optimizer(self, optimizer, defer: bool = True) -> None:
+        """The optimizer the training loop steps after each call. Under 2BW its step is then
+        deferred (:mod:`megatron_2bw.deferred`) where that removes a pipeline-wide wait;
+        ``defer=False`` keeps it where the loop calls it."""
+        if self.deferred is not None:
+            self.deferred.detach()
+            self.deferred = None
+        self.optimizer, self.defer, self.step_mode = optimizer, defer, None
+
     def drain(self) -> None:
-        """Called before evaluation and checkpoints: the pipeline must already be empty."""
+        """Called before evaluation and checkpoints: the pipeline must already be empty, and
+        a deferred step is applied."""
         if self.in_flight:
             raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
                                "prepare_drain() before the last training call")
+        if self.deferred is not None:
+            self.deferred.apply(self.versions)
         if self.comm is not None:
             self.comm.wait_sends()
 
@@ -115,6 +133,8 @@ class PipelineRunner:
         self.is_last = ps.is_pipeline_last_stage()
         if self.schedule == "2bw" and self.versions is None:
             self.bind(chunk)
+        if self.schedule == "2bw" and self.step_mode is None:
+            self._choose_step_mode(chunk, config)
         seq = seq_length // ps.get_context_parallel_world_size()
         if config.sequence_parallel:
             seq //= ps.get_tensor_model_parallel_world_size()
@@ -123,6 +143,20 @@ class PipelineRunner:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
             self.comm = StageComm(shape, config.pipeline_dtype, device)
+
+    def _choose_step_mode(self, chunk, config) -> None:
+        import torch.distributed as dist
+
+        reason = "no optimizer attached" if self.optimizer is None else \
+            "--no-deferred-step" if not self.defer else \
+            why_not_deferred(self.optimizer, config, chunk)
+        if reason is None:
+            self.deferred = DeferredStep(self.optimizer, config, chunk)
+            self.step_mode = "deferred"
+        else:
+            self.step_mode = f"at the loop's optimizer.step() ({reason})"
+        if dist.get_rank() == 0:
+            print(f" 2bw optimizer step on stage {self.stage}: {self.step_mode}", flush=True)
 
     def bind(self, chunk) -> None:
         """Create the 2BW weight versions of ``chunk``'s parameters (version 0 = current)."""
@@ -151,6 +185,9 @@ class PipelineRunner:
 
     def _run(self, action: Action, comms, call: _Call) -> None:
         start = time.perf_counter()
+        if self.deferred is not None and action.version == self.deferred.pending_version \
+                and action.kind is not Kind.STEP:
+            self.deferred.apply(self.versions)  # the first action to read the new version
         _HANDLERS[action.kind](self, action, comms, call)
         if self.timeline is not None:
             self.timeline.append(TimelineRecord(self.stage, action.kind.value, action.microbatch,
@@ -191,6 +228,10 @@ class PipelineRunner:
             self.comm.send_grad(input_grad, k)
 
     def _step(self, action: Action, comms, call: _Call) -> None:
+        if self.deferred is not None:
+            self.deferred.apply(self.versions)  # the previous step, if no action read it yet
+            self.deferred.begin(action.version)
+            return
         config = call.config
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(

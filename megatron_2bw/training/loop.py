@@ -97,6 +97,9 @@ class Trainer:
         self.scheduler = build.build_scheduler(args, self.optimizer)
         build.attach_config_hooks(self.config, self.model, self.optimizer)
         self.forward_backward = get_forward_backward_func()
+        attach = getattr(self.forward_backward, "attach_optimizer", None)
+        if attach is not None:
+            attach(self.optimizer, defer=not args.no_deferred_step)
         self.forward_step_func = forward_step_func
         self.loss_key = loss_key
         self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir)
