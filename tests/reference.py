@@ -42,6 +42,8 @@ class Model:
     micro_batch_size: int = 2
     init_method_std: float = 0.02
     lr: float = 1e-3
+    lr_warmup_iters: int = 0
+    """Megatron's linear warm-up from 0: step t uses lr * min(t, warm-up) / warm-up."""
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -159,6 +161,9 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, it
         norms.append(clip_grads(grads, model.clip_grad))
         for n, p in params.items():
             p.grad = grads[n]
+        warmup = model.lr_warmup_iters
+        for group in optimizer.param_groups:
+            group["lr"] = model.lr * min(t, warmup) / warmup if warmup else model.lr
         optimizer.step()
         losses.append(batch_losses)
         previous = current

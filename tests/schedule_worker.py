@@ -62,7 +62,7 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
         "--micro-batch-size", model.micro_batch_size,
         "--global-batch-size", model.micro_batch_size * dp * run["m"],
         "--train-iters", run["iters"], "--optimizer", "adam", "--lr", model.lr,
-        "--lr-decay-style", "constant", "--lr-warmup-iters", 0,
+        "--lr-decay-style", "constant", "--lr-warmup-iters", model.lr_warmup_iters,
         "--weight-decay", model.weight_decay, "--clip-grad", model.clip_grad,
         "--adam-beta1", model.adam_beta1, "--adam-beta2", model.adam_beta2,
         "--adam-eps", model.adam_eps, "--seed", model.seed,

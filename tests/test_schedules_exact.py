@@ -76,12 +76,19 @@ class Case:
     deferred: bool = True
     """2bw: the optimizer step deferred to its first reader (clipping and tied embeddings
     are on unless tie=False), or where the loop calls it."""
+    warmup: int = 0
+    """LR warm-up iterations: each step has its own lr, which a deferred step must keep."""
+
+    @property
+    def model(self) -> dict:
+        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup}
 
     @property
     def name(self) -> str:
         return (f"{self.schedule}-d{self.d}-m{self.m}-w{self.w}-tp{self.tp}"
                 f"{'-recompute' if self.recompute else ''}{'' if self.tie else '-untied'}"
-                f"{'' if self.deferred else '-sync-step'}-i{self.iters}")
+                f"{'' if self.deferred else '-sync-step'}"
+                f"{f'-warmup{self.warmup}' if self.warmup else ''}-i{self.iters}")
 
     @property
     def world(self) -> int:
@@ -89,18 +96,19 @@ class Case:
 
     def reference(self, rule: str | None = None) -> str:
         rule = rule or ("2bw" if self.schedule == "2bw" else "sync")
-        return f"{rule}-w{self.w}-m{self.m}-i{self.iters}{'' if self.tie else '-untied'}"
+        return (f"{rule}-w{self.w}-m{self.m}-i{self.iters}{'' if self.tie else '-untied'}"
+                f"{f'-warmup{self.warmup}' if self.warmup else ''}")
 
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
-                "deferred": self.deferred, "model": {"adam_eps": ADAM_EPS}}
+                "deferred": self.deferred, "model": self.model}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
 TWOBW_CASES = [
-    Case("2bw", d=2, m=2, w=1, iters=6),
-    Case("2bw", d=2, m=2, w=1, iters=6, deferred=False),
+    Case("2bw", d=2, m=2, w=1, iters=6, warmup=3),
+    Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, deferred=False),
     Case("2bw", d=2, m=4, w=1, iters=6, recompute=True, tie=False),
     Case("2bw", d=2, m=2, w=2, iters=6),
     Case("2bw", d=2, m=4, w=2, iters=6, recompute=True),
@@ -138,7 +146,7 @@ def _reference_jobs() -> dict:
         for rule in ("sync", "2bw"):
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
-                "iterations": case.iters, "tie": case.tie, "model": {"adam_eps": ADAM_EPS}}
+                "iterations": case.iters, "tie": case.tie, "model": case.model}
     return jobs
 
 
