@@ -6,6 +6,7 @@ Hand numbers use a small GPT: L=4, h=64, a=4, s=32, V=128 (already a multiple of
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec,
                                   Profile, preset, search, write_plan)
 from megatron_2bw.planner.cluster import Link
 from megatron_2bw.planner.cost import simulated_iteration, _simulate_normalized
-from megatron_2bw.planner.flags import parse_for_validation
+from megatron_2bw.planner.flags import launch_flags, parse_for_validation
 from megatron_2bw.planner.profile import (E2ERun, Sample, compare, format_accuracy,
                                           parse_training_log)
 
@@ -199,8 +200,6 @@ def test_2bw_step_waits_for_the_first_stage_with_tied_embeddings():
     # and the last stage at the step: where the loop calls the step, the last stage waits for
     # stage 0's last backward, d - 1 backwards after its own, and the stages between follow the
     # last one. Untied, or with the step deferred (the default), no wait.
-    import dataclasses
-
     profile = _profile(intra_node_link=Link(1e9, 0.0))
     cluster = preset("cpu-local", gpus_per_node=2)
     layout = Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw")
@@ -311,6 +310,22 @@ def test_flag_line_passes_validate_args(tmp_path):
     document = json.loads(paths["plan"].read_text())
     assert document["choice"]["layout"]["t"] == layout.t
     assert len(document["alternatives"]) == min(20, len(plan.ranked))
+
+
+def test_flags_carry_no_clipping_and_the_in_place_step():
+    # A plan made for --clip-grad 0 and the step in place launches that way; the defaults
+    # (clipping 1.0, deferred step) write no flag.
+    model = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                      vocab_size=128)
+    layout = Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw")
+    default = launch_flags(layout, model, "bf16")
+    assert "--clip-grad" not in default and "--no-deferred-step" not in default
+    flags = launch_flags(layout, model, "bf16", clip_grad=False, deferred_step=False)
+    args = parse_for_validation(flags + ["--mock-data"], model, world_size=2)
+    assert args.clip_grad == 0 and args.no_deferred_step
+    flush = launch_flags(dataclasses.replace(layout, schedule="flush"), model, "bf16",
+                         deferred_step=False)
+    assert "--no-deferred-step" not in flush  # only 2bw defers
 
 
 def _fake_bin(directory: Path, name: str, body: str) -> None:
