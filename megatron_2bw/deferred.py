@@ -48,7 +48,8 @@ def _inner(optimizer):
 
 def why_not_deferred(optimizer, config, chunk) -> str | None:
     """Why the step of this stage cannot be deferred, or None when it can (and is worth it:
-    its step holds a collective that spans the pipeline)."""
+    its step holds a collective that spans the pipeline; a ChainedOptimizer's always does, as
+    it all-reduces the grad norm also without clipping, which the deferred step skips)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
@@ -74,7 +75,8 @@ def why_not_deferred(optimizer, config, chunk) -> str | None:
     if pos_group is not None and torch.distributed.get_world_size(pos_group) > 1 \
             and torch.distributed.get_rank() in torch.distributed.get_process_group_ranks(pos_group):
         return "position embeddings shared across stages"
-    if inner.config.clip_grad <= 0 and _tied_embedding(chunk) is None:
+    chained = getattr(optimizer, "chained_optimizers", None) is not None
+    if inner.config.clip_grad <= 0 and _tied_embedding(chunk) is None and not chained:
         return "no clipping and no tied embeddings (the step is stage-local already)"
     return None
 

@@ -38,7 +38,7 @@ deferred step removes (``megatron_2bw.deferred``; ``--no-deferred-step`` keeps t
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
 the model-parallel group) even with clipping off; the training code steps its one inner optimizer
 instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
-wrapper back to show what that all-reduce costs.
+wrapper back to show what that all-reduce costs (2BW's deferred step skips it).
 
 Where the time goes, per stage (``a/b`` = stage 0/stage 1, medians over measured iterations):
 ``cpu ms`` the main thread's CPU time (compute and Python), ``runq ms`` its run-queue delay
@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                   for r in run["ranks"]}
     rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
                 + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
-                   "the stages at every step, also with --clip-grad 0)"
+                   "the stages at every step, also with --clip-grad 0; 2bw's deferred step "
+                   "skips it)"
                    if "ChainedOptimizer" in optimizers else ""))
     rows.append(f"note: --clip-grad {a.clip_grad} and "
                 f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row but the "
