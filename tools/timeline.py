@@ -17,14 +17,14 @@ clock; see ``megatron_2bw.trace``). The 4-stage 2BW run on 4 CPU processes:
         --png runs/timeline/2bw_d4.png --chrome-trace runs/timeline/2bw_d4.json --batches 2:5 -- \
         --pipeline-schedule 2bw --pipeline-model-parallel-size 4 --num-layers 4 \
         --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 \
-        --global-batch-size 8 --train-iters 6 --log-interval 6 --eval-iters 0 \
-        --clip-grad 0 --untie-embeddings-and-output-weights
+        --global-batch-size 8 --train-iters 6 --log-interval 6 --eval-iters 0
 
 A collective over all ranks lines the stages up and would hide 2BW's continuous pipeline:
 the training loop checks for a stop signal with one at every log line (hence
-``--log-interval`` = ``--train-iters``), clipping all-reduces the grad norm (``--clip-grad 0``)
-and tied embeddings all-reduce their gradient between the first and the last stage
-(``--untie-embeddings-and-output-weights``).
+``--log-interval`` = ``--train-iters``). Clipping and tied embeddings do not: 2BW defers its
+step (``megatron_2bw.deferred``), and the timeline shows a step twice, where the stage's batch
+ends (gradients copied, all-reduces started) and where the new weights are made, before the
+first forward that reads them; with ``--no-deferred-step`` the stages line up at every step.
 
 Without ``--data-path`` or ``--mock-data`` among the training flags, ``run`` uses the default
 data set (``python -m megatron_2bw.data.default``, built once and cached). The same in two

@@ -120,7 +120,7 @@ class PipelineRunner:
             raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
                                "prepare_drain() before the last training call")
         if self.deferred is not None:
-            self.deferred.apply(self.versions)
+            self._apply_deferred()
         if self.comm is not None:
             self.comm.wait_sends()
 
@@ -184,14 +184,22 @@ class PipelineRunner:
         return call.losses
 
     def _run(self, action: Action, comms, call: _Call) -> None:
-        start = time.perf_counter()
         if self.deferred is not None and action.version == self.deferred.pending_version \
                 and action.kind is not Kind.STEP:
-            self.deferred.apply(self.versions)  # the first action to read the new version
+            self._apply_deferred()  # the first action to read the new version
+        start = time.perf_counter()
         _HANDLERS[action.kind](self, action, comms, call)
         if self.timeline is not None:
             self.timeline.append(TimelineRecord(self.stage, action.kind.value, action.microbatch,
                                                 action.version, start, time.perf_counter()))
+
+    def _apply_deferred(self) -> None:
+        """Run a pending deferred step; timelines show it as a step record where it ran."""
+        version, start = self.deferred.pending_version, time.perf_counter()
+        self.deferred.apply(self.versions)
+        if self.timeline is not None and version is not None:
+            self.timeline.append(TimelineRecord(self.stage, Kind.STEP.value, None, version, start,
+                                                time.perf_counter()))
 
     def _forward(self, action: Action, comms, call: _Call) -> None:
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
@@ -229,7 +237,7 @@ class PipelineRunner:
 
     def _step(self, action: Action, comms, call: _Call) -> None:
         if self.deferred is not None:
-            self.deferred.apply(self.versions)  # the previous step, if no action read it yet
+            self._apply_deferred()  # the previous step, if no action read it yet
             self.deferred.begin(action.version)
             return
         config = call.config
