@@ -28,9 +28,9 @@ from typing import Callable
 
 import torch
 
+from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.schedules import Action, Kind, call_actions, communication, format_grid
 from megatron_2bw.schedules.p2p import CommError, StageComm
-from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
