@@ -219,8 +219,6 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
-    if hasattr(fb, "attach_optimizer"):
-        fb.attach_optimizer(optimizer)  # tied embeddings and clipping: 2bw defers its step
 
     started = time.perf_counter()
     losses = train_iterations(run["name"], args, fb, pretrain_bert_2bw.forward_step,

@@ -169,15 +169,14 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
-    if hasattr(fb, "attach_optimizer"):
-        fb.attach_optimizer(optimizer, defer=run.get("deferred", True))
     if run.get("fail") and info.pp_rank == run["fail"]["stage"]:
         _inject_send_failure(info.pp_rank, run["fail"]["send"])
 
     started = time.perf_counter()
     data = _data(model_spec, args.num_microbatches)
     losses = [record["lm loss"] for record in train_iterations(
-        run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler)]
+        run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
+        defer=run.get("deferred", True))]
     seconds = time.perf_counter() - started
 
     params = {}
@@ -189,15 +188,19 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
                 "losses": losses, "seconds": seconds,
-                "step_mode": getattr(fb, "step_mode", None)}, out / run["name"] / f"rank{info.rank}.pt")
+                "step_mode": getattr(fb, "step_mode", None)},
+               out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
 
 
 def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
-                     scheduler) -> list[dict]:
+                     scheduler, defer: bool = True) -> list[dict]:
     """Megatron's training step, ``args.train_iters`` times, with the schedule's drain on the
-    last; on the stage that computes the loss, each iteration's mean of every logged loss."""
+    last; on the stage that computes the loss, each iteration's mean of every logged loss.
+    The schedule gets the optimizer first (2bw defers its step unless ``defer`` is False)."""
+    if hasattr(fb, "attach_optimizer"):
+        fb.attach_optimizer(optimizer, defer=defer)
     losses = []
     for iteration in range(args.train_iters):
         if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):

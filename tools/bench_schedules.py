@@ -123,8 +123,9 @@ class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
     receives (wraps ``StageComm._recv``; None for Megatron's own schedule, which uses its own
     p2p), time in the main thread's ``torch.distributed.all_reduce`` calls (the loop's loss
-    average, megatron-core's grad norm) and waiting for a deferred step's collectives, and the main thread's run-queue delay (``/proc/self/task/TID/schedstat``:
-    runnable but not running, i.e. another thread or process had the core)."""
+    average, megatron-core's grad norm) and waiting for a deferred step's collectives, and the
+    main thread's run-queue delay (``/proc/self/task/TID/schedstat``: runnable but not running,
+    i.e. another thread or process had the core)."""
 
     def __init__(self):
         import threading
@@ -136,43 +137,30 @@ class _Waits:
 
         self.recv = 0.0
         self.collective = 0.0
-        self.used = False
-        all_reduce = dist.all_reduce
-
-        main_thread = threading.get_ident()
-
-        def timed_all_reduce(*args, **kwargs):
-            if threading.get_ident() != main_thread:  # a deferred step's helper thread
-                return all_reduce(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return all_reduce(*args, **kwargs)
-            finally:
-                self.collective += time.perf_counter() - start
-
-        dist.all_reduce = timed_all_reduce
-        wait = DeferredStep.wait_collectives
-
-        def timed_wait(step):
-            start = time.perf_counter()
-            try:
-                return wait(step)
-            finally:
-                self.collective += time.perf_counter() - start
-
-        DeferredStep.wait_collectives = timed_wait
+        self.used = False  # a p2p receive of this package's executor ran
+        self._main_thread = threading.get_ident()
         self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
-        original = getattr(p2p.StageComm, "_recv", None)
-        if original is not None:
-            def timed_recv(comm, *args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return original(comm, *args, **kwargs)
-                finally:
-                    self.recv += time.perf_counter() - start
-                    self.used = True
+        dist.all_reduce = self._timed(dist.all_reduce, "collective")
+        DeferredStep.wait_collectives = self._timed(DeferredStep.wait_collectives, "collective")
+        if hasattr(p2p.StageComm, "_recv"):
+            p2p.StageComm._recv = self._timed(p2p.StageComm._recv, "recv")
 
-            p2p.StageComm._recv = timed_recv
+    def _timed(self, function, counter: str):
+        """``function``, its main-thread seconds added to ``self.<counter>`` (a deferred
+        step's helper thread blocks in all-reduces too, but the stage does not wait for it)."""
+        import threading
+
+        def timed(*args, **kwargs):
+            if threading.get_ident() != self._main_thread:
+                return function(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+                self.used |= counter == "recv"
+
+        return timed
 
     def run_queue(self) -> float | None:
         try:

@@ -187,9 +187,7 @@ def _engine_with_mode(mode: _CudaToCpuMode, engine_run_backward: Callable) -> Ca
     """autograd's engine entry, run with ``mode`` on the function-mode stack."""
 
     def run_backward(*args, **kwargs):
-        if mode in torch.overrides._get_current_function_mode_stack():
-            return engine_run_backward(*args, **kwargs)
-        with mode:
+        with _entered(mode):
             return engine_run_backward(*args, **kwargs)
 
     return run_backward
@@ -260,9 +258,13 @@ def install(force: bool = False) -> None:
 def thread_context():
     """A context that maps CUDA calls to the CPU in the calling thread, as install() did in
     the main thread (torch function modes are per thread); a no-op without the runtime."""
+    return _entered(None if _installed is None else _installed.mode)
+
+
+def _entered(mode: "_CudaToCpuMode | None"):
+    """``mode`` as a context, or a no-op when it is None or already on this thread's stack."""
     import contextlib
 
-    mode = None if _installed is None else _installed.mode
     if mode is None or mode in torch.overrides._get_current_function_mode_stack():
         return contextlib.nullcontext()
     return mode
