@@ -3,9 +3,12 @@ and naive model parallelism, one Megatron call (one batch) at a time or for a wh
 
     call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
     pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
+    call_program("2bw", 4, 8, stage=1, call=t, fill=..., drain=...)  # actions + exchanges
+    pipeline_programs("2bw", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Step]
 
 The same lists drive the executor, the simulator (`simulate.simulate`), the planner and the
-timelines.
+timelines; the programs (`comm.fuse`: the lists with their fused send/receive groups) are what
+the executor runs and what the simulator's NCCL mode proves free of deadlocks.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Callable, Iterable
 
 from .actions import (Action, Comms, Kind, P2P, ScheduleError, communication, format_actions,
                       format_grid, parse_action, parse_actions, validate)
+from .comm import Exchange, Step, Transfer, actions_of, fuse, transfers_of, unbatched
 from .flush import flush
 from .gpipe import gpipe
 from .naive import naive
@@ -26,6 +30,8 @@ __all__ = [
     "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
     "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
     "Costs", "SimResult", "Span", "simulate", "format_timeline",
+    "Transfer", "Exchange", "Step", "fuse", "unbatched", "actions_of", "transfers_of",
+    "call_program", "pipeline_programs", "forward_program",
 ]
 
 
@@ -104,3 +110,40 @@ def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: in
     spec = _spec(schedule, len(lists), microbatches)
     validate(lists, microbatches, num_batches, version_of=spec.version_of,
              max_versions=spec.max_versions)
+
+
+def call_program(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
+                 fill: bool, drain: bool) -> list[Step]:
+    """Stage `stage`'s program in call `call`: `call_actions` with its exchanges (`comm.fuse`).
+    Every stage of a pipeline is in the same call with the same `fill` and `drain`, so each
+    derives its neighbours' lists and places its sends where they are received."""
+    def actions(s: int) -> list[Action]:
+        return call_actions(schedule, depth, microbatches, s, call, fill=fill, drain=drain)
+
+    neighbours = {s: actions(s) for s in (stage - 1, stage + 1) if 0 <= s < depth}
+    return fuse(actions(stage), stage, depth, neighbours)
+
+
+def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches: int, *,
+                      drains: Iterable[int] = ()) -> list[list[Step]]:
+    """All stages' whole-training programs, [stage] -> [Step]: the calls of
+    `pipeline_actions` one after another, each with its exchanges."""
+    drains = set(drains) | {num_batches - 1}
+    programs: list[list[Step]] = [[] for _ in range(depth)]
+    for call in range(num_batches):
+        for stage in range(depth):
+            programs[stage] += call_program(schedule, depth, microbatches, stage, call,
+                                            fill=call == 0 or call - 1 in drains,
+                                            drain=call in drains)
+    validate_schedule(schedule, [actions_of(p) for p in programs], microbatches, num_batches)
+    return programs
+
+
+def forward_program(depth: int, microbatches: int, stage: int) -> list[Step]:
+    """An evaluation call (forward only) on `stage`: every microbatch forward once, in order,
+    with its exchanges. Actions read version 0 here; the executor uses the newest weights."""
+    def forwards() -> list[Action]:
+        return [Action(Kind.FORWARD, j, 0, 0) for j in range(microbatches)]
+
+    neighbours = {s: forwards() for s in (stage - 1, stage + 1) if 0 <= s < depth}
+    return fuse(forwards(), stage, depth, neighbours)

@@ -17,6 +17,15 @@ A stage waiting on another stage waits; a stage waiting on an action later in it
 missing) can never run: that is a dependency violation. When nothing can run while actions
 remain, the schedule deadlocks. Both raise `ScheduleError` with the grid, never hang.
 
+NCCL mode: when the lists are programs (`comm.fuse`: actions with `Exchange`s between them),
+transfers are rendezvous, as on NCCL. A stage that reaches an exchange posts all of its
+transfers and waits there until each one has met its peer's: the n-th send on a channel (one per
+ordered pair of stages, in issue order) meets the n-th receive, which must carry the same
+tensor, and only once the peer has posted the exchange that holds it. An exchange ends `p2p`
+after the last of its partners was posted. Actions then run as soon as their stage is free; an
+F or B whose input was not received in an exchange before it is a dependency violation. A cycle
+of stages waiting at exchanges is a deadlock, as it would be on NCCL.
+
 Bubble fraction (the paper's "pipeline bubble", Section 2): the share of stage time idle,
 
     bubble = 1 - sum_i (busy_i + step_i) / (d * makespan)
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from .actions import Action, Kind, ScheduleError, format_grid
+from .comm import Exchange, Step
 
 __all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
 
@@ -90,12 +100,17 @@ class SimResult:
         return [s.end for s in self.spans if s.stage == stage and s.kind is Kind.STEP]
 
 
-def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
+def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
              step_sync: Literal["local", "pipeline"] = "local") -> SimResult:
-    """Run all stages' lists ([stage] -> [Action]) together; see the module docstring."""
+    """Run all stages' lists ([stage] -> [Action]) or programs ([stage] -> [Action | Exchange],
+    NCCL mode) together; see the module docstring."""
     if step_sync not in ("local", "pipeline"):
         raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
     depth = len(schedule)
+    nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
+    partners = _partners(schedule) if nccl else {}
+    posted: dict[tuple[int, int], float] = {}  # (stage, position) of an exchange -> reached at
+    received: list[set[tuple[str, int]]] = [set() for _ in range(depth)]
     forward_end: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> end
     backward_end: dict[tuple[int, int], float] = {}
     step_end: dict[tuple[int, int], float] = {(i, 0): 0.0 for i in range(depth)}  # version 0
@@ -112,6 +127,15 @@ def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
                              f"({schedule[stage][cursor[stage]]}): {why}\n"
                              + format_grid(schedule, {stage: cursor[stage]}))
 
+    def received_input(stage: int, a: Action) -> float:
+        """NCCL mode: the input came in an exchange before `a`, or `a` can never run."""
+        needed = (("activation", stage > 0) if a.kind is Kind.FORWARD
+                  else ("grad", stage < depth - 1))
+        if needed[1] and (needed[0], a.microbatch) not in received[stage]:
+            raise violation(stage, f"its input ({needed[0]} of microbatch {a.microbatch}) "
+                                   "is not received in an exchange before it")
+        return free[stage]
+
     def inputs_ready(stage: int, a: Action) -> float | None:
         """When `a`'s inputs are there; None while another stage has not produced them."""
         if a.kind is Kind.STEP:
@@ -119,18 +143,19 @@ def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
         if (stage, a.version) not in step_end:
             raise violation(stage, f"version {a.version} is not made before it on this stage")
         ready = step_end[stage, a.version]
+        if a.kind is Kind.BACKWARD and (stage, a.microbatch) not in forward_end:
+            raise violation(stage, "no forward of this microbatch before it on this stage")
+        if nccl:
+            return max(ready, received_input(stage, a))
         if a.kind is Kind.FORWARD:
             if stage > 0:
                 if (stage - 1, a.microbatch) not in forward_end:
                     return None
                 ready = max(ready, forward_end[stage - 1, a.microbatch] + costs.p2p)
-        else:
-            if (stage, a.microbatch) not in forward_end:
-                raise violation(stage, "no forward of this microbatch before it on this stage")
-            if stage < depth - 1:
-                if (stage + 1, a.microbatch) not in backward_end:
-                    return None
-                ready = max(ready, backward_end[stage + 1, a.microbatch] + costs.p2p)
+        elif stage < depth - 1:
+            if (stage + 1, a.microbatch) not in backward_end:
+                return None
+            ready = max(ready, backward_end[stage + 1, a.microbatch] + costs.p2p)
         return ready
 
     def run(stage: int, a: Action, start: float) -> None:
@@ -151,14 +176,35 @@ def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
         alive = {newest[stage], *stash[stage].values()}
         max_versions[stage] = max(max_versions[stage], len(alive))
 
-    def next_action(stage: int) -> Action | None:
-        actions = schedule[stage]
-        return actions[cursor[stage]] if cursor[stage] < len(actions) else None
+    def try_exchange(stage: int, exchange: Exchange) -> bool:
+        """Complete the exchange `stage` waits at once every partner exchange is posted."""
+        here = (stage, cursor[stage])
+        if not all(partner in posted for partner in partners[here]):
+            return False
+        end = max(posted[p] for p in (here, *partners[here])) + costs.p2p
+        received[stage].update((t.tensor, t.microbatch) for t in exchange.transfers
+                               if t.op == "recv")
+        free[stage] = max(free[stage], end)
+        cursor[stage] += 1
+        return True
+
+    def next_step(stage: int) -> Step | None:
+        steps = schedule[stage]
+        return steps[cursor[stage]] if cursor[stage] < len(steps) else None
+
+    def is_step(step: Step | None) -> bool:
+        return isinstance(step, Action) and step.kind is Kind.STEP
 
     while True:
         progress = False
         for stage in range(depth):
-            while (a := next_action(stage)) is not None:
+            while (a := next_step(stage)) is not None:
+                if isinstance(a, Exchange):
+                    posted.setdefault((stage, cursor[stage]), free[stage])
+                    if not try_exchange(stage, a):
+                        break
+                    progress = True
+                    continue
                 if a.kind is Kind.STEP and step_sync == "pipeline":
                     break  # joins the collective below
                 ready = inputs_ready(stage, a)
@@ -166,9 +212,9 @@ def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
                     break
                 run(stage, a, max(free[stage], ready))
                 progress = True
-        waiting = [next_action(stage) for stage in range(depth)]
-        if (step_sync == "pipeline" and waiting[0] is not None
-                and waiting[0].kind is Kind.STEP and all(a == waiting[0] for a in waiting)):
+        waiting = [next_step(stage) for stage in range(depth)]
+        if (step_sync == "pipeline" and is_step(waiting[0])
+                and all(a == waiting[0] for a in waiting)):
             start = max(free)  # every stage is at the same step: the collective runs
             for stage in range(depth):
                 run(stage, waiting[0], start)
@@ -199,6 +245,41 @@ def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *,
         max_versions=tuple(max_versions),
         spans=tuple(spans),
     )
+
+
+def _partners(schedule: Sequence[Sequence[Step]]) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """For each exchange, (stage, position), the peers' exchanges its transfers meet. The n-th
+    send from stage a to stage b meets b's n-th receive from a (NCCL matches in issue order);
+    a transfer that meets another tensor, or none, raises `ScheduleError`."""
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    partners: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for stage, steps in enumerate(schedule):
+        for position, step in enumerate(steps):
+            if isinstance(step, Exchange):
+                partners[stage, position] = set()
+                for t in step.transfers:
+                    channel = (stage, t.peer) if t.op == "send" else (t.peer, stage)
+                    (sends if t.op == "send" else recvs).setdefault(channel, []).append(
+                        (stage, position, t))
+    for channel in sorted(set(sends) | set(recvs)):
+        sent, got = sends.get(channel, []), recvs.get(channel, [])
+        for n, ((s1, p1, t1), (s2, p2, t2)) in enumerate(zip(sent, got)):
+            if (t1.tensor, t1.microbatch) != (t2.tensor, t2.microbatch):
+                raise ScheduleError(
+                    f"stage {s2}, step {p2} ({schedule[s2][p2]}): its receive number {n + 1} "
+                    f"from stage {s1} expects the {t2.tensor} of microbatch {t2.microbatch}, "
+                    f"but stage {s1} sends the {t1.tensor} of microbatch {t1.microbatch} "
+                    f"there\n" + format_grid(schedule, {s1: p1, s2: p2}))
+            partners[s1, p1].add((s2, p2))
+            partners[s2, p2].add((s1, p1))
+        if len(sent) != len(got):
+            extra = (sent if len(sent) > len(got) else got)[min(len(sent), len(got))]
+            raise ScheduleError(
+                f"stage {extra[0]}, step {extra[1]} ({schedule[extra[0]][extra[1]]}): "
+                f"stage {channel[0]} sends {len(sent)} tensors to stage {channel[1]}, which "
+                f"receives {len(got)}\n" + format_grid(schedule, {extra[0]: extra[1]}))
+    return partners
 
 
 def format_timeline(result: SimResult, unit: float = 1.0, cell: int = 4) -> str:

@@ -1,0 +1,151 @@
+"""Communication as schedule data: a pure pass that puts each stage's transfers into fused groups.
+
+A stage's *program* is its action list with `Exchange`s between the actions. An exchange is one
+``torch.distributed.batch_isend_irecv`` group: every send the action before it produced and
+every receive the action after it needs, to either neighbour:
+
+    stage 0  F0v0 {sa0:1} F1v0 {sa1:1 rg0:1} B0v0 {rg1:1} B1v0 S1
+    stage 1  {ra0:0} F0v0 B0v0 {sg0:0 ra1:0} F1v0 B1v0 {sg1:0} S1
+
+(``sa1:1``: send the activation of microbatch 1 to stage 1; ``rg0:1``: receive the gradient of
+microbatch 0 from stage 1.) This is Megatron's ``P2PCommunicator`` pattern
+(``send_forward_recv_backward``, ``send_backward_recv_forward``) derived from the order instead
+of written by hand.
+
+Invariants, which hold for every pair of neighbours and which the NCCL mode of
+:func:`~megatron_2bw.schedules.simulate.simulate` checks (sends are rendezvous, one in-order
+channel per direction, a group progresses together):
+  * the two sides see each other's transfers in the same order, so the n-th send on a channel
+    meets the n-th receive, and it carries the same microbatch;
+  * every transfer completes within one call (Megatron's per-batch ``forward_backward_func``
+    call). 2BW's look-ahead forward at the end of a call produces an activation that the next
+    stage only uses in its next call; that stage receives it *early*, in its last exchange
+    before the step, and keeps it. Left to the next call, the send would block the sender
+    across the optimizer step, which can hold a collective over all stages: a deadlock; and
+    sent only at the next call's start, it would idle the next stage for a backward pass.
+  * the step (S) never shares a group: the batch's last input gradient goes upstream before
+    any boundary collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence, Union
+
+from .actions import Action, Comms, Kind, communication
+
+__all__ = ["Transfer", "Exchange", "Step", "fuse", "unbatched", "actions_of", "transfers_of"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One send or receive of a pipeline tensor between neighbouring stages."""
+
+    op: Literal["send", "recv"]
+    peer: int
+    """Stage at the other end."""
+    tensor: Literal["activation", "grad"]
+    """A forward output (to stage+1) or an input gradient (to stage-1)."""
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.op[0]}{self.tensor[0]}{self.microbatch}:{self.peer}"
+
+    def describe(self) -> str:
+        what = "activation" if self.tensor == "activation" else "gradient"
+        direction = "to" if self.op == "send" else "from"
+        return f"{self.op} {what} of microbatch {self.microbatch} {direction} stage {self.peer}"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One fused group of transfers (``batch_isend_irecv``); it completes when every transfer
+    in it met its peer's matching one."""
+
+    transfers: tuple[Transfer, ...]
+
+    def __str__(self) -> str:
+        return "{" + " ".join(str(t) for t in self.transfers) + "}"
+
+
+Step = Union[Action, Exchange]
+
+
+def _sends(comms: Comms) -> list[Transfer]:
+    s = comms.send
+    return [] if s is None else [Transfer("send", s.peer, s.tensor, s.microbatch)]
+
+
+def _recvs(comms: Comms) -> list[Transfer]:
+    r = comms.recv
+    return [] if r is None else [Transfer("recv", r.peer, r.tensor, r.microbatch)]
+
+
+def _ordered(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    """Megatron's order inside a group: previous stage first, sends before receives; stable,
+    so two transfers on one channel keep the order they were produced in."""
+    return tuple(sorted(transfers, key=lambda t: (t.peer, t.op != "send")))
+
+
+def _transfers(actions: Sequence[Action], stage: int, depth: int, op: str,
+               peer: int) -> set[tuple[str, int]]:
+    """(tensor, microbatch) that `stage`'s list sends to (op "send") or receives from ("recv")
+    stage `peer`."""
+    found = set()
+    for c in communication(actions, stage, depth):
+        p2p = c.send if op == "send" else c.recv
+        if p2p is not None and p2p.peer == peer:
+            found.add((p2p.tensor, p2p.microbatch))
+    return found
+
+
+def fuse(actions: Sequence[Action], stage: int, depth: int,
+         neighbours: dict[int, Sequence[Action]]) -> list[Step]:
+    """`stage`'s program for one call: its `actions` with the exchanges between them.
+
+    `neighbours` maps each neighbouring stage to its action list in the same call. Every send
+    goes in the exchange right after its action. A tensor a neighbour sends in this call that
+    this list only uses in the next call is received *early*, in the exchange before the step;
+    an input that the neighbour does not send in this call was received that way in the
+    previous call, so it has no receive here."""
+    comms = communication(actions, stage, depth)
+    sent_here = {peer: _transfers(peer_actions, peer, depth, "send", stage)
+                 for peer, peer_actions in neighbours.items()}
+    used = {(c.recv.tensor, c.recv.microbatch) for c in comms if c.recv is not None}
+    early = [Transfer("recv", peer, tensor, k) for peer in sorted(sent_here)
+             for tensor, k in sorted(sent_here[peer] - used, key=lambda x: x[1])]
+    program: list[Step] = []
+    pending: list[Transfer] = []
+    for action, c in zip(actions, comms):
+        receives = [t for t in _recvs(c) if (t.tensor, t.microbatch) in sent_here[t.peer]]
+        if action.kind is Kind.STEP:
+            receives, early = early, []
+        if pending or receives:
+            program.append(Exchange(_ordered(pending + receives)))
+        program.append(action)
+        pending = _sends(c)
+    if pending or early:  # a list without a step (forward only)
+        program.append(Exchange(_ordered(pending + early)))
+    return program
+
+
+def unbatched(actions: Sequence[Action], stage: int, depth: int) -> list[Step]:
+    """The pattern this pass replaces, for the NCCL-mode tests: every transfer its own group, a
+    receive right before its action and a send right after it. NCCL deadlocks on it whenever
+    two neighbours both send before they receive."""
+    program: list[Step] = []
+    for action, c in zip(actions, communication(actions, stage, depth)):
+        program += [Exchange((t,)) for t in _recvs(c)]
+        program.append(action)
+        program += [Exchange((t,)) for t in _sends(c)]
+    return program
+
+
+def actions_of(program: Sequence[Step]) -> list[Action]:
+    """The compute actions of a program, in order (the list it was made from)."""
+    return [step for step in program if isinstance(step, Action)]
+
+
+def transfers_of(program: Sequence[Step]) -> list[Transfer]:
+    """Every transfer of a program, in issue order."""
+    return [t for step in program if isinstance(step, Exchange) for t in step.transfers]
