@@ -51,8 +51,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
-    """megatron-core's BertModel with the local layer spec (transformer-engine's on GPUs that
-    have it); the binary head brings two token types, as in Megatron-LM."""
+    """megatron-core's BertModel with the layer spec --transformer-impl picks (see
+    ``entry.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM."""
     from megatron.core.models.bert.bert_model import BertModel
 
     return BertModel(
@@ -87,8 +87,9 @@ def loss_func(loss_mask, sentence_order, output_tensor):
 
 def forward_step(data_iterator, model):
     """Megatron's forward_step_func contract: returns (output, loss function). Every pipeline
-    stage reads the microbatch: each needs the padding mask for its attention layers."""
-    batch = next(data_iterator)
+    stage reads the microbatch (each needs the padding mask for its attention layers), every
+    tensor on the training device."""
+    batch = entry.next_batch(data_iterator, every_stage=True)
     binary_head = _unwrap(model).add_binary_head
     types = batch["types"] if binary_head else None
     output = model(batch["text"], batch["padding_mask"], tokentype_ids=types,

@@ -13,8 +13,8 @@ from megatron_2bw import entry
 
 
 def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
-    """megatron-core's GPTModel with the local layer spec (transformer-engine's on GPUs that
-    have it)."""
+    """megatron-core's GPTModel with the layer spec --transformer-impl picks (see
+    ``entry.gpt_layer_spec``)."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -39,7 +39,8 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    """Megatron's forward_step_func contract: returns (output, loss function)."""
+    """Megatron's forward_step_func contract: returns (output, loss function); the batch's
+    tensors are on the training device."""
     batch = entry.next_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])

@@ -15,7 +15,9 @@ setup(
     install_requires=[
         # torch is pinned loosely on purpose: clusters bring their own CUDA build; the
         # Makefile installs the CPU build (torch==2.13.0) first on machines without a GPU.
-        "torch>=2.6",
+        # 2.7: torch._C._autograd._unsafe_set_version_counter with tuples (weights.py);
+        # megatron_2bw/runtime/versions.py checks both pins at start-up.
+        "torch>=2.7",
         "megatron-core==0.16.1",
         "sentencepiece>=0.2",
         "numpy>=1.26",

@@ -56,6 +56,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                    default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
+                   default="transformer_engine",
+                   help="layer implementation; transformer_engine is used only on CUDA where "
+                        "transformer_engine imports, the local spec otherwise (said on rank 0)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +76,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "the stages (one extra fp32 gradient copy per stage)")
     g.add_argument("--cpu", action="store_true",
                    help="train on CPU processes over gloo even where CUDA is available")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="bound on every wait of every process group (the default group and "
+                        "megatron-core's model-parallel groups); fractions allowed")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -197,6 +203,9 @@ def _validate_batch(args: argparse.Namespace) -> None:
 
 def _validate_training(args: argparse.Namespace) -> None:
     _require(args.train_iters >= 1, "--train-iters", f"must be >= 1, got {args.train_iters}")
+    _require(0 < args.distributed_timeout_minutes < float("inf"),
+             "--distributed-timeout-minutes",
+             f"must be a finite number > 0, got {args.distributed_timeout_minutes}")
     _require(not (args.bf16 and args.fp16), "--bf16", "--bf16 and --fp16 are exclusive")
     _require(args.lr > 0, "--lr", f"must be > 0, got {args.lr}")
     _require(0 <= args.min_lr <= args.lr, "--min-lr",

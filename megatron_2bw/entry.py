@@ -6,17 +6,19 @@ iterators, and the run wrapper.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Callable, Sequence
 
 from megatron_2bw.arguments import FlagError, parse_args
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.runtime.versions import VersionError
 
 __all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data",
-           "bert_layer_spec", "bert_data"]
+           "bert_layer_spec", "bert_data", "use_transformer_engine"]
 
-_USER_ERRORS = (FlagError, DataError)
+_USER_ERRORS = (FlagError, DataError, VersionError)
 
 
 def fail(error: Exception) -> None:
@@ -27,16 +29,23 @@ def fail(error: Exception) -> None:
 
 def setup(model_type: str, argv: Sequence[str] | None = None,
           parser: argparse.ArgumentParser | None = None):
-    """Parse and validate flags, check data files and build the tokenizer.
+    """Parse and validate flags, choose the device, check megatron-core's version, check data
+    files and build the tokenizer.
 
     ``parser`` replaces ``arguments.build_parser()`` for a model with flags of its own (BERT's).
     Any user error ends the process here with one line, before torch.distributed starts.
-    Flags are checked before megatron-core is imported, so a bad flag fails at once."""
+    Flags are checked before megatron-core is imported, so a bad flag fails at once. The device
+    is chosen next (``torch.cuda.set_device`` on CUDA; on the CPU the runtime, which must precede
+    the import of megatron-core's model modules: it switches off their torch.compile
+    decorators), before anything can create a CUDA tensor."""
+    from megatron_2bw.runtime import distributed, versions
+
     warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
-        _install_cpu_runtime_if_chosen(args)
+        distributed.select_device(args.cpu)
+        versions.check()
         if args.mock_data:
             return args, None
         from megatron_2bw.data import tokenizer as tokenizers
@@ -50,15 +59,6 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     except _USER_ERRORS as error:
         fail(error)
     return args, tokenizer
-
-
-def _install_cpu_runtime_if_chosen(args: argparse.Namespace) -> None:
-    """Install the CPU runtime (when the CPU is the device) before the data code imports
-    megatron-core's model modules: it switches off their torch.compile decorators first."""
-    from megatron_2bw.runtime import cpu
-
-    if cpu.select_device(args.cpu) == "cpu":
-        cpu.install(force=args.cpu)
 
 
 def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
@@ -81,29 +81,77 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
         fail(error)
 
 
-def next_batch(data_iterator) -> dict:
-    """The microbatch this pipeline stage needs: tokens on the first stage, labels on the last,
-    nothing on the stages between (they read their input from the previous stage)."""
+def next_batch(data_iterator, every_stage: bool = False) -> dict:
+    """The microbatch this pipeline stage needs, every tensor on the training device: GPT reads
+    tokens on the first stage and labels on the last, nothing on the stages between (they read
+    their input from the previous stage); with ``every_stage`` (BERT: every stage needs the
+    padding mask) each stage reads the whole batch."""
     from megatron.core import parallel_state as ps
 
+    from megatron_2bw.runtime import distributed
+
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    if not (first or last):
+    if not (every_stage or first or last):
         return {"tokens": None, "position_ids": None, "labels": None, "loss_mask": None}
-    return next(data_iterator)
+    return distributed.to_device(next(data_iterator), distributed.training_device())
+
+
+_reported_layer_spec = False
+
+
+def use_transformer_engine(transformer_impl: str, have_te: bool, on_cuda: bool) -> tuple[bool, str]:
+    """Whether to build transformer-engine's layer specs, and why (pure): only when
+    ``--transformer-impl transformer_engine`` asks, transformer_engine imports, and the process
+    trains on CUDA."""
+    if transformer_impl != "transformer_engine":
+        return False, f"--transformer-impl {transformer_impl}"
+    if not on_cuda:
+        return False, "this process runs on the CPU; transformer_engine needs CUDA"
+    if not have_te:
+        return False, "transformer_engine is not importable"
+    return True, "--transformer-impl transformer_engine"
+
+
+def _on_cuda(args: argparse.Namespace) -> bool:
+    """What the process trains on: the device chosen at start-up, or (for callers that build
+    blocks without it, the planner's profiler) what the choice would be."""
+    from megatron_2bw.runtime import cpu, distributed
+
+    choice = distributed.device_choice()
+    if choice is not None:
+        return choice.kind == "cuda"
+    return cpu.select_device(args.cpu) == "cuda"
+
+
+def _choose_layer_spec(args: argparse.Namespace, have_te: bool) -> bool:
+    """:func:`use_transformer_engine` for these flags; says on rank 0, once per process, when
+    transformer_engine was asked for but the local spec is used."""
+    global _reported_layer_spec
+    impl = getattr(args, "transformer_impl", "local")
+    use_te, why = use_transformer_engine(impl, have_te, _on_cuda(args))
+    if impl == "transformer_engine" and not use_te and not _reported_layer_spec:
+        _reported_layer_spec = True
+        if _is_rank_zero():
+            print(f" --transformer-impl transformer_engine: using the local layer spec ({why})",
+                  flush=True)
+    return use_te
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def gpt_layer_spec(args: argparse.Namespace):
-    """transformer-engine's layer spec on GPUs where it is installed, the local spec otherwise."""
-    import torch
+    """transformer-engine's layer spec when :func:`use_transformer_engine` says so, the local
+    spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if torch.cuda.is_available() and not args.cpu:
-        try:
-            import transformer_engine  # noqa: F401
-
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    if _choose_layer_spec(args, gpt_layer_specs.HAVE_TE):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec()
 
 
@@ -152,12 +200,11 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
 
 
 def bert_layer_spec(args: argparse.Namespace):
-    """transformer-engine's BERT layer spec on GPUs where it is installed, the local spec
-    otherwise."""
-    import torch
+    """transformer-engine's BERT layer spec when :func:`use_transformer_engine` says so, the
+    local spec otherwise."""
     from megatron.core.models.bert import bert_layer_specs
 
-    if torch.cuda.is_available() and not args.cpu and bert_layer_specs.HAVE_TE:
+    if _choose_layer_spec(args, bert_layer_specs.HAVE_TE):
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
     return bert_layer_specs.bert_layer_local_spec
 

@@ -8,7 +8,8 @@ megatron-core code trains on CPU processes (laptops, CI, debugging).
 
 Invariants:
   * It is installed only by :func:`install`, which refuses when CUDA is available: on a GPU
-    machine megatron-core runs untouched. ``select_device`` is the one place that decides.
+    machine megatron-core runs untouched. ``distributed.choose_device`` is the one place that
+    decides, and ``distributed.select_device`` refuses to train on CUDA while it is installed.
   * Seeding is real, not a no-op: the "CUDA" generator is the CPU default generator, so the
     tensor-parallel RNG tracker forks and restores real, distinct states.
   * Device remapping stays active inside autograd's backward (activation recomputation replays
@@ -49,11 +50,13 @@ def cuda_usable() -> bool:
 
 
 def select_device(force_cpu: bool = False) -> str:
-    """The device this process trains on: "cuda" whenever CUDA is usable, unless the user asked
-    for the CPU (``--cpu``); "cpu" otherwise. The CPU runtime is installed only for "cpu"."""
-    if force_cpu or not cuda_usable():
-        return "cpu"
-    return "cuda"
+    """The device kind this process would train on: "cuda" whenever CUDA is usable, unless the
+    user asked for the CPU (``--cpu``); "cpu" otherwise. The decision itself is
+    :func:`megatron_2bw.runtime.distributed.choose_device`; the CPU runtime is installed only
+    for "cpu" (by :func:`megatron_2bw.runtime.distributed.select_device`)."""
+    from megatron_2bw.runtime.distributed import choose_device
+
+    return choose_device(force_cpu, cuda_usable(), local_rank=0).kind
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -253,12 +256,6 @@ def install(force: bool = False) -> None:
                 _engine_with_mode(state.mode, torch.autograd._engine_run_backward))
     state.mode.__enter__()
     _installed = state
-
-
-def thread_context():
-    """A context that maps CUDA calls to the CPU in the calling thread, as install() did in
-    the main thread (torch function modes are per thread); a no-op without the runtime."""
-    return _entered(None if _installed is None else _installed.mode)
 
 
 def _entered(mode: "_CudaToCpuMode | None"):

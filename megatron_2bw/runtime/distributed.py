@@ -1,7 +1,18 @@
-"""Process groups, device choice and seeding for one training process.
+"""Process groups, device choice, timeouts and seeding for one training process.
 
-The device is chosen once, by :func:`megatron_2bw.runtime.cpu.select_device`: CUDA with NCCL
-whenever CUDA is usable (unless ``--cpu``), else CPU processes over gloo with the CPU runtime.
+The device is chosen once per process by :func:`select_device` (a thin shell around the pure
+:func:`choose_device`): CUDA with NCCL whenever CUDA is usable, unless ``--cpu``; otherwise CPU
+processes over gloo with the CPU runtime (:mod:`megatron_2bw.runtime.cpu`).
+
+Invariants:
+  * On CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` runs in :func:`select_device`, which the entry
+    scripts call right after flag parsing and :func:`initialize` calls again before
+    ``init_process_group``: before any communicator or CUDA tensor exists.
+  * The CPU runtime is never active while training on CUDA (:func:`select_device` raises).
+  * :func:`training_device` and :func:`timeout` report what :func:`initialize` chose; nothing
+    else decides the device from ``torch.cuda.is_available()``.
+  * Every group has a bounded wait: the default group and all megatron-core model-parallel groups
+    get ``--distributed-timeout-minutes``.
 """
 
 from __future__ import annotations
@@ -9,13 +20,29 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_2bw.runtime import cpu
 
-__all__ = ["ProcessInfo", "initialize", "set_seed", "destroy"]
+__all__ = ["DeviceChoice", "ProcessInfo", "choose_device", "select_device", "device_choice",
+           "initialize", "training_device", "to_device", "timeout", "set_seed", "destroy",
+           "DEFAULT_TIMEOUT_MINUTES"]
+
+DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's --distributed-timeout-minutes default
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """What a process trains on: ``kind`` "cuda" (device ``index``, NCCL) or "cpu" (gloo, the
+    CPU runtime installed); ``reason`` says why, for logs."""
+
+    kind: str
+    index: int | None
+    backend: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -30,18 +57,95 @@ class ProcessInfo:
     dp_rank: int
 
 
-def _init_process_group(device: str, timeout_minutes: float) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+_choice: DeviceChoice | None = None  # set by select_device()
+_timeout: datetime.timedelta | None = None  # set by initialize()
+
+
+def choose_device(force_cpu: bool, cuda_usable: bool, local_rank: int) -> DeviceChoice:
+    """The device decision as a pure function: CUDA device ``local_rank`` with NCCL when CUDA is
+    usable and the user did not pass ``--cpu``; the CPU with gloo otherwise."""
+    if force_cpu:
+        return DeviceChoice("cpu", None, "gloo", "--cpu")
+    if not cuda_usable:
+        return DeviceChoice("cpu", None, "gloo", "CUDA is not usable")
+    return DeviceChoice("cuda", local_rank, "nccl", f"CUDA device {local_rank} (LOCAL_RANK)")
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def select_device(force_cpu: bool) -> DeviceChoice:
+    """Choose this process's device and prepare it: ``torch.cuda.set_device(LOCAL_RANK)`` on
+    CUDA, the CPU runtime on the CPU. Safe to call again with the same answer. Call it before any
+    process group or CUDA tensor exists.
+
+    Raises RuntimeError when the CPU runtime is active but the process is to train on CUDA."""
+    global _choice
+    choice = choose_device(force_cpu, cpu.cuda_usable(), _local_rank())
+    if choice.kind == "cuda":
+        if cpu.is_installed():
+            raise RuntimeError(
+                "the CPU runtime is active in a process that trains on CUDA: it must never "
+                "be; pass --cpu to train on the CPU, or do not install it")
+        torch.cuda.set_device(choice.index)
+    else:
+        cpu.install(force=force_cpu)
+    _choice = choice
+    return choice
+
+
+def device_choice() -> DeviceChoice | None:
+    """The choice :func:`select_device` made in this process, None before it ran."""
+    return _choice
+
+
+def training_device() -> torch.device:
+    """The device this process trains on: ``cuda:<current device>`` on CUDA, ``cpu`` under the
+    CPU runtime. Decided by :func:`select_device` / :func:`initialize`, never by
+    ``torch.cuda.is_available()`` (``--cpu`` on a GPU host gives ``cpu``)."""
+    if _choice is None:
+        raise RuntimeError("training_device() before megatron_2bw.runtime.distributed."
+                           "initialize(): the device is not chosen yet")
+    if _choice.kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch`` with every tensor on ``device``. On a CUDA device each tensor is copied from
+    pinned host memory with ``non_blocking=True`` (the copy is ordered on the current stream,
+    before any kernel that reads it); non-tensors (None) pass through. On the CPU the batch is
+    returned as it is: nothing moves, nothing is pinned."""
+    if device.type == "cpu":
+        return batch
+    return {key: _to_device(value, device) for key, value in batch.items()}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if not isinstance(value, torch.Tensor) or value.device == device:
+        return value
+    if value.device.type == "cpu" and not value.is_pinned():
+        value = value.pin_memory()
+    return value.to(device, non_blocking=True)
+
+
+def timeout() -> datetime.timedelta:
+    """The bound on every wait (``--distributed-timeout-minutes``) that :func:`initialize` gave
+    the process groups; Megatron-LM's default (10 minutes) before it runs."""
+    if _timeout is None:
+        return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+    return _timeout
+
+
+def _init_process_group(choice: DeviceChoice, bound: datetime.timedelta) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
-        backend="nccl" if device == "cuda" else "gloo",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        backend=choice.backend,
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        timeout=bound,
     )
 
 
@@ -56,25 +160,39 @@ def set_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(stage_seed)
 
 
-def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cpu: bool = False,
-               timeout_minutes: float = 10.0) -> ProcessInfo:
-    """Pick the device, start the process group and megatron-core's model-parallel groups."""
+def _bound_every_group(bound: datetime.timedelta) -> None:
+    """Give the default group and every group megatron-core recorded the bound. Needed:
+    megatron-core 0.16.1 creates EXPERT_DATA_PARALLEL_GROUP_GLOO without its
+    ``distributed_timeout_minutes`` (torch's 30-minute default). megatron-core's own helper;
+    it runs a barrier over all ranks first."""
     from megatron.core import parallel_state as ps
 
-    device = cpu.select_device(force_cpu)
-    if device == "cpu":
-        cpu.install(force=force_cpu)
+    ps.update_pg_timeout(bound)
+
+
+def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cpu: bool = False,
+               timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessInfo:
+    """Pick the device (set_device first on CUDA), start the default process group and
+    megatron-core's model-parallel groups, all with ``timeout_minutes``; seed."""
+    from megatron.core import parallel_state as ps
+
+    global _timeout
+    choice = select_device(force_cpu)
+    bound = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        _init_process_group(device, timeout_minutes)
+        _init_process_group(choice, bound)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=timeout_minutes,
     )
+    _bound_every_group(bound)
+    _timeout = bound
     set_seed(seed)
     return ProcessInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        device=device,
+        device=choice.kind,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),

@@ -58,12 +58,15 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
 
 
 def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
-    """One DDP-wrapped model chunk for this pipeline stage.
+    """One DDP-wrapped model chunk for this pipeline stage, on the training device (moved to
+    ``cuda:<LOCAL_RANK>`` on CUDA; built in place on the CPU, ``--cpu`` on a GPU host included).
 
     ``provider(config, pre_process, post_process)`` returns the bare megatron-core model.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_2bw.runtime.distributed import training_device
 
     model = provider(config, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
@@ -71,8 +74,9 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    if torch.cuda.is_available() and not args.cpu:
-        model.cuda(torch.cuda.current_device())
+    device = training_device()
+    if device.type == "cuda":
+        model.cuda(device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,

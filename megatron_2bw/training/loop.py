@@ -56,10 +56,11 @@ class _StopSignal:
 
 
 def _cpu_group():
-    """A gloo group over all ranks for small control messages (also on NCCL clusters)."""
+    """A gloo group over all ranks for small control messages (also on NCCL clusters), with the
+    same bound on its waits as every other group (--distributed-timeout-minutes)."""
     global _CPU_GROUP
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo")
+        _CPU_GROUP = dist.new_group(backend="gloo", timeout=distributed.timeout())
     return _CPU_GROUP
 
 
