@@ -152,3 +152,16 @@ def test_an_input_never_received_is_a_dependency_violation():
     programs[1][0], programs[1][1] = programs[1][1], programs[1][0]
     with pytest.raises(ScheduleError, match="dependency violation(.|\n)*is not received"):
         simulate(programs, COSTS)
+
+
+def test_show_prints_the_programs_and_the_simulated_run(capsys):
+    """``python -m megatron_2bw.schedules``: stage 1 of a 2-stage Flush receives microbatch 0's
+    activation before its first forward and ends with its step; the run finishes in the
+    closed-form makespan of 1F1B with unit costs F 1, B 2: (m + d - 1) x 3 = 9."""
+    from megatron_2bw.schedules.__main__ import main
+
+    assert main(["flush", "--stages", "2", "--microbatches", "2", "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    stage1 = next(line for line in out.splitlines() if line.startswith("stage 1: "))
+    assert stage1.split()[2:4] == ["{ra0:0}", "F0v0"] and stage1.endswith("S1")
+    assert "NCCL mode: finishes, makespan 9," in out
