@@ -5,6 +5,9 @@ References:
     first iteration's (which is ~ln(vocab) for a fresh model), and the validation loss printed
     at the end lies below that first loss too;
   * layouts: TP=2 and DP=2 runs of the same model log the same losses (to 1e-4);
+  * precision: PP=2 2BW runs in bf16 (deferred step) and fp16 (dynamic loss scaling, step in
+    place) log the losses of the same fp32 run to 1e-2 (bf16) and 1e-3 (fp16) at every
+    iteration; both keep fp32 main weights, so only the low-precision forward/backward differs;
   * checkpoints: a run stopped at iteration K (--exit-interval K --save DIR) and resumed with
     --load DIR logs, for iterations K+1..N, the losses of an uninterrupted run to 1e-5 (fp32,
     dropout 0), once per schedule in RESUME_SCHEDULES.
@@ -133,3 +136,22 @@ def test_resume_matches_uninterrupted_run(tiny_gpt_data, tmp_path, schedule):
         resumed.launch.tail()
     _same(resumed.losses, full.losses, range(STOP_AT + 1, TRAIN_ITERS + 1))
     _same(resumed.validation, full.validation, [TRAIN_ITERS])
+
+
+PRECISIONS = {  # flags -> (relative tolerance against fp32, the 2BW step mode rank 0 reports)
+    "bf16": (["--bf16"], 1e-2, "deferred"),
+    "fp16": (["--fp16", "--initial-loss-scale", "4096"], 1e-3, "at the loop's optimizer.step()"),
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_half_precision_2bw_tracks_fp32(tiny_gpt_data, precision):
+    extra, rtol, step_mode = PRECISIONS[precision]
+    flags = model_flags(tiny_gpt_data, tp=1, pp=2, schedule="2bw")
+    fp32 = train(flags)
+    fp32.check_succeeded()
+    half = train([*flags, *extra])
+    half.check_succeeded()
+    assert f"2bw optimizer step on stage 0: {step_mode}" in half.launch.output
+    _same(half.losses, fp32.losses, range(1, TRAIN_ITERS + 1), rtol=rtol)
+    _same(half.validation, fp32.validation, [TRAIN_ITERS], rtol=rtol)
