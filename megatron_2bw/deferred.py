@@ -6,17 +6,67 @@ tied embeddings the step holds collectives that span the pipeline: the grad-norm
 over the model-parallel group and the word-embedding all-reduce between the first and the last
 stage. Run where Megatron's loop calls ``optimizer.step()``, they hold every stage until stage
 0 ends its batch, (d-1) backward passes after the last stage ends it. Deferred, the step is
-split in three:
+split in three (four with the polling), all on the one thread that issues every communication
+of the process (NCCL's rule: one issuing thread; overlap comes from ``async_op=True`` handles):
 
     begin(t)     at the stage's step action (its last backward of batch t is done): the
                  stage-local gradient finalization (data-parallel and sequence-parallel
-                 all-reduces), ``prepare_grads``, a copy of the optimizer's gradients, and a
-                 helper thread that runs the cross-stage collectives on that copy;
+                 all-reduces, blocking as in Megatron), ``prepare_grads``, a copy of the
+                 optimizer's gradients, and the launch (``async_op=True``) of the cross-stage
+                 collectives on that copy that can start now (see below);
+    progress()   between actions: never blocks; when the collective the grad norm waits for
+                 has completed, computes the local squared norm and launches its all-reduce;
     intercepted  Megatron's loop calls ``optimizer.step()``: step t's learning rate and weight
                  decay are recorded and the call returns at once;
     apply()      before the first action that reads W(t+1), at the next begin() at the latest,
-                 and before a drain: joins the thread, forks the weights, clips the copy by the
-                 global norm and runs ``step_with_ready_grads`` with step t's lr.
+                 and before a drain: finishes the chain, waits for every handle (each wait
+                 bounded by the process group's timeout), forks the weights, clips the copy by
+                 the global norm and runs ``step_with_ready_grads`` with step t's lr.
+
+The grad norm is a chain when it reads the tied embedding's gradient: Megatron counts that
+gradient once, from the first stage's copy (the last stage's copy is marked ``shared`` and
+``get_main_grads_for_grad_norm`` leaves it out), and after its all-reduce. So per stage kind:
+
+    first stage (tied embedding in its norm): begin launches the embedding all-reduce;
+        progress()/apply(), once it completed: local squared norm, then the norm all-reduce;
+    last stage (its embedding copy is ``shared``, not in its norm): begin launches the
+        embedding all-reduce, computes the local squared norm and launches the norm all-reduce;
+    other stages: begin computes the local squared norm and launches the norm all-reduce.
+
+(With FSDP's DTensor gradients get_grad_norm_fp32 first sums over their data-parallel group;
+that all-reduce is one more link of the chain, launched before the grad-stats one once the
+squared norm exists; the grad-stats one waits for it in progress()/apply().)
+The norm is megatron-core's ``get_grad_norm_fp32`` (norm 2) taken apart: the same multi-tensor
+L2 kernel on the same gradient list, squared, summed over the same groups, ``item() ** 0.5``.
+
+Collectives per iteration t, in the order each rank issues them, per process group:
+
+    data-parallel (x context-parallel) group: at begin(t), ``finish_grad_sync``'s bucket
+        all-reduces (reduce-scatters with the distributed optimizer), in bucket order,
+        blocking; at apply(t), with the distributed optimizer, the parameter all-gather of
+        ``step_with_ready_grads``. apply(t) comes before begin(t+1).
+    tensor-parallel group: at begin(t), with sequence parallelism (or other layer-norm-like
+        weights replicated over TP), one all-reduce of those gradients, blocking.
+    embedding group (first and last stage of one pipeline, tied embeddings only): at
+        begin(t), one all-reduce of the word-embedding gradient (async).
+    grad-stats group (the model-parallel group; with the distributed optimizer, its own
+        grad-stats group), only with clipping: one all-reduce of the squared norm (async),
+        launched at begin(t) or, on the first stage, by progress()/apply() after the
+        embedding one.
+    pipeline group: only the schedule's point-to-point exchanges (schedules/p2p.py).
+
+Why the order is the same on every rank of each group: the members of a group run the same
+per-batch sequence (begin(t) ... apply(t) < begin(t+1): at most one step is pending), and
+each issues exactly the same collectives of that group per iteration, whether its step is
+deferred or not (clipping and the optimizer type are global settings; the tied embedding
+involves exactly the two stages of the embedding group). The data-parallel and tensor-parallel
+members are the same stage of other replicas or TP ranks and run the same action list. The
+embedding and grad-stats groups see one collective per rank per iteration, and the next one is
+launched only after apply() waited for the previous one, so their order is t, t+1, ... on
+every rank. The polling only moves WHEN the norm all-reduce is launched, never the order of
+collectives within a group; and on every rank the groups are entered in the same relative
+order (data-parallel, tensor-parallel, embedding, grad-stats within an iteration). A pending
+collective sits on its own communicator while the pipeline's p2p (pipeline group) goes on.
 
 Invariants: at most one step is pending; the copy is taken before any gradient of batch t+1
 exists, and the optimizer reads only the copy; the step writes the slot ``fork`` freed, which
@@ -31,7 +81,7 @@ loss normalisation, position embeddings shared across stages, a custom
 
 from __future__ import annotations
 
-import threading
+import datetime
 
 import torch
 
@@ -107,16 +157,44 @@ def _main_param(optimizer, param):
     return param
 
 
+def _group_ranks(group) -> list[int]:
+    """The global ranks of ``group`` (None: the default group), for error messages."""
+    if group is None:
+        return list(range(torch.distributed.get_world_size()))
+    return torch.distributed.get_process_group_ranks(group)
+
+
+def _group_timeout(group) -> datetime.timedelta:
+    """The timeout ``group`` was created with (its backend's options), else the default."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    backend = torch.distributed.get_backend(pg)
+    try:
+        timeout = pg._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")) \
+            .options._timeout
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return c10d._get_default_timeout(backend)
+
+
+_SQUARE = None  # a chain step: the local squared norm (the others all-reduce it over a group)
+
+
 class DeferredStep:
     """One stage's pending optimizer step (see the module docstring)."""
 
-    def __init__(self, optimizer, config, chunk):
+    def __init__(self, optimizer, config, chunk, timeout: datetime.timedelta | None = None):
+        """``timeout`` bounds every wait on the step's collectives (None: each group's own)."""
         from megatron.core import parallel_state as ps
 
         self.optimizer = optimizer
         self.inner = _inner(optimizer)
         self.config = config
         self.chunk = chunk
+        self.timeout = timeout
         self.params = self.inner.get_parameters()
         self.copies: list[torch.Tensor | None] | None = None
         embedding = _tied_embedding(chunk)
@@ -127,9 +205,15 @@ class DeferredStep:
         self.pending_version: int | None = None
         self.hyper: list[tuple] | None = None
         self.last_grad_norm: float | None = None
-        self._thread: threading.Thread | None = None
         self._norm: float | None = None
-        self._error: BaseException | None = None
+        # the pending step's collectives: launched and not waited for yet (work, group, what);
+        # the one the rest of the chain waits for; the chain's remaining steps (_SQUARE or
+        # (group, what) for an all-reduce of the squared norm); the squared norm
+        self._works: list[tuple] = []
+        self._gate: tuple | None = None
+        self._chain: list = []
+        self._grads_for_norm: list[torch.Tensor] = []
+        self._squared: torch.Tensor | None = None
         self._original_step = optimizer.step
         optimizer.step = self.intercepted_step
 
@@ -139,7 +223,7 @@ class DeferredStep:
 
     def _finalize_locally(self) -> None:
         """megatron-core's ``finalize_model_grads`` less its cross-stage all-reduces (the
-        word-embedding one runs in the helper thread): the data-parallel reduction and, with
+        word-embedding one is launched by begin()): the data-parallel reduction and, with
         sequence parallelism, the layer-norm gradients over the tensor-parallel group."""
         from megatron.core.distributed.finalize_model_grads import (
             _allreduce_non_tensor_model_parallel_grads, reset_model_temporary_tensors)
@@ -148,10 +232,12 @@ class DeferredStep:
         _allreduce_non_tensor_model_parallel_grads([self.chunk], self.config, self.tp_group)
         reset_model_temporary_tensors(self.config, [self.chunk])
 
-    # ---- the three parts ----------------------------------------------------------------
+    # ---- the parts ------------------------------------------------------------------------
     def begin(self, new_version: int) -> None:
-        """Batch ``new_version - 1``'s gradients are final on this stage: copy them and start
-        the cross-stage collectives."""
+        """Batch ``new_version - 1``'s gradients are final on this stage: copy them and launch
+        the cross-stage collectives that need nothing else."""
+        from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
         if self.pending_version is not None:
             raise RuntimeError(f"step {self.pending_version} still pending at step {new_version}")
         self._finalize_locally()
@@ -169,30 +255,35 @@ class DeferredStep:
             p.grad = None
         embedding_grad = (None if self.embedding_index is None
                           else self.copies[self.embedding_index])
-        self.pending_version, self.hyper, self._norm, self._error = new_version, None, None, None
-        self._thread = threading.Thread(target=self._collectives,
-                                        args=(grads_for_norm, embedding_grad),
-                                        name=f"2bw-step-{new_version}", daemon=True)
-        self._thread.start()
+        self.pending_version, self.hyper, self._norm = new_version, None, None
+        self._works, self._gate, self._chain, self._squared = [], None, [], None
+        if embedding_grad is not None:
+            work = self._launch(embedding_grad, self.embedding_group,
+                                "the word-embedding gradient all-reduce")
+            if any(grad is embedding_grad for grad in grads_for_norm):
+                self._gate = work  # the norm reads the all-reduced embedding gradient
+        if self.inner.config.clip_grad > 0:
+            # get_grad_norm_fp32's groups: FSDP's data-parallel one (DTensor grads), then the
+            # grad-stats one
+            data_parallel_group = None
+            for grad in grads_for_norm:
+                data_parallel_group = get_data_parallel_group_if_dtensor(grad,
+                                                                         data_parallel_group)
+            self._grads_for_norm = [to_local_if_dtensor(grad) for grad in grads_for_norm]
+            self._chain = [_SQUARE]
+            if data_parallel_group:
+                self._chain.append((data_parallel_group,
+                                    "the grad-norm all-reduce over FSDP's data-parallel group"))
+            self._chain.append((self.inner.get_grad_stats_parallel_group(),
+                                "the grad-norm all-reduce over the grad-stats group"))
+            self._advance(block=False)
 
-    def _collectives(self, grads_for_norm: list[torch.Tensor],
-                     embedding_grad: torch.Tensor | None) -> None:
-        """The helper thread: the all-reduces Megatron's step runs, in its order, on the copy:
-        the tied embedding's gradient between first and last stage, then the grad norm."""
-        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-
-        from megatron_2bw.runtime import cpu
-
-        try:
-            with cpu.thread_context():
-                if embedding_grad is not None:
-                    torch.distributed.all_reduce(embedding_grad, group=self.embedding_group)
-                if self.inner.config.clip_grad > 0:
-                    group = self.inner.get_grad_stats_parallel_group()
-                    self._norm = get_grad_norm_fp32(grads_for_norm,
-                                                    grad_stats_parallel_group=group)
-        except BaseException as error:  # re-raised by apply() in the main thread
-            self._error = error
+    def progress(self) -> None:
+        """Move the pending step's chain on without blocking: once the collective the grad
+        norm waits for has completed, compute the local squared norm and launch its
+        all-reduce. Called between actions; costs one attribute test when nothing waits."""
+        if self._chain:
+            self._advance(block=False)
 
     def intercepted_step(self):
         """Megatron's ``optimizer.step()``: remember step t's lr and weight decay (the loop
@@ -211,9 +302,6 @@ class DeferredStep:
         if self.pending_version is None:
             return
         self.wait_collectives()
-        if self._error is not None:
-            raise RuntimeError(f"the deferred optimizer step {self.pending_version} failed: "
-                               f"{self._error}") from self._error
         if self.hyper is None:
             raise RuntimeError("optimizer.step() was not called after the training call")
         versions.fork(self.pending_version)
@@ -235,9 +323,72 @@ class DeferredStep:
         self.pending_version = None
 
     def wait_collectives(self) -> None:
-        """Block until the helper thread's all-reduces are done (the only wait a deferred
-        step adds to the main thread)."""
-        self._thread.join()
+        """Finish the chain and wait (bounded) for every collective of the pending step: the
+        only wait a deferred step adds to the stage. Sets the step's grad norm."""
+        if self.pending_version is None:
+            return
+        self._advance(block=True)
+        works, self._works = self._works, []
+        for work in works:
+            self._wait(work)
+        if self._squared is not None:
+            self._norm = self._squared.item() ** (1.0 / 2.0)  # get_grad_norm_fp32, norm 2
+            self._squared, self._grads_for_norm = None, []
+
+    # ---- the collectives ------------------------------------------------------------------
+    def _advance(self, block: bool) -> None:
+        """Run the chain's steps whose input is ready; with ``block``, all of them."""
+        while self._chain:
+            if self._gate is not None:
+                if not block and not self._gate[0].is_completed():
+                    return
+                gate, self._gate = self._gate, None
+                self._works = [entry for entry in self._works if entry is not gate]
+                self._wait(gate)  # orders this stream after the collective's (NCCL)
+            step = self._chain.pop(0)
+            if step is _SQUARE:
+                self._squared = self._local_squared_norm()
+            else:
+                self._gate = self._launch(self._squared, *step)
+
+    def _local_squared_norm(self) -> torch.Tensor:
+        """This rank's sum of squares of the gradients for the norm, as get_grad_norm_fp32
+        computes it for norm 2 (one multi-tensor L2 kernel, then ``** 2``)."""
+        from megatron.core.optimizer import clip_grads
+
+        grads = self._grads_for_norm
+        if grads:
+            dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device="cuda")
+            grad_norm, _ = clip_grads.multi_tensor_applier(
+                clip_grads.l2_norm_impl, dummy_overflow_buf, [grads], False)
+        else:
+            grad_norm = torch.zeros(1, dtype=torch.float, device="cuda")
+        return grad_norm ** 2.0
+
+    def _launch(self, tensor: torch.Tensor, group, what: str) -> tuple:
+        """Start a sum all-reduce of ``tensor`` over ``group``; the entry is kept for apply()."""
+        try:
+            work = torch.distributed.all_reduce(tensor, group=group, async_op=True)
+        except Exception as error:  # gloo raises RuntimeError, NCCL DistBackendError
+            raise RuntimeError(self._failed(what, group, error)) from error
+        entry = (work, group, what)
+        self._works.append(entry)
+        return entry
+
+    def _wait(self, entry: tuple) -> None:
+        work, group, what = entry
+        timeout = self.timeout if self.timeout is not None else _group_timeout(group)
+        try:
+            completed = work.wait(timeout=timeout)
+        except Exception as error:
+            raise RuntimeError(self._failed(what, group, error, timeout)) from error
+        if completed is False:  # a backend that reports the timeout instead of raising
+            raise RuntimeError(self._failed(what, group, "timed out", timeout))
+
+    def _failed(self, what: str, group, error, timeout: datetime.timedelta | None = None) -> str:
+        bound = "" if timeout is None else f" or ran past its timeout ({timeout})"
+        return (f"the deferred optimizer step {self.pending_version}: {what} with ranks "
+                f"{_group_ranks(group)} failed{bound}: {error}")
 
     def _set_hyper(self, values: list[tuple]) -> None:
         for group, (lr, weight_decay) in zip(self.inner.param_groups, values):

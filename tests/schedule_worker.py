@@ -23,8 +23,9 @@ then writes its parameters under their PP=1/TP=1 names with the dimension tensor
 splits them on, and the losses its last stage saw, to <out>/<run>/rank<r>.pt.
 
 A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
-"model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes stage s's
-n-th pipeline send raise (a fault of this test, not of the product).
+"model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes the
+exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
+stage s's process at its n-th exchange (faults of this test, not of the product).
 """
 
 from __future__ import annotations
@@ -124,19 +125,38 @@ def _data(model: Model, m: int):
 
 
 def _inject_send_failure(stage: int, nth: int) -> None:
-    """Make this process's nth pipeline send raise."""
+    """Make the exchange that holds this process's nth pipeline send raise."""
     from megatron_2bw.schedules import p2p
 
-    original, calls = p2p.StageComm._send, [0]
+    original, sends = p2p.StageComm.exchange, [0]
 
-    def failing_send(self, tensor, dst, what):
+    def failing_exchange(self, exchange, outgoing, before):
+        count = sum(t.op == "send" for t in exchange.transfers)
+        if sends[0] < nth <= sends[0] + count:
+            print(f"injected failure at unix time {time.time():.3f}", file=sys.stderr, flush=True)
+            raise p2p.CommError(f"stage {stage}: injected failure in {exchange}")
+        sends[0] += count
+        return original(self, exchange, outgoing, before)
+
+    p2p.StageComm.exchange = failing_exchange
+
+
+def _inject_stall(nth: int) -> None:
+    """Stop this process (SIGSTOP: a frozen node) when it reaches its nth exchange."""
+    import signal
+
+    from megatron_2bw.schedules import p2p
+
+    original, calls = p2p.StageComm.exchange, [0]
+
+    def stalling_exchange(self, exchange, outgoing, before):
         calls[0] += 1
         if calls[0] == nth:
-            print(f"injected failure at unix time {time.time():.3f}", file=sys.stderr, flush=True)
-            raise p2p.CommError(f"stage {stage}: injected failure sending {what} to rank {dst}")
-        return original(self, tensor, dst, what)
+            print(f"stopping at {exchange} at unix time {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return original(self, exchange, outgoing, before)
 
-    p2p.StageComm._send = failing_send
+    p2p.StageComm.exchange = stalling_exchange
 
 
 def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
@@ -171,6 +191,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     fb = pipeline_parallel.get_forward_backward_func()
     if run.get("fail") and info.pp_rank == run["fail"]["stage"]:
         _inject_send_failure(info.pp_rank, run["fail"]["send"])
+    if run.get("stall") and info.pp_rank == run["stall"]["stage"]:
+        _inject_stall(run["stall"]["exchange"])
 
     started = time.perf_counter()
     data = _data(model_spec, args.num_microbatches)

@@ -22,7 +22,7 @@ parameters, ||W - W_ref|| / ||W_ref||.
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
    in flight): every rank exits non-zero by itself, printing "error: pipeline stage ... failed at
-   action ..." with its action grid, and torchrun returns non-zero soon after the failure.
+   step ..." with its program grid, and torchrun returns non-zero soon after the failure.
 
 Tolerance 1e-6. Observed on CPU: 6e-9 to 2e-8 with TP=1, 7e-8 with TP=2; flush, gpipe and naive
 equal Megatron's 1F1B bit for bit; the other update rule lies ~1e-2 away. Adam's eps is 1e-6, not
@@ -338,7 +338,8 @@ def test_four_stage_runs_of_every_schedule_finish(launch):
 
 # ---- 4. a failing send ends every rank ----------------------------------------------------------
 
-ERROR_LINE = re.compile(r"^error: pipeline stage (\d+) failed at action (\S+) ", re.MULTILINE)
+ERROR_LINE = re.compile(r"^error: pipeline stage (\d+) failed at step (\{[^}]*\}|\S+) ",
+                        re.MULTILINE)
 
 
 @pytest.mark.parametrize("group", sorted(FAILURES))
@@ -374,10 +375,37 @@ def test_failed_send_under_torchrun_returns_nonzero(launch, tmp_path):
     code, output, seconds = _run_bounded(command, timeout_s=240)
     ended = time.time()
     assert code != 0, output[-4000:]
-    match = re.search(rf"^error: pipeline stage {stage} failed at action F2v0 ", output,
-                      re.MULTILINE)
+    match = re.search(rf"^error: pipeline stage {stage} failed at step \{{sa2:2 rg0:2\}} ",
+                      output, re.MULTILINE)
     assert match, output[-4000:]
     failed_at = float(re.search(r"injected failure at unix time ([\d.]+)", output).group(1))
     print(f"\ntorchrun: exit code {code} after {seconds:.1f} s, "
           f"{ended - failed_at:.1f} s after the failure")
     assert ended - failed_at < 60, f"torchrun ended {ended - failed_at:.1f} s after the failure"
+
+
+# ---- 5. a stalled peer ends its neighbours within --distributed-timeout-minutes --------------
+
+def test_stalled_peer_ends_its_neighbour_with_one_line(launch, tmp_path):
+    """Stage 1 of a 2-stage 2BW run freezes (SIGSTOP) at its 6th exchange. Stage 0 waits for it
+    at most --distributed-timeout-minutes (0.1 here, 6 s), then ends by itself, non-zero, with
+    one error line naming the peer (rank 1, stage 1) and the transfers it waited for. The
+    launcher kills the frozen process at the group's deadline."""
+    case = Case("2bw", d=2, m=2, w=1, iters=3)
+    spec = {"out": str(tmp_path), "init": str(launch.out / "init.pt"), "timeout_minutes": 0.1,
+            "groups": {"stall": {"world": 2, "timeout_s": 90,
+                                 "runs": [{**case.run(), "stall": {"stage": 1, "exchange": 6}}]}}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    code, output, _ = _run_bounded([sys.executable, str(WORKER), str(tmp_path / "spec.json")],
+                                   timeout_s=180)
+    assert code == 0, output[-4000:]
+    result = json.loads((tmp_path / "launch.json").read_text())["stall"]
+    assert result["exit_codes"][0] == 1 and result["exit_codes"][1] == -9, result
+    waiting = (tmp_path / "stall" / "rank0.log").read_text()
+    stopped = (tmp_path / "stall" / "rank1.log").read_text()
+    line = re.search(r"^error: pipeline stage 0 failed at step (\{[^}]*\}) .*$", waiting,
+                     re.MULTILINE)
+    assert line and "stopping at" in stopped, waiting[-3000:]
+    assert "waiting on rank 1 (stage 1)" in line.group(0), line.group(0)
+    assert "--distributed-timeout-minutes 0.1" in line.group(0), line.group(0)
+    print(f"\nstage 0: {line.group(0)[:300]}")

@@ -43,8 +43,8 @@ wrapper back to show what that all-reduce costs (2BW's deferred step skips it).
 Where the time goes, per stage (``a/b`` = stage 0/stage 1, medians over measured iterations):
 ``cpu ms`` the main thread's CPU time (compute and Python), ``runq ms`` its run-queue delay
 (ready to run while another process had the core: load from outside the benchmark, or the
-stages of one pipeline sharing a core), ``recv ms`` time blocked in the executor's p2p receives
-(idle waiting for the neighbour; '-' for Megatron's own schedule and PP=1). Per iteration,
+stages of one pipeline sharing a core), ``recv ms`` time blocked in the executor's p2p exchanges
+(fused send/receive groups: idle waiting for the neighbour; '-' for Megatron's own schedule and PP=1). Per iteration,
 wall ~ cpu + runq + recv + time blocked in collectives.
 """
 
@@ -121,8 +121,8 @@ class _SavedBytes:
 
 class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
-    receives (wraps ``StageComm._recv``; None for Megatron's own schedule, which uses its own
-    p2p), time in the main thread's ``torch.distributed.all_reduce`` calls (the loop's loss
+    exchanges (wraps ``StageComm.exchange``; None for Megatron's own schedule, which uses its
+    own p2p), time in the main thread's ``torch.distributed.all_reduce`` calls (the loop's loss
     average, megatron-core's grad norm) and waiting for a deferred step's collectives, and the
     main thread's run-queue delay (``/proc/self/task/TID/schedstat``: runnable but not running,
     i.e. another thread or process had the core)."""
@@ -137,13 +137,12 @@ class _Waits:
 
         self.recv = 0.0
         self.collective = 0.0
-        self.used = False  # a p2p receive of this package's executor ran
+        self.used = False  # a p2p exchange of this package's executor ran
         self._main_thread = threading.get_ident()
         self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         dist.all_reduce = self._timed(dist.all_reduce, "collective")
         DeferredStep.wait_collectives = self._timed(DeferredStep.wait_collectives, "collective")
-        if hasattr(p2p.StageComm, "_recv"):
-            p2p.StageComm._recv = self._timed(p2p.StageComm._recv, "recv")
+        p2p.StageComm.exchange = self._timed(p2p.StageComm.exchange, "recv")
 
     def _timed(self, function, counter: str):
         """``function``, its main-thread seconds added to ``self.<counter>`` (a deferred
@@ -499,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                 " median over rounds of the ratio within a round; per stage (stage "
                 "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
                 "ms ready but not running (another process had the core), recv = ms blocked in "
-                "p2p receives, coll = ms in all-reduces; stash = peak stashed microbatches; "
+                "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches; "
                 "weights = parameters x versions")
     rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
                 f" per iteration; busy = the same with d copies of the single process running at"

@@ -1,21 +1,24 @@
 """Runs one stage's action list on a megatron-core model chunk: Megatron's
 ``forward_backward_func`` for the schedules of this package.
 
-One executor for every schedule: the order lives in the action lists
-(:func:`megatron_2bw.schedules.call_actions`), the transfers in
-:func:`~megatron_2bw.schedules.communication`, the weight versions of 2BW in
-:class:`~megatron_2bw.weights.WeightVersions`. Handlers are dispatched through a table:
+One executor for every schedule: it runs the stage's program for the call
+(:func:`megatron_2bw.schedules.call_program`: the action list with its fused send/receive
+groups), the weight versions of 2BW live in :class:`~megatron_2bw.weights.WeightVersions`.
+Steps are dispatched through a table:
 
-    F: point weights at the microbatch's version; x = recv(stage-1) or data; y = forward(x);
-       send(y, stage+1); stash (x, y)
-    B: point weights at the microbatch's version; g = recv(stage+1) or loss;
-       backward(stash.pop(mb), g); send(dx, stage-1)
+    {..}: one batch_isend_irecv group: send what earlier actions left in the outbox, receive
+          into the inbox (p2p.StageComm.exchange; bounded by --distributed-timeout-minutes)
+    F: point weights at the microbatch's version; x = inbox (stage > 0) or data;
+       y = forward(x); stash (x, y); outbox y (all but the last stage)
+    B: point weights at the microbatch's version; g = inbox (last stage: the loss);
+       backward(stash.pop(mb), g); outbox dx (all but the first stage)
     S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
        2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
        deferred 2BW step, begin it (the first action reading the new version applies it)
 
-A 2BW call leaves its look-ahead forwards in flight; ``prepare_drain()`` makes the next call
-leave the pipeline empty (before an evaluation, a checkpoint or the end of training).
+A 2BW call leaves its look-ahead forwards in flight (stashed, and their activations already
+received by the next stage); ``prepare_drain()`` makes the next call leave the pipeline empty
+(before an evaluation, a checkpoint or the end of training).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from typing import Callable
 import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
-from megatron_2bw.schedules import Action, Kind, call_actions, communication, format_grid
+from megatron_2bw.runtime import distributed
+from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
+                                    forward_program)
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.weights import WeightVersions
 
@@ -70,9 +75,11 @@ class PipelineRunner:
     def __init__(self, schedule: str):
         self.schedule = schedule
         self.batches_done = 0  # training calls made: the next call runs batch `batches_done`
-        self.in_flight = False  # look-ahead forwards from the previous call are stashed
+        self.pipeline_empty = True  # no call yet, or the last one drained: the next one fills
         self.drain_next = False
-        self.stash: dict[int, tuple] = {}
+        self.stash: dict[int, tuple] = {}  # microbatch -> (input, output) until its backward
+        self.inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not used yet
+        self.outbox: dict[tuple[str, int], torch.Tensor] = {}  # made, not sent yet
         self.versions: WeightVersions | None = None
         self.comm: StageComm | None = None
         self.timeline: list[TimelineRecord] | None = None  # set to [] to record
@@ -116,13 +123,11 @@ class PipelineRunner:
     def drain(self) -> None:
         """Called before evaluation and checkpoints: the pipeline must already be empty, and
         a deferred step is applied."""
-        if self.in_flight:
+        if self.stash or self.inbox or self.outbox:
             raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
                                "prepare_drain() before the last training call")
         if self.deferred is not None:
             self._apply_deferred()
-        if self.comm is not None:
-            self.comm.wait_sends()
 
     # ---- set-up --------------------------------------------------------------------------
     def _setup(self, chunk, config, seq_length: int, micro_batch_size: int) -> None:
@@ -140,9 +145,8 @@ class PipelineRunner:
             seq //= ps.get_tensor_model_parallel_world_size()
         shape = (seq, micro_batch_size, config.hidden_size)
         if self.comm is None or self.comm.shape != shape:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
-            self.comm = StageComm(shape, config.pipeline_dtype, device)
+            self.comm = StageComm(shape, config.pipeline_dtype, distributed.training_device(),
+                                  distributed.timeout())
 
     def _choose_step_mode(self, chunk, config) -> None:
         import torch.distributed as dist
@@ -151,7 +155,8 @@ class PipelineRunner:
             "--no-deferred-step" if not self.defer else \
             why_not_deferred(self.optimizer, config, chunk)
         if reason is None:
-            self.deferred = DeferredStep(self.optimizer, config, chunk)
+            self.deferred = DeferredStep(self.optimizer, config, chunk,
+                                         timeout=distributed.timeout())
             self.step_mode = "deferred"
         else:
             self.step_mode = f"at the loop's optimizer.step() ({reason})"
@@ -169,26 +174,45 @@ class PipelineRunner:
         if self.versions is not None:
             self.versions.after_step()
         drain = self.drain_next
-        actions = call_actions(self.schedule, self.depth, m, self.stage, batch,
-                               fill=not self.in_flight, drain=drain)
-        for index, (action, comms) in enumerate(zip(actions, communication(actions, self.stage,
-                                                                           self.depth))):
-            try:
-                self._run(action, comms, call)
-            except (CommError, RuntimeError) as error:
-                _report_failure(self.stage, actions, index, error)
-                raise
+        program = call_program(self.schedule, self.depth, m, self.stage, batch,
+                               fill=self.pipeline_empty, drain=drain)
+        self._execute(program, call, self._run)
         self.batches_done += 1
-        self.in_flight = bool(self.stash)
+        self.pipeline_empty = drain
         self.drain_next = False
         return call.losses
 
-    def _run(self, action: Action, comms, call: _Call) -> None:
-        if self.deferred is not None and action.version == self.deferred.pending_version \
-                and action.kind is not Kind.STEP:
-            self._apply_deferred()  # the first action to read the new version
+    def _execute(self, program: list[Step], call: _Call, run_action: Callable) -> None:
+        """Run a program's steps in order; on a failure print the grid with the step marked."""
+        for index, step in enumerate(program):
+            try:
+                if isinstance(step, Exchange):
+                    self._exchange(step, _next_action(program, index), call)
+                else:
+                    run_action(step, call)
+            except (CommError, RuntimeError) as error:
+                _report_failure(self.stage, program, index, error)
+                raise
+
+    def _exchange(self, exchange: Exchange, before: str, call: _Call) -> None:
+        """One fused send/receive group; a sent activation's storage is then released as
+        Megatron does (its autograd graph stays for the backward)."""
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        sends = [(t.tensor, t.microbatch) for t in exchange.transfers if t.op == "send"]
+        outgoing = {key: self.outbox.pop(key) for key in sends}
+        self.inbox.update(self.comm.exchange(exchange, outgoing, before))
+        for (tensor, _), output in outgoing.items():
+            if tensor == "activation":
+                deallocate_output_tensor(output, call.config.deallocate_pipeline_outputs)
+
+    def _run(self, action: Action, call: _Call) -> None:
+        if self.deferred is not None:
+            self.deferred.progress()  # moves its collectives on; never blocks
+            if action.version == self.deferred.pending_version and action.kind is not Kind.STEP:
+                self._apply_deferred()  # the first action to read the new version
         start = time.perf_counter()
-        _HANDLERS[action.kind](self, action, comms, call)
+        _HANDLERS[action.kind](self, action, call)
         if self.timeline is not None:
             self.timeline.append(TimelineRecord(self.stage, action.kind.value, action.microbatch,
                                                 action.version, start, time.perf_counter()))
@@ -201,41 +225,46 @@ class PipelineRunner:
             self.timeline.append(TimelineRecord(self.stage, Kind.STEP.value, None, version, start,
                                                 time.perf_counter()))
 
-    def _forward(self, action: Action, comms, call: _Call) -> None:
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
+    def _input(self, microbatch: int) -> torch.Tensor | None:
+        """The previous stage's output for ``microbatch`` (None on the first stage)."""
+        if self.stage == 0:
+            return None
+        return self.inbox.pop(("activation", microbatch)).requires_grad_(True)
+
+    def _forward(self, action: Action, call: _Call) -> None:
+        from megatron.core.pipeline_parallel.schedules import forward_step
 
         if self.versions is not None:
             self.versions.use(action.version)
         k, m = action.microbatch, call.num_microbatches
-        input_tensor = self.comm.recv_activation(k) if comms.recv else None
+        input_tensor = self._input(k)
         output, num_tokens = forward_step(
             call.forward_step_func, call.data_iterator, call.model, m, input_tensor, call.losses,
             call.config, 1, is_first_microbatch=k % m == 0, current_microbatch=k % m,
             is_last_stage=self.is_last)
         call.num_tokens += num_tokens
-        if comms.send:
-            self.comm.send_activation(output, k)
-            deallocate_output_tensor(output, call.config.deallocate_pipeline_outputs)
+        if not self.is_last:
+            self.outbox["activation", k] = output
         self.stash[k] = (input_tensor, output)
 
-    def _backward(self, action: Action, comms, call: _Call) -> None:
+    def _backward(self, action: Action, call: _Call) -> None:
         from megatron.core.enums import ModelType
         from megatron.core.pipeline_parallel.schedules import backward_step
 
         if self.versions is not None:
             self.versions.use(action.version)
         k, m = action.microbatch, call.num_microbatches
-        output_grad = self.comm.recv_grad(k) if comms.recv else None
+        output_grad = None if self.is_last else self.inbox.pop(("grad", k))
         input_tensor, output = self.stash.pop(k)
         last_of_batch = k % m == m - 1
         no_sync = call.config.no_sync_func or contextlib.nullcontext
         with contextlib.nullcontext() if last_of_batch else no_sync():
             input_grad = backward_step(input_tensor, output, output_grad,
                                        ModelType.encoder_or_decoder, call.config)
-        if comms.send:
-            self.comm.send_grad(input_grad, k)
+        if self.stage > 0:
+            self.outbox["grad", k] = input_grad
 
-    def _step(self, action: Action, comms, call: _Call) -> None:
+    def _step(self, action: Action, call: _Call) -> None:
         if self.deferred is not None:
             self._apply_deferred()  # the previous step, if no action read it yet
             self.deferred.begin(action.version)
@@ -257,15 +286,17 @@ class PipelineRunner:
         if self.versions is not None:
             self.versions.use(self.versions.newest)
         m = call.num_microbatches
-        for j in range(m):
-            input_tensor = self.comm.recv_activation(j) if self.stage > 0 else None
+
+        def forward(action: Action, call: _Call) -> None:
+            j = action.microbatch
             output, _ = forward_step(call.forward_step_func, call.data_iterator, call.model, m,
-                                     input_tensor, call.losses, call.config, 1,
+                                     self._input(j), call.losses, call.config, 1,
                                      collect_non_loss_data, is_first_microbatch=j == 0,
                                      current_microbatch=j, is_last_stage=self.is_last)
             if not self.is_last:
-                self.comm.send_activation(output, j)
-        self.comm.wait_sends()
+                self.outbox["activation", j] = output
+
+        self._execute(forward_program(self.depth, m, self.stage), call, forward)
         return call.losses
 
     # ---- checkpoints (2BW keeps its older weight version) --------------------------------
@@ -351,11 +382,17 @@ def _repointed(sharded: dict, index_of: dict, tensors: list) -> dict:
     return out
 
 
-def _report_failure(stage: int, actions: list[Action], index: int, error: Exception) -> None:
-    """This stage's list for the call, the failing action marked (the row is this stage's)."""
-    grid = format_grid([actions], {0: index}).replace("stage 0 ", f"stage {stage} ", 1)
-    print(f"error: pipeline stage {stage} failed at action {actions[index]} "
-          f"({index + 1} of {len(actions)} in this call): {error}\n{grid}",
+def _next_action(program: list[Step], index: int) -> str:
+    """The action after position ``index`` of a program, for messages ("the end" if none)."""
+    return next((str(step) for step in program[index + 1:] if isinstance(step, Action)),
+                "the end of the call")
+
+
+def _report_failure(stage: int, program: list[Step], index: int, error: Exception) -> None:
+    """This stage's program for the call, the failing step marked (the row is this stage's)."""
+    grid = format_grid([program], {0: index}).replace("stage 0 ", f"stage {stage} ", 1)
+    print(f"error: pipeline stage {stage} failed at step {program[index]} "
+          f"({index + 1} of {len(program)} in this call): {error}\n{grid}",
           file=sys.stderr, flush=True)
 
 

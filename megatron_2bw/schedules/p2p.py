@@ -1,20 +1,23 @@
-"""Point-to-point transfers between neighbouring pipeline stages (gloo on CPU, NCCL on GPU).
+"""Point-to-point transfers between neighbouring pipeline stages (NCCL on GPU, gloo on CPU).
 
-Receives block (the action needs the tensor); sends are asynchronous and complete in the
-background, so a send whose receive is only posted in the peer's next Megatron call (2BW's
-look-ahead activation) never blocks this stage. Every ``torch.distributed`` call of the
-executor lives here.
+The executor hands over one `Exchange` of a stage's program at a time (`schedules.comm`):
+its sends and receives, to either neighbour, go out as ONE ``batch_isend_irecv`` group, and the
+call returns when all of them completed. That is what NCCL needs: a send completes only once the
+peer's matching receive runs, p2p between two ranks runs in issue order, and the pass that made
+the program mirrored every group on the peer, so the two sides always meet. Every wait is bounded
+by ``--distributed-timeout-minutes``; a wait that runs out names the peer and the transfers.
 
-Invariant: messages between two stages are matched in order (NCCL has no tags), so each
-direction carries one kind of tensor: activations flow to stage+1, gradients to stage-1.
+Every ``torch.distributed`` call of the executor lives here, on the main thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
 
 import torch
 import torch.distributed as dist
+
+from megatron_2bw.schedules.comm import Exchange, Transfer
 
 __all__ = ["StageComm", "CommError"]
 
@@ -23,74 +26,66 @@ class CommError(RuntimeError):
     """A transfer with a neighbouring stage failed; the message names the peer and what."""
 
 
-@dataclass
-class _PendingSend:
-    work: object
-    tensor: torch.Tensor  # kept alive until the transfer completed
-    what: str
-
-
 class StageComm:
     """This rank's links to the previous and next pipeline stage (same TP/DP coordinates)."""
 
-    def __init__(self, tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    def __init__(self, tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 timeout: datetime.timedelta):
         from megatron.core import parallel_state as ps
 
         self.group = ps.get_pipeline_model_parallel_group()
-        self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
-        self.next_rank = ps.get_pipeline_model_parallel_next_rank()
         self.stage = ps.get_pipeline_model_parallel_rank()
+        self.ranks = {self.stage - 1: ps.get_pipeline_model_parallel_prev_rank(),
+                      self.stage + 1: ps.get_pipeline_model_parallel_next_rank()}
         self.shape = tensor_shape
         self.dtype = dtype
         self.device = device
-        self.pending: list[_PendingSend] = []
+        self.timeout = timeout
 
-    def _recv(self, src: int, what: str) -> torch.Tensor:
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=False)
+    def _who(self, stage: int) -> str:
+        return f"rank {self.ranks[stage]} (stage {stage})"
+
+    def exchange(self, exchange: Exchange, outgoing: dict[tuple[str, int], torch.Tensor],
+                 before: str) -> dict[tuple[str, int], torch.Tensor]:
+        """Run one fused group: send ``outgoing[(tensor, microbatch)]`` for each send, and
+        return the received tensors by (tensor, microbatch). ``before`` names the action that
+        follows, for error messages."""
+        ops, received = [], {}
+        for t in exchange.transfers:
+            key = (t.tensor, t.microbatch)
+            if t.op == "send":
+                tensor = self._checked(outgoing[key], t)
+                ops.append(dist.P2POp(dist.isend, tensor, self.ranks[t.peer], self.group))
+            else:
+                received[key] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received[key], self.ranks[t.peer], self.group))
         try:
-            dist.irecv(buffer, src=src, group=self.group).wait()
+            works = dist.batch_isend_irecv(ops)
         except Exception as error:  # gloo raises RuntimeError, NCCL DistBackendError
-            raise CommError(f"stage {self.stage}: receiving {what} from rank {src} failed: "
+            raise CommError(f"stage {self.stage}: {exchange} before {before} failed: "
                             f"{error}") from error
-        return buffer
+        for work in works:
+            self._wait(work, exchange, before)
+        return received
 
-    def _send(self, tensor: torch.Tensor, dst: int, what: str) -> None:
-        tensor = tensor.detach()  # an alias: the caller may free the original's storage
+    def _checked(self, tensor: torch.Tensor, transfer: Transfer) -> torch.Tensor:
         if tuple(tensor.shape) != tuple(self.shape) or tensor.dtype != self.dtype:
-            raise CommError(f"stage {self.stage}: {what} has shape {tuple(tensor.shape)} "
-                            f"{tensor.dtype}, the pipeline expects {self.shape} {self.dtype}")
+            raise CommError(f"stage {self.stage}: {transfer.describe()}: shape "
+                            f"{tuple(tensor.shape)} {tensor.dtype}, the pipeline expects "
+                            f"{self.shape} {self.dtype}")
+        return tensor.detach().contiguous()
+
+    def _wait(self, work, exchange: Exchange, before: str) -> None:
         try:
-            work = dist.isend(tensor.contiguous(), dst=dst, group=self.group)
+            completed = work.wait(timeout=self.timeout)
         except Exception as error:
-            raise CommError(f"stage {self.stage}: sending {what} to rank {dst} failed: "
-                            f"{error}") from error
-        self.pending.append(_PendingSend(work, tensor, what))
-        self._prune()
+            raise CommError(self._stalled(exchange, before, error)) from error
+        if completed is False:  # a backend that reports the timeout instead of raising
+            raise CommError(self._stalled(exchange, before, "timed out"))
 
-    def _prune(self) -> None:
-        self.pending = [p for p in self.pending if not p.work.is_completed()]
-
-    def recv_activation(self, microbatch: int) -> torch.Tensor:
-        """The previous stage's output for ``microbatch``; it becomes this stage's input."""
-        tensor = self._recv(self.prev_rank, f"activation of microbatch {microbatch}")
-        tensor.requires_grad_(True)
-        return tensor
-
-    def recv_grad(self, microbatch: int) -> torch.Tensor:
-        return self._recv(self.next_rank, f"output gradient of microbatch {microbatch}")
-
-    def send_activation(self, tensor: torch.Tensor, microbatch: int) -> None:
-        self._send(tensor, self.next_rank, f"activation of microbatch {microbatch}")
-
-    def send_grad(self, tensor: torch.Tensor, microbatch: int) -> None:
-        self._send(tensor, self.prev_rank, f"input gradient of microbatch {microbatch}")
-
-    def wait_sends(self) -> None:
-        """Block until every send completed (before a checkpoint, at the end of training)."""
-        for pending in self.pending:
-            try:
-                pending.work.wait()
-            except Exception as error:
-                raise CommError(f"stage {self.stage}: sending {pending.what} failed: "
-                                f"{error}") from error
-        self.pending = []
+    def _stalled(self, exchange: Exchange, before: str, error) -> str:
+        peers = sorted({t.peer for t in exchange.transfers})
+        what = "; ".join(t.describe() for t in exchange.transfers)
+        return (f"stage {self.stage}: waiting on {' and '.join(self._who(p) for p in peers)} "
+                f"to {what} (the exchange before {before}) failed or ran past "
+                f"--distributed-timeout-minutes {self.timeout.total_seconds() / 60:g}: {error}")
