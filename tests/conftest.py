@@ -1,14 +1,29 @@
-"""Shared test set-up: one thread per process, and a tiny GPT dataset built once per session.
+"""Shared test set-up: one thread per process, the strict NCCL mode in every child process, and
+a tiny GPT dataset built once per session.
 
 CI has 2 cores and the multi-process tests run 2 processes each: more threads per process only
 make them contend, so every child process inherits OMP_NUM_THREADS=1 from here.
+
+Strict mode (``tests/strict/strict_comm.py``; off with ``MEGATRON_2BW_STRICT=0``): every
+process a test starts (spawned workers, torchrun and its workers, plain subprocesses) inherits
+PYTHONPATH with ``tests/strict`` first, whose ``sitecustomize`` installs the wrappers before
+anything else runs. After each test, the collectives recorded by the runs it started are
+compared member by member; a disagreement fails the test.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
+
+STRICT_DIR = Path(__file__).resolve().parent / "strict"
+if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":
+    os.environ["MEGATRON_2BW_STRICT_DIR"] = tempfile.mkdtemp(prefix="megatron-2bw-strict-")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(STRICT_DIR), os.environ.get("PYTHONPATH")) if p)
 
 from dataclasses import dataclass  # noqa: E402
 
@@ -47,3 +62,24 @@ def tiny_gpt_data(tmp_path_factory) -> TinyData:
     prefix = preprocess_jsonl(corpus, str(root / "gpt"), "GPTSentencePieceTokenizer", model,
                               append_eod=True)["text"]
     return TinyData(prefix, model, TINY_VOCAB, str(root / "index-cache"))
+
+
+_records = None
+
+
+@pytest.fixture(autouse=True)
+def strict_collectives():
+    """Fail the test when the members of a process group that one of its runs created issued
+    different collectives (op, shape, dtype), in strict mode."""
+    global _records
+    yield
+    directory = os.environ.get("MEGATRON_2BW_STRICT_DIR")
+    if os.environ.get("MEGATRON_2BW_STRICT", "1") == "0" or not directory:
+        return
+    from tests.strict import strict_comm
+
+    _records = _records or strict_comm.Records(directory)
+    problems = _records.problems(_records.update())
+    if problems:
+        pytest.fail("strict NCCL mode: members of a group issued different collectives:\n"
+                    + "\n".join(problems), pytrace=False)

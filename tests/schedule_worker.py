@@ -251,8 +251,9 @@ def run_group(spec: dict, group: str) -> None:
     from megatron_2bw.runtime import distributed
 
     out = Path(spec["out"])
+    minutes = spec["groups"][group].get("timeout_minutes", spec.get("timeout_minutes", 2.0))
     for run in spec["groups"][group]["runs"]:
-        _run(run, spec["init"], out, spec.get("timeout_minutes", 2.0))
+        _run(run, spec["init"], out, minutes)
     distributed.destroy()
 
 

@@ -62,8 +62,7 @@ class StageComm:
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as error:  # gloo raises RuntimeError, NCCL DistBackendError
-            raise CommError(f"stage {self.stage}: {exchange} before {before} failed: "
-                            f"{error}") from error
+            raise CommError(self._stalled(exchange, before, error)) from error
         for work in works:
             self._wait(work, exchange, before)
         return received
@@ -87,5 +86,5 @@ class StageComm:
         peers = sorted({t.peer for t in exchange.transfers})
         what = "; ".join(t.describe() for t in exchange.transfers)
         return (f"stage {self.stage}: waiting on {' and '.join(self._who(p) for p in peers)} "
-                f"to {what} (the exchange before {before}) failed or ran past "
+                f"for the exchange before {before} ({what}) failed or ran past "
                 f"--distributed-timeout-minutes {self.timeout.total_seconds() / 60:g}: {error}")
