@@ -105,6 +105,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static loss scale for --fp16; dynamic when not given")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="dynamic fp16 loss scaling: steps between scale increases; as many "
+                        "consecutive skipped steps end the run as diverged")
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_true",
+                   help="keep training on a non-finite loss or gradient norm (checked every "
+                        "iteration by default)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -207,7 +215,10 @@ def _validate_training(args: argparse.Namespace) -> None:
              "--distributed-timeout-minutes",
              f"must be a finite number > 0, got {args.distributed_timeout_minutes}")
     _require(not (args.bf16 and args.fp16), "--bf16", "--bf16 and --fp16 are exclusive")
-    _require(args.lr > 0, "--lr", f"must be > 0, got {args.lr}")
+    _require(0 < args.lr < float("inf"), "--lr", f"must be a finite number > 0, got {args.lr}")
+    _require(args.loss_scale_window >= 1, "--loss-scale-window",
+             f"must be >= 1, got {args.loss_scale_window}")
+    _require(args.hysteresis >= 1, "--hysteresis", f"must be >= 1, got {args.hysteresis}")
     _require(0 <= args.min_lr <= args.lr, "--min-lr",
              f"must lie in [0, --lr={args.lr}], got {args.min_lr}")
     _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")

@@ -21,10 +21,11 @@ __all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec
 _USER_ERRORS = (FlagError, DataError, VersionError)
 
 
-def fail(error: Exception) -> None:
-    """One error line on stderr and exit code 2, on every rank that sees the error."""
+def fail(error: Exception, code: int = 2) -> None:
+    """One error line on stderr and exit code ``code`` (2: bad input), on every rank that sees
+    the error."""
     print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def setup(model_type: str, argv: Sequence[str] | None = None,
@@ -74,11 +75,15 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
     import megatron_2bw
     from megatron_2bw.training.loop import pretrain
 
+    from megatron_2bw.training.guard import Divergence
+
     megatron_2bw.install(args.pipeline_schedule)
     try:
         return pretrain(args, model_provider, data_provider, forward_step_func, vocab_size)
     except _USER_ERRORS as error:
         fail(error)
+    except Divergence as error:  # every rank reads the same verdict: all end with this line
+        fail(error, code=1)
 
 
 def next_batch(data_iterator, every_stage: bool = False) -> dict:

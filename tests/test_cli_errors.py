@@ -69,6 +69,14 @@ FLAG_CASES = {
         ["--no-such-flag", "3"],
         [],
         1, "--no-such-flag", ["unknown flag"]),
+    "lr-not-finite": (
+        ["--lr", "inf"],
+        ["--lr", "1e-3"],
+        1, "--lr", ["finite", "inf"]),
+    "loss-scale-window-zero": (
+        ["--loss-scale-window", "0"],
+        ["--loss-scale-window", "1"],
+        1, "--loss-scale-window", [">= 1", "got 0"]),
     "invalid-value": (
         ["--num-layers", "four"],
         ["--num-layers", "4"],

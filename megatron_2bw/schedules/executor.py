@@ -129,6 +129,12 @@ class PipelineRunner:
         if self.deferred is not None:
             self._apply_deferred()
 
+    def abandon(self) -> None:
+        """Training ends here without another step (divergence): a deferred step's pending
+        collectives are finished, so every rank has issued the same ones, and not applied."""
+        if self.deferred is not None:
+            self.deferred.wait_collectives()
+
     # ---- set-up --------------------------------------------------------------------------
     def _setup(self, chunk, config, seq_length: int, micro_batch_size: int) -> None:
         from megatron.core import parallel_state as ps

@@ -103,6 +103,9 @@ def build_optimizer(args: argparse.Namespace, model: list):
         params_dtype=params_dtype(args),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return _unchained(get_megatron_optimizer(config, model))

@@ -11,7 +11,6 @@ the loop drains before evaluating, checkpointing and finishing.
 from __future__ import annotations
 
 import argparse
-import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from megatron_2bw.runtime import distributed
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
+from megatron_2bw.training.guard import Divergence, RunGuard, Verdict
 
 __all__ = ["DataIterators", "pretrain", "Trainer"]
 
@@ -35,26 +35,6 @@ class DataIterators:
     test: Callable[[], object] | None = None
 
 
-class _StopSignal:
-    """SIGTERM/SIGINT (Slurm pre-emption, Ctrl-C) ask for a save and a clean stop at the next
-    check (every max(--log-interval, 20) iterations) instead of losing the work since the last
-    checkpoint. The check is a collective over all ranks: done every iteration it would sync
-    the pipeline at each step."""
-
-    def __init__(self):
-        self.received = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_cpu_group())
-        return bool(flag.item())
-
-
 def _cpu_group():
     """A gloo group over all ranks for small control messages (also on NCCL clusters), with the
     same bound on its waits as every other group (--distributed-timeout-minutes)."""
@@ -65,7 +45,6 @@ def _cpu_group():
 
 
 _CPU_GROUP = None
-_MIN_STOP_CHECK_INTERVAL = 20  # iterations; the check is a collective over every stage
 
 
 def _mean_loss_over_data_parallel(loss_dicts: list, key: str) -> float | None:
@@ -215,21 +194,27 @@ class Trainer:
                 or self._due(a.exit_interval, iteration))
 
     def train(self) -> dict:
-        """Train to --train-iters; return the last training and validation losses."""
-        a, stop = self.args, _StopSignal()
-        stop_check_interval = max(a.log_interval, _MIN_STOP_CHECK_INTERVAL)
+        """Train to --train-iters; return the last training and validation losses.
+
+        Each iteration's stop and divergence flags are all-reduced asynchronously and read one
+        iteration later (``guard.RunGuard``); before a checkpoint or the end all are read. A
+        stop request (SIGTERM/SIGINT on any rank) read after iteration t makes t+1 the last,
+        drained, iteration: it is saved (with --save) and the run ends with exit code 0. A
+        divergence raises :class:`Divergence` before anything else is saved."""
+        a, guard = self.args, RunGuard(_cpu_group(), self.args)
         last = {"train_loss": None, "valid_loss": None}
         losses, skipped, started = [], 0, time.perf_counter()
+        stop_signal: str | None = None
         self.logger.print(f" training {a.pipeline_schedule} schedule on {self.info.world_size} "
                           f"{self.info.device} processes: TP={a.tensor_model_parallel_size} "
                           f"PP={a.pipeline_model_parallel_size} DP={a.data_parallel_size}, "
                           f"{a.num_microbatches} microbatches per batch")
         while self.state.iteration < a.train_iters:
             upcoming = self.state.iteration + 1
-            stop_requested = upcoming % stop_check_interval == 0 and stop.any_rank()
-            if stop_requested or self._pauses_after(upcoming):
+            if stop_signal or self._pauses_after(upcoming):
                 self._prepare_drain()
             loss, grad_norm, succeeded = self.train_step()
+            guard.post(self.state.iteration, loss, grad_norm, succeeded)
             losses.append(loss)
             skipped += not succeeded
             if self._due(a.log_interval):
@@ -237,15 +222,19 @@ class Trainer:
                 last["train_loss"] = None if loss is None else sum(losses) / len(losses)
                 self._log(last["train_loss"], grad_norm, seconds, skipped)
                 losses, skipped, started = [], 0, time.perf_counter()
+            pausing = stop_signal is not None or self._pauses_after(self.state.iteration)
+            stop_signal = self._judge(guard.settle() if pausing else guard.verdicts(keep=1),
+                                      guard, stop_signal)
             if a.eval_iters and self.data.valid is not None and self._due(a.eval_interval):
                 last["valid_loss"] = self.evaluate(self.data.valid)
                 started = time.perf_counter()
-            stopping = stop_requested or self._due(a.exit_interval)
+            stopping = pausing and (stop_signal is not None or self._due(a.exit_interval))
             if a.save and (self._due(a.save_interval) or stopping):
                 self.save()
                 started = time.perf_counter()
             if stopping:
-                self.logger.print(f" stopping at iteration {self.state.iteration}")
+                why = f" ({stop_signal})" if stop_signal else ""
+                self.logger.print(f" stopping at iteration {self.state.iteration}{why}")
                 return last
         self._drain()
         if a.eval_iters and self.data.valid is not None and not self._due(a.eval_interval):
@@ -253,6 +242,22 @@ class Trainer:
         if a.save and not self._due(a.save_interval):
             self.save()
         return last
+
+    def _judge(self, verdicts: list[Verdict], guard: RunGuard, stop_signal: str | None):
+        """Raise on a diverged iteration; return the stop request (the signal's name) once
+        any rank has received one."""
+        for verdict in verdicts:
+            if verdict.divergence:
+                abandon = getattr(self.forward_backward, "abandon", None)
+                if abandon is not None:
+                    abandon()
+                where = f" (the last checkpoint in {self.args.save} is untouched)" \
+                    if self.args.save else ""
+                raise Divergence(f"iteration {verdict.iteration}: {verdict.divergence}; "
+                                 f"training stopped without saving{where}")
+            if verdict.stop and stop_signal is None:
+                stop_signal = guard.received or "a stop signal on another rank"
+        return stop_signal
 
 
 def pretrain(args: argparse.Namespace, model_provider: Callable, data_provider: Callable,

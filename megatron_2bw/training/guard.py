@@ -1,0 +1,113 @@
+"""Every iteration: has any rank been asked to stop, and has training diverged?
+
+One small all-reduce (MAX over every rank, on the loop's gloo control group, from the main
+thread) per iteration carries each rank's flags. It is launched with ``async_op=True`` after the
+iteration's optimizer step and waited for one iteration later, so it never holds a pipeline
+stage: under 2BW the first stage ends a batch last, and by the end of the next batch every rank
+has long launched the previous one. Before a checkpoint (and at the end of training) the loop
+settles every pending exchange, so a diverged step is never saved.
+
+Divergence, per iteration (Megatron-LM's ``--check-for-nan-in-loss-and-grad``, on by default):
+  * fp32/bf16: a non-finite loss (last pipeline stage) or gradient norm (when clipping);
+  * fp16 with dynamic loss scaling: a skipped step is normal (an overflow lowers the scale), but
+    ``--loss-scale-window`` consecutive skipped steps mean the scale cannot recover.
+
+Invariant: every rank posts exactly one exchange per iteration and waits for them in order, so
+the control group sees the same sequence of all-reduces on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Verdict", "Divergence", "RunGuard", "local_divergence"]
+
+_STOP, _LOSS, _GRAD, _SKIPS = range(4)
+
+
+class Divergence(RuntimeError):
+    """Training diverged; the message is one line naming the iteration and what was seen."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What all ranks said about one iteration."""
+
+    iteration: int
+    stop: bool
+    divergence: str | None
+
+
+def local_divergence(loss: float | None, grad_norm: float | None, skipped: bool,
+                     consecutive_skips: int, fp16_dynamic: bool, window: int) -> int | None:
+    """Which divergence rule this rank's numbers break (an index into the flags), or None.
+    ``loss`` is None off the last stage, ``grad_norm`` None without clipping or when skipped."""
+    if fp16_dynamic:
+        return _SKIPS if skipped and consecutive_skips >= window else None
+    if loss is not None and not math.isfinite(loss):
+        return _LOSS
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return _GRAD
+    return None
+
+
+class RunGuard:
+    """Signals and divergence checks of one training process (see the module docstring)."""
+
+    def __init__(self, group, args, install_handlers: bool = True):
+        self.group = group
+        self.check_nan = not getattr(args, "no_check_for_nan_in_loss_and_grad", False)
+        self.fp16_dynamic = bool(args.fp16) and args.loss_scale is None
+        self.window = args.loss_scale_window
+        self.received: str | None = None
+        self.consecutive_skips = 0
+        self.pending: list[tuple[int, torch.Tensor, object]] = []
+        if install_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def post(self, iteration: int, loss: float | None, grad_norm: float | None,
+             succeeded: bool) -> None:
+        """Launch the exchange of this iteration's flags."""
+        self.consecutive_skips = 0 if succeeded else self.consecutive_skips + 1
+        flags = torch.zeros(4)
+        flags[_STOP] = self.received is not None
+        if self.check_nan:
+            broken = local_divergence(loss, grad_norm, not succeeded, self.consecutive_skips,
+                                      self.fp16_dynamic, self.window)
+            if broken is not None:
+                flags[broken] = 1.0
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.pending.append((iteration, flags, work))
+
+    def verdicts(self, keep: int = 1) -> list[Verdict]:
+        """Wait for all but the newest ``keep`` exchanges; their verdicts, oldest first."""
+        ready, self.pending = self.pending[:max(len(self.pending) - keep, 0)], \
+            self.pending[max(len(self.pending) - keep, 0):]
+        found = []
+        for iteration, flags, work in ready:
+            work.wait()  # bounded by the control group's timeout (--distributed-timeout-minutes)
+            found.append(Verdict(iteration, bool(flags[_STOP]), self._describe(flags)))
+        return found
+
+    def settle(self) -> list[Verdict]:
+        """Wait for every pending exchange (before a checkpoint, at the end)."""
+        return self.verdicts(keep=0)
+
+    def _describe(self, flags: torch.Tensor) -> str | None:
+        if flags[_LOSS]:
+            return "the loss is not finite (NaN or inf)"
+        if flags[_GRAD]:
+            return "the gradient norm is not finite (NaN or inf)"
+        if flags[_SKIPS]:
+            return (f"{self.window} consecutive fp16 steps skipped for overflowing gradients "
+                    f"(--loss-scale-window): the loss scale cannot recover")
+        return None
