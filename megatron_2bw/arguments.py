@@ -143,6 +143,9 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="allow a run that starts from scratch to save into a --save directory "
+                        "that holds another run's checkpoints")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) when the iteration is a multiple of this")
     g.add_argument("--no-load-optim", action="store_true")

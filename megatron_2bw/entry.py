@@ -14,11 +14,12 @@ from typing import Callable, Sequence
 from megatron_2bw.arguments import FlagError, parse_args
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.runtime.versions import VersionError
+from megatron_2bw.training.checkpointing import CheckpointError
 
 __all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data",
            "bert_layer_spec", "bert_data", "use_transformer_engine"]
 
-_USER_ERRORS = (FlagError, DataError, VersionError)
+_USER_ERRORS = (FlagError, DataError, VersionError, CheckpointError)
 
 
 def fail(error: Exception, code: int = 2) -> None:
@@ -40,11 +41,13 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     the import of megatron-core's model modules: it switches off their torch.compile
     decorators), before anything can create a CUDA tensor."""
     from megatron_2bw.runtime import distributed, versions
+    from megatron_2bw.training import checkpointing
 
     warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
+        checkpointing.check_paths(args)
         distributed.select_device(args.cpu)
         versions.check()
         if args.mock_data:

@@ -5,7 +5,10 @@
 
 Invariants: a checkpoint directory is complete before the tracker file names it (written under
 a temporary name, renamed after every rank finished), so a crash mid-save leaves the previous
-checkpoint as the latest. A checkpoint holds the model, the optimizer (Adam moments and step),
+checkpoint as the latest; a checkpoint saved again at the same iteration replaces the old one
+only once the new one is complete (the old one is moved aside, then deleted), and the tracker
+is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
+newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint holds the model, the optimizer (Adam moments and step),
 the LR schedule, the iteration, the consumed samples and each model-parallel rank's RNG state:
 a resumed run continues exactly as an uninterrupted one would.
 """
@@ -23,9 +26,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration",
-           "checkpoint_dir"]
+           "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(ValueError):
+    """A --load/--save problem the user must fix; ``str()`` is the one line they see."""
 
 
 @dataclass
@@ -48,7 +55,7 @@ def latest_iteration(root: str) -> int | None:
     with open(path) as f:
         text = f.read().strip()
     if not text.isdigit():
-        raise ValueError(f"--load: {path} does not hold an iteration number: {text!r}")
+        raise CheckpointError(f"--load: {path} does not hold an iteration number: {text!r}")
     return int(text)
 
 
@@ -117,8 +124,12 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
     dist_checkpointing.save(sharded, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        aside = final + ".old"
+        if os.path.isdir(final):  # the same iteration saved again: replace, never lose both
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
         tracker_tmp = os.path.join(root, TRACKER_FILE + ".tmp")
         with open(tracker_tmp, "w") as f:
             f.write(str(state.iteration))
@@ -127,21 +138,98 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
     return final
 
 
+def saved_iterations(root: str) -> list[int]:
+    """Iterations with a complete checkpoint directory under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [int(name[len("iter_"):]) for name in os.listdir(root)
+             if name.startswith("iter_") and name[len("iter_"):].isdigit()
+             and os.path.isdir(os.path.join(root, name))]
+    return sorted(found, reverse=True)
+
+
+def check_paths(args) -> None:
+    """Up front, on every rank: a --load that holds no checkpoint must not let a fresh run
+    overwrite the checkpoints of another run in --save (a mistyped --load would otherwise
+    start from scratch and rewind that run's tracker). Raises FlagError."""
+    from megatron_2bw.arguments import FlagError
+
+    if args.save is None or args.overwrite_save:
+        return
+    if args.load is None or os.path.abspath(args.load) == os.path.abspath(args.save):
+        return  # no --load: Megatron-LM's behaviour, --save is written to
+    theirs = _candidates(args.save)
+    if theirs and not _candidates(args.load):
+        raise FlagError("--load", f"{args.load} holds no checkpoint, but --save {args.save} "
+                        f"holds another run's (iteration {theirs[0]}): fix --load, or pass "
+                        f"--overwrite-save to start from scratch there")
+
+
+def _candidates(root: str) -> list[int]:
+    """The tracker's iteration first, then older complete checkpoints, newest first."""
+    try:
+        named = latest_iteration(root)
+    except CheckpointError:  # a torn tracker: the directories still tell what was saved
+        named = None
+    older = [i for i in saved_iterations(root) if named is None or i < named]
+    return ([named] if named is not None else []) + older
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not flag.item()
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = True,
                     load_rng: bool = True,
                     extra: Callable[[dict, str], None] | None = None,
-                    on_loaded: Callable[[dict], None] | None = None) -> TrainState | None:
-    """Restore the latest checkpoint under ``root`` into the given objects; None when there is
-    none. ``extra(sharded, checkpoint_path)`` lets a schedule request its own entries,
-    ``on_loaded(loaded)`` read them back."""
+                    on_loaded: Callable[[dict], None] | None = None,
+                    warn: Callable[[str], None] = print) -> TrainState | None:
+    """Restore the newest readable checkpoint under ``root`` into the given objects; None when
+    there is none. ``extra(sharded, checkpoint_path)`` lets a schedule request its own entries,
+    ``on_loaded(loaded)`` read them back. A checkpoint that fails to load on any rank is
+    skipped on every rank, with a warning; when none loads, ValueError names the newest."""
+    candidates = _candidates(root)
+    if not candidates:
+        return None
+    failures = []
+    for iteration in candidates:
+        path = checkpoint_dir(root, iteration)
+        try:
+            state = _load_one(path, model, optimizer, scheduler, load_optim, load_rng, extra,
+                              on_loaded)
+            error = None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as caught:  # torch's CheckpointException is a BaseException
+            state, error = None, caught
+        if _all_ranks_agree(error is None):
+            if failures:
+                warn(f" warning: skipped unreadable checkpoint(s) {'; '.join(failures)}; "
+                     f"loaded {path}")
+            return state
+        why = "unreadable on another rank" if error is None else _reason(error)
+        failures.append(f"{path} ({why})")
+    raise CheckpointError(f"--load: no readable checkpoint in {root}: {failures[0]}")
+
+
+def _reason(error: BaseException) -> str:
+    """One line for a failed load: torch's CheckpointException wraps each rank's error."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))
+        error = getattr(error, "exc", error)  # a wrapped remote traceback
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1][:200]}" if text else type(error).__name__
+
+
+def _load_one(path: str, model, optimizer, scheduler, load_optim: bool, load_rng: bool,
+              extra, on_loaded) -> TrainState:
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(root)
-    if iteration is None:
-        return None
-    path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
-        raise ValueError(f"--load: {root} names iteration {iteration}, but {path} is missing")
+        raise FileNotFoundError(f"{path} is missing")
     sharded = _sharded_state_dict(model, optimizer if load_optim else None,
                                   scheduler if load_optim else None,
                                   TrainState(), is_loading=True,

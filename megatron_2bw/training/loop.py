@@ -98,7 +98,8 @@ class Trainer:
                          on_loaded=lambda loaded: fb.checkpoint_loaded(model, loaded))
         state = checkpointing.load_checkpoint(
             self.args.load, self.model, self.optimizer, self.scheduler,
-            load_optim=not self.args.no_load_optim, load_rng=not self.args.no_load_rng, **hooks)
+            load_optim=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
+            warn=self.logger.print, **hooks)
         if state is None:
             self.logger.print(f" no checkpoint found in {self.args.load}: starting from scratch")
             return TrainState()
