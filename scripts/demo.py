@@ -28,11 +28,12 @@ DEMO_FLAGS = [
 
 def main() -> int:
     from megatron_2bw.data.default import prepare_default_data
+    from megatron_2bw.runtime.ports import free_port
 
     data = prepare_default_data()
     command = [
         str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2",
-        "--master-port", os.environ.get("MASTER_PORT", "29517"),
+        "--master-port", os.environ.get("MASTER_PORT") or str(free_port()),
         str(REPO / "pretrain_gpt_2bw.py"),
         "--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
         *DEMO_FLAGS, *sys.argv[1:],

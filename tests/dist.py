@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,19 +25,14 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_2bw.runtime.ports import free_port
+
 __all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env",
            "tiny_training_flags"]
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

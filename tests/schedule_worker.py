@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -44,6 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `pretrain_gpt
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from megatron_2bw.runtime.ports import free_port
 
 from tests.reference import MODEL, Model, microbatch
 
@@ -259,12 +260,6 @@ def run_group(spec: dict, group: str) -> None:
 
 # ---- the launcher ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(rank: int, world: int, port: int, log: str, target, *target_args) -> None:
     """A forked process: its own log file, torchrun's environment variables, then `target`."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -290,7 +285,7 @@ def fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> 
 
     context = multiprocessing.get_context("fork")
     logs.mkdir(parents=True, exist_ok=True)
-    port, started = _free_port(), time.perf_counter()
+    port, started = free_port(), time.perf_counter()
     procs = [context.Process(target=_child, args=(rank, world, port, str(logs / f"rank{rank}.log"),
                                                   target, *target_args))
              for rank in range(world)]

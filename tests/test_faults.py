@@ -188,3 +188,17 @@ def test_no_readable_checkpoint_is_one_line(two_checkpoints, tmp_path):
                         result.output, re.MULTILINE)
     # every rank that got to print (torchrun stops the others once one exits) says the same
     assert errors and set(errors) == {(str(root), f"{root}/iter_0000004")}, result.tail()
+
+
+def test_an_unwritable_save_directory_is_refused_up_front(tmp_path):
+    """--save below a regular file cannot be created (as root, a read-only mode would not
+    stop the write): one line naming --save before anything starts, exit 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    flags = [*TINY, "--train-iters", "1", "--save", str(blocker / "checkpoints")]
+    result = launch.python(["pretrain_gpt_2bw.py", *flags], timeout=60, WORLD_SIZE="2")
+    assert result.returncode == 2, result.tail()
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --save: {blocker / 'checkpoints'} is not a writable directory: "
+                      f"Not a directory"], result.tail()
+    assert "Traceback" not in result.output

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
 SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
 SINGLE = "single (PP=1)"
@@ -261,12 +262,6 @@ def worker(argv: list[str]) -> int:
 
 # --- driver -------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model_flags(a: argparse.Namespace) -> list[str]:
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
             "--num-attention-heads", str(a.num_attention_heads),
@@ -299,7 +294,7 @@ def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, 
         for out in outs:
             out.mkdir()
             command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
-                       str(nproc), "--master-port", str(_free_port()),
+                       str(nproc), "--master-port", str(free_port()),
                        str(Path(__file__).resolve()), "--worker", "--out", str(out),
                        "--warmup", str(a.warmup), "--iters", str(a.iters)]
             command += ["--chained-optimizer"] if a.chained_optimizer else []

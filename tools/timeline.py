@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_2bw import trace  # noqa: E402
+from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
 
 # --- drawing ------------------------------------------------------------------------------------
@@ -214,12 +214,6 @@ def record(argv: list[str]) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(argv: list[str]) -> int:
     """torchrun --nproc-per-node N this-file record ..., then draw the records."""
     ours, flags = _split_flags(argv)
@@ -240,7 +234,7 @@ def run(argv: list[str]) -> int:
     for stale in out.glob("rank*.jsonl"):
         stale.unlink()
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
-               str(args.nproc), "--master-port", str(_free_port()), str(Path(__file__).resolve()),
+               str(args.nproc), "--master-port", str(free_port()), str(Path(__file__).resolve()),
                "record", "--out", str(out), "--", *flags]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("running:", " ".join(command), flush=True)

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from megatron_2bw.runtime.ports import free_port
+
 from .cluster import Link, cpu_name as _cpu_name
 from .model import ModelSpec
 
@@ -185,14 +187,6 @@ def _rss_bytes() -> float:
 # ---- layer profile ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _training_args(model: ModelSpec, precision: str, cpu: bool):
     """The validated flags training would parse for this model (one process)."""
     from megatron_2bw.arguments import build_parser, validate_args
@@ -298,7 +292,7 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
         torch.cuda.set_device(0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -548,7 +542,7 @@ def measure_links(repeats: int = 10, sizes: Sequence[int] = (2**12, 2**16, 2**20
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            mp.spawn(_links_worker, args=(2, _free_port(), list(sizes), repeats, backend, out),
+            mp.spawn(_links_worker, args=(2, free_port(), list(sizes), repeats, backend, out),
                      nprocs=2, join=True)
         finally:
             if env_threads is None:
@@ -728,7 +722,7 @@ def _run_one(layout, model: ModelSpec, precision: str, data_flags: list[str], tr
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--nproc-per-node", str(layout.world),
-               "--master-port", str(_free_port()), str(REPO / entry_script(model)),
+               "--master-port", str(free_port()), str(REPO / entry_script(model)),
                *launch_flags(layout, model, precision, cpu=cpu), *data_flags,
                "--train-iters", str(train_iters), "--log-interval", str(log_interval),
                "--eval-iters", "0", "--lr-warmup-iters", "0",

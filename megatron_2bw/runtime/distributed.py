@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.runtime import cpu
+from megatron_2bw.runtime.ports import free_port
 
 __all__ = ["DeviceChoice", "ProcessInfo", "choose_device", "select_device", "device_choice",
            "initialize", "training_device", "to_device", "timeout", "set_seed", "destroy",
@@ -140,7 +141,10 @@ def timeout() -> datetime.timedelta:
 
 def _init_process_group(choice: DeviceChoice, bound: datetime.timedelta) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:  # a plain single process: any free port will do
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+            raise RuntimeError("WORLD_SIZE > 1 without MASTER_PORT: launch with torchrun")
+        os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group(
         backend=choice.backend,
         rank=int(os.environ.get("RANK", "0")),
