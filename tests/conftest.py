@@ -8,7 +8,8 @@ Strict mode (``tests/strict/strict_comm.py``; off with ``MEGATRON_2BW_STRICT=0``
 process a test starts (spawned workers, torchrun and its workers, plain subprocesses) inherits
 PYTHONPATH with ``tests/strict`` first, whose ``sitecustomize`` installs the wrappers before
 anything else runs. After each test, the collectives recorded by the runs it started are
-compared member by member; a disagreement fails the test.
+compared member by member; a disagreement fails the test (records no test read, at the end
+of the session: a disagreement there fails the session).
 """
 
 from __future__ import annotations
@@ -83,3 +84,30 @@ def strict_collectives():
     if problems:
         pytest.fail("strict NCCL mode: members of a group issued different collectives:\n"
                     + "\n".join(problems), pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Records no test's check read (written after the last one, e.g. by a fixture's teardown)
+    are checked here: a disagreement fails the session. The records' directory is removed after
+    a session that passed, and kept (its path reported) where strict mode found something."""
+    directory = os.environ.get("MEGATRON_2BW_STRICT_DIR")
+    if os.environ.get("MEGATRON_2BW_STRICT", "1") == "0" or not directory \
+            or not Path(directory).name.startswith("megatron-2bw-strict-"):
+        return
+    from tests.strict import strict_comm
+
+    records = _records or strict_comm.Records(directory)
+    problems = records.problems(records.update())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line("strict NCCL mode: members of a group issued different "
+                                f"collectives (records in {directory}):", red=True)
+            for problem in problems:
+                reporter.write_line("  " + problem, red=True)
+    elif exitstatus == pytest.ExitCode.OK:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)

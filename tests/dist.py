@@ -31,19 +31,29 @@ __all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subpro
            "tiny_training_flags"]
 
 REPO = Path(__file__).resolve().parents[1]
+STRICT = REPO / "tests" / "strict"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
+def _strict(env) -> bool:
+    """Strict NCCL mode (tests/strict) for the children of a process with environment ``env``:
+    on unless MEGATRON_2BW_STRICT=0, and only where its records have a directory."""
+    return env.get("MEGATRON_2BW_STRICT", "1") != "0" and bool(env.get("MEGATRON_2BW_STRICT_DIR"))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child: one thread per process (2-core CI), the repo
-    importable, plus ``extra``."""
+    importable, strict NCCL mode's sitecustomize first on the path when it is on, plus
+    ``extra``."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     env.update(extra)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    strict = [str(STRICT)] if _strict(env) and str(STRICT) not in path else []
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *strict, *path])
     return env
 
 
@@ -52,6 +62,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if _strict(os.environ):  # sitecustomize installed it already where tests/strict is on the path
+        from tests.strict import strict_comm
+
+        strict_comm.install()
     torch.set_num_threads(1)
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -36,6 +36,17 @@ def _strict_active() -> bool:
     return module is not None and module.installed()
 
 
+def _layers() -> int:
+    """How many strict wrappers torch.distributed.isend is inside (one: installed once, though
+    sitecustomize and tests.dist's worker both install)."""
+    import torch.distributed as dist
+
+    function, layers = dist.isend, 0
+    while getattr(function, "_megatron_2bw_strict", False):
+        function, layers = function.__wrapped__, layers + 1
+    return layers
+
+
 def _finish() -> None:
     import torch.distributed as dist
 
@@ -53,7 +64,7 @@ def _fused_worker(rank: int, world_size: int) -> dict:
     for work in dist.batch_isend_irecv([send, recv] if rank == 0 else [recv, send]):
         work.wait()
     _finish()
-    return {"got": theirs.tolist(), "strict": _strict_active()}
+    return {"got": theirs.tolist(), "strict": _strict_active(), "layers": _layers()}
 
 
 def _unbatched_worker(rank: int, world_size: int) -> dict:
@@ -133,7 +144,7 @@ def _strict_path(monkeypatch) -> None:
 def test_mirrored_fused_groups_pass(own_records, tmp_path, monkeypatch):
     _strict_path(monkeypatch)
     results = launch.spawn(_fused_worker, 2, out_dir=tmp_path / "out", timeout=60)
-    assert [r["strict"] for r in results] == [True, True]
+    assert [(r["strict"], r["layers"]) for r in results] == [(True, 1), (True, 1)]
     assert results[0]["got"] == [2.0] * 4 and results[1]["got"] == [1.0] * 4
 
 

@@ -68,18 +68,30 @@ _received: dict[tuple, int] = defaultdict(int)  # (group, src, dst) -> receives 
 _log = None
 
 
+_MARK = "_megatron_2bw_strict"  # set on every wrapper, whichever copy of this module made it
+
+
 def installed() -> bool:
-    return bool(_originals)
+    """Whether this process runs in strict mode (installed by this or another copy of this
+    module: ``strict_comm`` from sitecustomize, ``tests.strict.strict_comm`` from a test)."""
+    import sys
+
+    if _originals:
+        return True
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    return c10d is not None and getattr(getattr(c10d, "all_reduce", None), _MARK, False)
 
 
 def install() -> None:
-    """Wrap torch.distributed's communication functions in this process (idempotent). Call it
+    """Wrap torch.distributed's communication functions in this process (idempotent, also
+    across copies of this module: wrapping twice would run every handshake twice). Call it
     before any other module binds them by name (``from torch.distributed import all_reduce``)."""
     import torch.distributed as dist
+
+    if installed() or not dist.is_available():
+        return
     from torch.distributed import distributed_c10d as c10d
 
-    if _originals or not dist.is_available():
-        return
     for name in (*COLLECTIVES, *P2P, *OTHERS):
         original = getattr(c10d, name, None)
         if original is None:
@@ -106,6 +118,7 @@ def _wrap(name: str, original):
         finally:
             _state.depth = 0
 
+    setattr(wrapper, _MARK, True)
     return wrapper
 
 
@@ -117,6 +130,9 @@ def _outermost(name: str, original, signature, args, kwargs):
         peer = bound.get("dst" if name in _SENDS else "src")
         if peer is None:  # the group-relative form
             peer = _global(bound.get("group"), bound.get("group_dst", bound.get("group_src")))
+        if peer is None:
+            raise StrictModeError(f"strict NCCL mode: torch.distributed.{name} without a peer "
+                                  f"(a receive from any source): NCCL has none")
         _handshake([(name, bound.get("tensor"), peer, bound.get("group"))])
     elif name in COLLECTIVES:
         _record(name, signature.bind(*args, **kwargs).arguments)
