@@ -164,22 +164,6 @@ def _group_ranks(group) -> list[int]:
     return torch.distributed.get_process_group_ranks(group)
 
 
-def _group_timeout(group) -> datetime.timedelta:
-    """The timeout ``group`` was created with (its backend's options), else the default."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = group if group is not None else c10d._get_default_group()
-    backend = torch.distributed.get_backend(pg)
-    try:
-        timeout = pg._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")) \
-            .options._timeout
-        if isinstance(timeout, datetime.timedelta):
-            return timeout
-    except (AttributeError, RuntimeError):
-        pass
-    return c10d._get_default_timeout(backend)
-
-
 _SQUARE = None  # a chain step: the local squared norm (the others all-reduce it over a group)
 
 
@@ -187,14 +171,17 @@ class DeferredStep:
     """One stage's pending optimizer step (see the module docstring)."""
 
     def __init__(self, optimizer, config, chunk, timeout: datetime.timedelta | None = None):
-        """``timeout`` bounds every wait on the step's collectives (None: each group's own)."""
+        """``timeout`` bounds every wait on the step's collectives (None: the process's
+        --distributed-timeout-minutes, which every group was created with)."""
         from megatron.core import parallel_state as ps
+
+        from megatron_2bw.runtime import distributed
 
         self.optimizer = optimizer
         self.inner = _inner(optimizer)
         self.config = config
         self.chunk = chunk
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else distributed.timeout()
         self.params = self.inner.get_parameters()
         self.copies: list[torch.Tensor | None] | None = None
         embedding = _tied_embedding(chunk)
@@ -377,7 +364,7 @@ class DeferredStep:
 
     def _wait(self, entry: tuple) -> None:
         work, group, what = entry
-        timeout = self.timeout if self.timeout is not None else _group_timeout(group)
+        timeout = self.timeout
         try:
             completed = work.wait(timeout=timeout)
         except Exception as error:

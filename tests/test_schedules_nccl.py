@@ -51,13 +51,8 @@ def test_every_transfer_completes_in_its_call():
     for name, d, m in GRID:
         programs = pipeline_programs(name, d, m, 3)
         for stage, program in enumerate(programs):
-            calls, current = [], []
-            for step in program:
-                current.append(step)
-                if isinstance(step, Action) and step.kind is Kind.STEP:
-                    calls.append(current)
-                    current = []
-            assert not current and len(calls) == 3
+            calls = _calls(program)
+            assert sum(map(len, calls)) == len(program) and len(calls) == 3
             for t, steps in enumerate(calls):
                 for peer in (stage - 1, stage + 1):
                     if not 0 <= peer < d:

@@ -90,8 +90,8 @@ class RunGuard:
 
     def verdicts(self, keep: int = 1) -> list[Verdict]:
         """Wait for all but the newest ``keep`` exchanges; their verdicts, oldest first."""
-        ready, self.pending = self.pending[:max(len(self.pending) - keep, 0)], \
-            self.pending[max(len(self.pending) - keep, 0):]
+        split = max(len(self.pending) - keep, 0)
+        ready, self.pending = self.pending[:split], self.pending[split:]
         found = []
         for iteration, flags, work in ready:
             work.wait()  # bounded by the control group's timeout (--distributed-timeout-minutes)
