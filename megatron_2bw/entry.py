@@ -53,16 +53,29 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
         if args.mock_data:
             return args, None
         from megatron_2bw.data import tokenizer as tokenizers
-        from megatron_2bw.data.gpt import parse_data_path
-        from megatron_2bw.data.indexed import check_indexed_dataset
 
-        for prefix in parse_data_path(args.data_path)[0]:
-            check_indexed_dataset(prefix, flag="--data-path")
         tokenizer = tokenizers.build_tokenizer(args.tokenizer_type, args.tokenizer_model,
                                                args.vocab_size)
+        _check_corpus(args, tokenizer)
     except _USER_ERRORS as error:
         fail(error)
     return args, tokenizer
+
+
+def _check_corpus(args: argparse.Namespace, tokenizer) -> None:
+    """Every dataset of ``--data-path`` is whole, and each split asked for samples can give them
+    (megatron-core's builder would otherwise loop forever on an empty split); BERT's tokenizer
+    has its special tokens."""
+    from megatron_2bw.data import bert, gpt
+
+    counts = _sample_counts(args)
+    if args.model_type == "bert":
+        bert.check_bert_tokenizer(tokenizer)
+    for prefix in gpt.blend_from_flags(args.data_path, args.split)[0]:
+        if args.model_type == "bert":
+            bert.check_splits_have_samples(prefix, args.split, counts, args.bert_binary_head)
+        else:
+            gpt.check_splits_have_tokens(prefix, args.split, counts)
 
 
 def padded_vocab(args: argparse.Namespace, tokenizer) -> int:

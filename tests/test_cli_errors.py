@@ -158,6 +158,29 @@ def test_tokenizer_model_that_is_not_sentencepiece(tiny_gpt_data, tmp_path):
     assert_one_error_line(result, "--tokenizer-model", str(fake))
 
 
+def test_a_corpus_too_small_for_the_split_is_one_line(tiny_gpt_data, tmp_path):
+    """40 documents and --split 969,30,1: megatron-core's builder gives the test split no
+    documents and would repeat its zero tokens forever. Refused up front with the number of
+    documents the split needs (the smallest n with round(0.999 n) < n, derived here)."""
+    import json
+
+    from megatron_2bw.data.gpt import check_splits_have_tokens
+    from megatron_2bw.data.preprocess import preprocess_jsonl
+
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: def f(x): return x + {i}\n"})
+                              + "\n" for i in range(40)))
+    prefix = preprocess_jsonl(str(corpus), str(tmp_path / "small"), "GPTSentencePieceTokenizer",
+                              tiny_gpt_data.tokenizer_model, append_eod=True)["text"]
+    needed = next(n for n in range(1, 10_000) if round(0.999 * n) < n)
+    check_splits_have_tokens(prefix, "969,31,0", (8, 8, 0))  # the repaired twin is served
+    result = launch.python([SCRIPT, *TINY, "--data-path", prefix, "--split", "969,30,1",
+                            "--tokenizer-model", tiny_gpt_data.tokenizer_model],
+                           timeout=120, WORLD_SIZE="1")
+    assert_one_error_line(result, "--data-path", "test split", "holds no tokens",
+                          f"at least {needed} documents")
+
+
 # ---- under torchrun: every rank reports and fails on its own -------------------------------
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")

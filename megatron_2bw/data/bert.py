@@ -104,7 +104,7 @@ def build_bert_datasets(
     )
     prefixes, _ = config.blend
     for prefix in prefixes:
-        _check_split_has_samples(prefix, config.split_matrix, num_samples, 2 if binary_head else 1)
+        check_splits_have_samples(prefix, split, num_samples, binary_head)
     return gpt.build_datasets(BERTMaskedWordPieceDataset, config, num_samples, is_built_on_rank)
 
 
@@ -113,10 +113,11 @@ def build_bert_datasets(
 _LONG_SENTENCE = 512
 
 
-def _check_split_has_samples(prefix: str, split_matrix: list, num_samples: tuple[int, int, int],
-                             min_sentences: int) -> None:
+def check_splits_have_samples(prefix: str, split: str, num_samples: tuple[int, int, int],
+                              binary_head: bool) -> None:
     """DataError unless every split that must give samples holds a document megatron-core's
     sample mapping can use (without one, its mapping loops over ~2^31 epochs finding nothing)."""
+    min_sentences = 2 if binary_head else 1
     dataset = IndexedDataset(prefix)
     starts = numpy.asarray(dataset.document_indices, dtype=numpy.int64)
     sentences = numpy.diff(starts)
@@ -124,10 +125,11 @@ def _check_split_has_samples(prefix: str, split_matrix: list, num_samples: tuple
         [[0], numpy.cumsum(numpy.asarray(dataset.sequence_lengths) > _LONG_SENTENCE)])
     has_long = long_before[starts[1:]] > long_before[starts[:-1]]
     usable = (sentences >= min_sentences) & ((sentences == 1) | ~has_long)
-    for name, bounds, wanted in zip(("train", "valid", "test"), split_matrix, num_samples):
-        if bounds is None or wanted == 0:
+    ranges = gpt.split_document_ranges(split, len(sentences))
+    for name, docs, wanted in zip(("train", "valid", "test"), ranges, num_samples):
+        if docs is None or wanted == 0:
             continue
-        begin, end = (int(round(b * len(sentences))) for b in bounds)
+        begin, end = docs
         if not usable[begin:end].any():
             need = "two sentences" if min_sentences == 2 else "one sentence"
             raise DataError("--data-path", f"no BERT sample fits in the {name} split of {prefix}:"

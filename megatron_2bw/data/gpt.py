@@ -29,6 +29,7 @@ import contextlib
 import re
 from typing import Callable, Iterator
 
+import numpy
 import torch
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -67,6 +68,45 @@ def check_split(split: str) -> None:
         raise DataError("--split", f"expected up to three weights like '969,30,1', got {split!r}")
 
 
+def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int] | None]:
+    """The [begin, end) documents of the train, valid and test splits exactly as megatron-core's
+    builder cuts them from `num_documents` (None for a split of weight 0)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [None if bounds is None else
+            tuple(int(round(b * float(num_documents))) for b in bounds) for bounds in matrix]
+
+
+def documents_needed(split: str, num_samples: tuple[int, int, int]) -> int:
+    """The fewest documents for which every split asked for samples gets at least one."""
+    def enough(n: int) -> bool:
+        ranges = split_document_ranges(split, n)
+        return all(r is None or wanted == 0 or r[1] > r[0]
+                   for r, wanted in zip(ranges, num_samples))
+
+    return next((n for n in range(1, 1_000_001) if enough(n)), 1_000_001)
+
+
+def check_splits_have_tokens(prefix: str, split: str, num_samples: tuple[int, int, int]) -> None:
+    """DataError unless every split asked for samples holds tokens of `prefix`: megatron-core's
+    GPTDataset repeats a split's tokens until they cover the samples asked for, and on a split of
+    no tokens (too few documents for `--split`'s share) it repeats forever."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    lengths = numpy.asarray(dataset.sequence_lengths, dtype=numpy.int64)
+    ranges = split_document_ranges(split, len(lengths))
+    for name, docs, wanted in zip(("train", "valid", "test"), ranges, num_samples):
+        if docs is None or wanted == 0 or lengths[docs[0]:docs[1]].sum() > 0:
+            continue
+        raise DataError("--data-path", f"the {name} split of {prefix} holds no tokens: --split "
+                        f"{split} gives it documents [{docs[0]}, {docs[1]}) of {len(lengths)}; "
+                        f"it needs at least {documents_needed(split, num_samples)} documents "
+                        f"(or a --split that gives the {name} split 0, or --eval-iters 0)")
+
+
 def build_gpt_datasets(
     data_path: list[str],
     split: str,
@@ -99,6 +139,8 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
+    for prefix in config.blend[0]:
+        check_splits_have_tokens(prefix, split, num_samples)
     return build_datasets(GPTDataset, config, num_samples, is_built_on_rank)
 
 
