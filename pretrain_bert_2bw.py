@@ -19,19 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_2bw import entry
-from megatron_2bw.arguments import build_parser
-
-
-def _probability(zero_ok: bool, one_ok: bool):
-    """An argparse type: a float in [0, 1], its ends included as asked."""
-    def probability(text: str) -> float:
-        value = float(text)
-        if value < 0 or value > 1 or (value == 0 and not zero_ok) or (value == 1 and not one_ok):
-            interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
-            raise argparse.ArgumentTypeError(f"must lie in {interval}, got {text}")
-        return value
-
-    return probability
+from megatron_2bw.arguments import build_parser, number_in
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,10 +29,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                    help="no sentence-order prediction head (and no token types)")
     g.add_argument("--mask-prob", default=0.15,
-                   type=_probability(zero_ok=False, one_ok=False),
+                   type=number_in(0, 1, low_open=True, high_open=True),
                    help="fraction of tokens masked for the masked-LM loss")
     g.add_argument("--short-seq-prob", default=0.1,
-                   type=_probability(zero_ok=True, one_ok=True),
+                   type=number_in(0, 1),
                    help="probability of a sample shorter than --seq-length")
     p.set_defaults(tokenizer_type="SentencePieceTokenizer")
     return p

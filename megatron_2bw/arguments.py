@@ -8,11 +8,13 @@ non-zero exit on every rank, before any process group or model exists.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Sequence
 
-__all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args"]
+__all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
+           "int_at_least", "number_in"]
 
 SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
 
@@ -40,19 +42,62 @@ class _Parser(argparse.ArgumentParser):
         raise FlagError("arguments", message)
 
 
+def int_at_least(low: int):
+    """An argparse type: an integer >= ``low`` (the message names the bound and the value)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def number_in(low: float, high: float = math.inf, low_open: bool = False,
+              high_open: bool = False):
+    """An argparse type: a finite number in the interval from ``low`` to ``high``, each end
+    open or closed as asked (``high=inf``: no upper bound)."""
+    interval = (f"{'(' if low_open else '['}{low:g}, "
+                f"{'inf)' if high == math.inf else f'{high:g}' + (')' if high_open else ']')}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        inside = (math.isfinite(value) and (value > low if low_open else value >= low)
+                  and (value < high if high_open else value <= high))
+        if not inside:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text}")
+        return value
+
+    parse.__name__ = f"number in {interval}"
+    return parse
+
+
+_COUNT = int_at_least(1)
+_NONNEG = int_at_least(0)
+_POSITIVE = number_in(0, low_open=True)
+_PROBABILITY = number_in(0, 1, high_open=True)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
+    g.add_argument("--num-layers", type=_COUNT, default=4)
+    g.add_argument("--hidden-size", type=_COUNT, default=256)
+    g.add_argument("--ffn-hidden-size", type=_COUNT, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=_COUNT, default=4)
+    g.add_argument("--seq-length", type=_COUNT, default=128)
+    g.add_argument("--max-position-embeddings", type=_COUNT, default=None,
                    help="default: --seq-length")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=_COUNT, default=128)
+    g.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.1)
+    g.add_argument("--attention-dropout", type=_PROBABILITY, default=0.1)
+    g.add_argument("--init-method-std", type=_POSITIVE, default=0.02)
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                    default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -64,8 +109,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=_COUNT, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_COUNT, default=1)
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
                    help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; naive: inter-layer "
                         "model parallelism without pipelining; megatron: Megatron's own 1F1B")
@@ -76,46 +121,46 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "the stages (one extra fp32 gradient copy per stage)")
     g.add_argument("--cpu", action="store_true",
                    help="train on CPU processes over gloo even where CUDA is available")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+    g.add_argument("--distributed-timeout-minutes", type=_POSITIVE, default=10.0,
                    help="bound on every wait of every process group (the default group and "
                         "megatron-core's model-parallel groups); fractions allowed")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=None,
+    g.add_argument("--micro-batch-size", type=_COUNT, default=4)
+    g.add_argument("--global-batch-size", type=_COUNT, default=None,
                    help="default: micro batch x data-parallel size")
-    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--train-iters", type=_COUNT, default=200)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=_POSITIVE, default=1e-3)
+    g.add_argument("--min-lr", type=number_in(0), default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
                                                 "inverse-square-root"), default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr-warmup-iters", type=_NONNEG, default=0)
+    g.add_argument("--lr-decay-iters", type=_COUNT, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=number_in(0), default=0.01)
+    g.add_argument("--clip-grad", type=number_in(0), default=1.0)
+    g.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
+    g.add_argument("--adam-beta2", type=_PROBABILITY, default=0.999)
+    g.add_argument("--adam-eps", type=_POSITIVE, default=1e-8)
+    g.add_argument("--seed", type=_NONNEG, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
+    g.add_argument("--loss-scale", type=_POSITIVE, default=None,
                    help="static loss scale for --fp16; dynamic when not given")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000,
+    g.add_argument("--initial-loss-scale", type=_POSITIVE, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=_POSITIVE, default=1.0)
+    g.add_argument("--loss-scale-window", type=_COUNT, default=1000,
                    help="dynamic fp16 loss scaling: steps between scale increases; as many "
                         "consecutive skipped steps end the run as diverged")
-    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--hysteresis", type=_COUNT, default=2)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_true",
                    help="keep training on a non-finite loss or gradient norm (checked every "
                         "iteration by default)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=_COUNT, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
 
@@ -128,7 +173,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    choices=("GPTSentencePieceTokenizer", "SentencePieceTokenizer",
                             "NullTokenizer"))
     g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=_COUNT, default=None, help="for NullTokenizer")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true",
                    help="random tokens instead of --data-path (smoke tests)")
@@ -136,17 +181,17 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=_COUNT, default=10)
+    g.add_argument("--eval-interval", type=_COUNT, default=100)
+    g.add_argument("--eval-iters", type=_NONNEG, default=10)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=_COUNT, default=None)
     g.add_argument("--overwrite-save", action="store_true",
                    help="allow a run that starts from scratch to save into a --save directory "
                         "that holds another run's checkpoints")
-    g.add_argument("--exit-interval", type=int, default=None,
+    g.add_argument("--exit-interval", type=_COUNT, default=None,
                    help="stop (after saving) when the iteration is a multiple of this")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
@@ -179,8 +224,6 @@ def _require(condition: bool, flag: str, message: str) -> None:
 def _validate_layout(args: argparse.Namespace) -> None:
     """world = TP x PP x DP; layers split evenly over stages; heads over TP ranks."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    _require(tp >= 1, "--tensor-model-parallel-size", f"must be >= 1, got {tp}")
-    _require(pp >= 1, "--pipeline-model-parallel-size", f"must be >= 1, got {pp}")
     _require(world % (tp * pp) == 0, "--tensor-model-parallel-size",
              f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) = {tp * pp}")
     args.data_parallel_size = world // (tp * pp)
@@ -195,7 +238,6 @@ def _validate_layout(args: argparse.Namespace) -> None:
 def _validate_batch(args: argparse.Namespace) -> None:
     """global batch = micro batch x DP x microbatches; 2BW needs microbatches >= depth."""
     b, dp, pp = args.micro_batch_size, args.data_parallel_size, args.pipeline_model_parallel_size
-    _require(b >= 1, "--micro-batch-size", f"must be >= 1, got {b}")
     if args.global_batch_size is None:
         args.global_batch_size = b * dp
     B = args.global_batch_size
@@ -213,18 +255,12 @@ def _validate_batch(args: argparse.Namespace) -> None:
 
 
 def _validate_training(args: argparse.Namespace) -> None:
-    _require(args.train_iters >= 1, "--train-iters", f"must be >= 1, got {args.train_iters}")
-    _require(0 < args.distributed_timeout_minutes < float("inf"),
-             "--distributed-timeout-minutes",
-             f"must be a finite number > 0, got {args.distributed_timeout_minutes}")
     _require(not (args.bf16 and args.fp16), "--bf16", "--bf16 and --fp16 are exclusive")
-    _require(0 < args.lr < float("inf"), "--lr", f"must be a finite number > 0, got {args.lr}")
-    _require(args.loss_scale_window >= 1, "--loss-scale-window",
-             f"must be >= 1, got {args.loss_scale_window}")
-    _require(args.hysteresis >= 1, "--hysteresis", f"must be >= 1, got {args.hysteresis}")
-    _require(0 <= args.min_lr <= args.lr, "--min-lr",
+    _require(args.min_lr <= args.lr, "--min-lr",
              f"must lie in [0, --lr={args.lr}], got {args.min_lr}")
-    _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
+    _require(args.seed < 2 ** 31, "--seed", f"must be < 2**31 (numpy's seeds), got {args.seed}")
+    _require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale",
+             f"{args.min_loss_scale:g} exceeds --initial-loss-scale {args.initial_loss_scale:g}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
              f"{args.lr_warmup_iters} warm-up iterations exceed {args.lr_decay_iters} decay "
@@ -242,12 +278,8 @@ def _validate_training(args: argparse.Namespace) -> None:
                  f"{args.recompute_num_layers}")
     elif args.recompute_method is not None:
         _require(False, "--recompute-method", "only valid with --recompute-granularity full")
-    for flag in ("log_interval", "eval_interval"):
-        _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')}", "must be >= 1")
-    _require(args.eval_iters >= 0, "--eval-iters", "must be >= 0")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
-        _require(args.save_interval >= 1, "--save-interval", "must be >= 1")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -77,6 +77,14 @@ FLAG_CASES = {
         ["--loss-scale-window", "0"],
         ["--loss-scale-window", "1"],
         1, "--loss-scale-window", [">= 1", "got 0"]),
+    "hidden-size-zero": (
+        ["--hidden-size", "0"],
+        ["--hidden-size", "32"],
+        1, "--hidden-size", [">= 1", "got 0"]),
+    "dropout-of-one": (
+        ["--hidden-dropout", "1"],
+        ["--hidden-dropout", "0.5"],
+        1, "--hidden-dropout", ["[0, 1)", "got 1"]),
     "invalid-value": (
         ["--num-layers", "four"],
         ["--num-layers", "4"],
@@ -91,6 +99,46 @@ def test_flag_error(tiny_gpt_data, case):
     parse_args([*TINY, *repaired, *data], world_size=world)  # the repaired twin is valid
     result = launch.python([SCRIPT, *TINY, *bad, *data], timeout=60, WORLD_SIZE=str(world))
     assert_one_error_line(result, flag, *fragments)
+
+
+# flag, bad value, a valid value, the interval the message must state
+RANGE_CASES = [
+    ("--num-layers", "-2", "2", ">= 1"), ("--num-attention-heads", "0", "2", ">= 1"),
+    ("--ffn-hidden-size", "0", "64", ">= 1"), ("--seq-length", "0", "8", ">= 1"),
+    ("--max-position-embeddings", "-1", "128", ">= 1"),
+    ("--make-vocab-size-divisible-by", "0", "64", ">= 1"),
+    ("--attention-dropout", "-0.1", "0", "[0, 1)"), ("--init-method-std", "0", "0.01", "(0, inf)"),
+    ("--micro-batch-size", "0", "1", ">= 1"), ("--global-batch-size", "-4", "8", ">= 1"),
+    ("--train-iters", "0", "1", ">= 1"), ("--lr", "-1e-3", "1e-4", "(0, inf)"),
+    ("--lr", "nan", "1e-4", "(0, inf)"), ("--min-lr", "-1", "0", "[0, inf)"),
+    ("--lr-warmup-iters", "-1", "0", ">= 0"), ("--lr-decay-iters", "0", "1", ">= 1"),
+    ("--weight-decay", "-0.1", "0", "[0, inf)"), ("--clip-grad", "inf", "0", "[0, inf)"),
+    ("--adam-beta1", "1", "0.5", "[0, 1)"), ("--adam-beta2", "1.5", "0.95", "[0, 1)"),
+    ("--adam-eps", "0", "1e-6", "(0, inf)"), ("--seed", "-5", "0", ">= 0"),
+    ("--loss-scale", "0", "128", "(0, inf)"), ("--initial-loss-scale", "-1", "1024", "(0, inf)"),
+    ("--min-loss-scale", "0", "1", "(0, inf)"), ("--hysteresis", "0", "1", ">= 1"),
+    ("--vocab-size", "0", "128", ">= 1"), ("--log-interval", "0", "1", ">= 1"),
+    ("--eval-interval", "-1", "1", ">= 1"), ("--eval-iters", "-1", "0", ">= 0"),
+    ("--save-interval", "0", "1", ">= 1"), ("--exit-interval", "0", "1", ">= 1"),
+    ("--distributed-timeout-minutes", "nan", "0.5", "(0, inf)"),
+    ("--tensor-model-parallel-size", "0", "1", ">= 1"),
+    ("--pipeline-model-parallel-size", "-1", "1", ">= 1"),
+]
+
+
+@pytest.mark.parametrize("flag,bad,good,interval", RANGE_CASES,
+                         ids=[f"{c[0][2:]}={c[1]}" for c in RANGE_CASES])
+def test_numeric_flag_out_of_range(flag, bad, good, interval):
+    """Every numeric flag is range-checked by the parser, naming the flag, the interval and the
+    value; the same flag with a valid value parses."""
+    from megatron_2bw.arguments import FlagError
+
+    base = ["--mock-data", "--save", "/tmp/unused"]
+    parse_args([*base, f"{flag}={good}"], world_size=1)
+    with pytest.raises(FlagError) as error:
+        parse_args([*base, f"{flag}={bad}"], world_size=1)
+    assert str(error.value).startswith(f"{flag}: "), error.value
+    assert interval in str(error.value) and bad in str(error.value), error.value
 
 
 def test_missing_data_path(tiny_gpt_data):
