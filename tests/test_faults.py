@@ -136,16 +136,54 @@ def test_a_wrong_load_path_does_not_overwrite_another_run(tmp_path):
     assert (other / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    """A 2-stage 2BW run saved at iterations 2 and 4."""
+    """A 2-stage 2BW run (TP=1 PP=2 DP=1, no dropout) saved at iterations 2 and 4; its log is
+    ``run.log`` beside the checkpoint directory."""
     root = tmp_path_factory.mktemp("two_checkpoints") / "checkpoints"
-    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "4", "--lr",
-                              "1e-3", "--save", str(root), "--save-interval", "2"], 2,
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, *NO_DROPOUT, "--train-iters", "4",
+                              "--lr", "1e-3", "--save", str(root), "--save-interval", "2"], 2,
                              timeout=240)
     assert result.returncode == 0, result.tail()
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    (root.parent / "run.log").write_text(result.output)
     return root
+
+
+def _losses(output: str) -> dict[int, float]:
+    return {int(i): float(loss) for i, loss in
+            re.findall(r"iteration +(\d+)/ +\d+ \|.*?lm loss: (\S+) \|", output)}
+
+
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "1"],
+                                    ["--pipeline-model-parallel-size", "1",
+                                     "--tensor-model-parallel-size", "2"]],
+                         ids=["TP1-PP1-DP2", "TP2-PP1-DP1"])
+def test_a_checkpoint_resumes_with_another_layout(two_checkpoints, tmp_path, layout):
+    """The iteration-2 checkpoint of the PP=2 run, loaded at another layout: model, optimizer
+    and 2BW's older weight version are resharded by dist_checkpointing, the RNG state is
+    re-seeded with a warning, and iterations 3 and 4 give the uninterrupted PP=2 run's losses
+    to fp32 rounding (without dropout, 2BW's losses do not depend on the layout)."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(two_checkpoints / "iter_0000002", root / "iter_0000002")
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, *NO_DROPOUT, *layout,
+                              "--train-iters", "4", "--lr", "1e-3", "--load", str(root)], 2,
+                             timeout=240)
+    assert result.returncode == 0, result.tail()
+    assert re.search(r"warning: \S+iter_0000002 was saved with TP=1 PP=2 DP=1, this run is "
+                     r"TP=\d PP=1 DP=\d: model and optimizer state resharded; RNG state "
+                     r"re-seeded", result.output), result.tail()
+    reference = _losses((two_checkpoints.parent / "run.log").read_text())
+    resumed = _losses(result.output)
+    assert sorted(resumed) == [3, 4], result.tail()
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(reference[iteration], rel=1e-5), iteration
 
 
 def _break_metadata_json(path):

@@ -8,9 +8,12 @@ a temporary name, renamed after every rank finished), so a crash mid-save leaves
 checkpoint as the latest; a checkpoint saved again at the same iteration replaces the old one
 only once the new one is complete (the old one is moved aside, then deleted), and the tracker
 is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
-newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint holds the model, the optimizer (Adam moments and step),
-the LR schedule, the iteration, the consumed samples and each model-parallel rank's RNG state:
-a resumed run continues exactly as an uninterrupted one would.
+newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint
+holds the model, the optimizer (Adam moments and step), the LR schedule, the iteration, the
+consumed samples, the TP/PP/DP layout and each model-parallel rank's RNG state: a resumed run
+continues exactly as an uninterrupted one would. A run with another layout loads the model and
+optimizer resharded and, where TP or PP changed, its own RNG state from --seed (said in a
+warning).
 """
 
 from __future__ import annotations
@@ -89,9 +92,25 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _layout() -> dict:
+    """This run's parallel layout, saved in every checkpoint's common state."""
+    from megatron.core import parallel_state as ps
+
+    return {"tensor": ps.get_tensor_model_parallel_world_size(),
+            "pipeline": ps.get_pipeline_model_parallel_world_size(),
+            "data": ps.get_data_parallel_world_size()}
+
+
+def _describe(layout: dict) -> str:
+    return f"TP={layout['tensor']} PP={layout['pipeline']} DP={layout['data']}"
+
+
 def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loading: bool,
-                        extra: Callable[[dict], None] | None = None) -> dict:
-    """Everything a checkpoint holds; ``extra`` adds a schedule's own entries."""
+                        extra: Callable[[dict], None] | None = None,
+                        with_rng: bool = True) -> dict:
+    """Everything a checkpoint holds; ``extra`` adds a schedule's own entries. The model and
+    optimizer entries are keyed by global layer and parameter names (dist_checkpointing
+    reshards them for any layout); the RNG state is one object per (PP rank, TP rank)."""
     sharded = {"model": model[0].module.sharded_state_dict()}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
@@ -99,7 +118,9 @@ def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loadi
         sharded["opt_param_scheduler"] = scheduler.state_dict()
     sharded["iteration"] = state.iteration
     sharded["consumed_train_samples"] = state.consumed_train_samples
-    sharded["rng_state"] = _rng_state()
+    sharded["layout"] = _layout()
+    if with_rng:
+        sharded["rng_state"] = _rng_state()
     if extra is not None:
         extra(sharded)
     return sharded
@@ -216,7 +237,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = T
         path = checkpoint_dir(root, iteration)
         try:
             state = _load_one(path, model, optimizer, scheduler, load_optim, load_rng, extra,
-                              on_loaded)
+                              on_loaded, warn)
             error = None
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -237,21 +258,34 @@ def _reason(error: BaseException) -> str:
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))
+        if isinstance(error, tuple) and error:  # (exception, its traceback frames)
+            error = error[0]
         error = getattr(error, "exc", error)  # a wrapped remote traceback
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[-1][:200]}" if text else type(error).__name__
 
 
 def _load_one(path: str, model, optimizer, scheduler, load_optim: bool, load_rng: bool,
-              extra, on_loaded) -> TrainState:
+              extra, on_loaded, warn: Callable[[str], None]) -> TrainState:
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing")
+    saved_layout = dist_checkpointing.load_common_state_dict(path).get("layout")
+    layout = _layout()
+    rng_keyed_alike = saved_layout is None or all(
+        saved_layout[k] == layout[k] for k in ("tensor", "pipeline"))
+    if saved_layout is not None and saved_layout != layout:
+        rng = ("RNG state kept" if rng_keyed_alike else
+               "RNG state re-seeded from --seed (it is kept per TP and PP rank)")
+        warn(f" warning: {path} was saved with {_describe(saved_layout)}, this run is "
+             f"{_describe(layout)}: model and optimizer state resharded; {rng}")
+    load_rng = load_rng and rng_keyed_alike
     sharded = _sharded_state_dict(model, optimizer if load_optim else None,
                                   scheduler if load_optim else None,
                                   TrainState(), is_loading=True,
-                                  extra=None if extra is None else lambda sd: extra(sd, path))
+                                  extra=None if extra is None else lambda sd: extra(sd, path),
+                                  with_rng=load_rng)
     loaded = dist_checkpointing.load(sharded, path)
     model[0].module.load_state_dict(loaded["model"])
     if load_optim:
