@@ -188,6 +188,9 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_COUNT, default=None)
+    g.add_argument("--ckpt-keep", type=_COUNT, default=None,
+                   help="keep only the N newest checkpoints in --save (older ones are deleted "
+                        "once a newer one is complete); default: keep all")
     g.add_argument("--overwrite-save", action="store_true",
                    help="allow a run that starts from scratch to save into a --save directory "
                         "that holds another run's checkpoints")
@@ -280,6 +283,8 @@ def _validate_training(args: argparse.Namespace) -> None:
         _require(False, "--recompute-method", "only valid with --recompute-granularity full")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
+    if args.ckpt_keep is not None:
+        _require(args.save is not None, "--ckpt-keep", "needs --save DIR")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

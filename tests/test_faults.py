@@ -228,6 +228,50 @@ def test_no_readable_checkpoint_is_one_line(two_checkpoints, tmp_path):
     assert errors and set(errors) == {(str(root), f"{root}/iter_0000004")}, result.tail()
 
 
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1 finds the disk full while writing the iteration-4 checkpoint (ENOSPC injected at
+    the file layer by tests/fault_entry.py): every rank ends with the same line naming the
+    failed save and the intact one, the partial directory is gone, the tracker still names
+    iteration 2, and iteration 2 resumes."""
+    root = tmp_path / "checkpoints"
+    result = launch.torchrun(["tests/fault_entry.py", "pretrain_gpt_2bw.py", *TINY,
+                              "--train-iters", "4", "--save", str(root), "--save-interval", "2"],
+                             2, timeout=240, MEGATRON_2BW_TEST_ENOSPC="iter_0000004.tmp",
+                             MEGATRON_2BW_TEST_ENOSPC_RANK="1")
+    assert result.returncode != 0, result.tail()
+    errors = set(re.findall(r"^error: .*$", result.output, re.MULTILINE))
+    prefix = (f"error: --save: could not write the checkpoint of iteration 4 to "
+              f"{root}/iter_0000004 (")
+    suffix = "); the last complete checkpoint, iteration 2, is intact"
+    assert errors and all(e.startswith(prefix) and e.endswith(suffix) for e in errors), errors
+    reasons = {e[len(prefix):-len(suffix)] for e in errors}
+    assert any("No space left on device" in r for r in reasons), reasons
+    assert reasons <= {r for r in reasons if "No space left on device" in r} | {
+        "it failed on another rank"}, reasons
+    assert not re.search(r'File ".*(megatron_2bw|pretrain_gpt_2bw)', result.output), \
+        result.tail()
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    resumed = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "3",
+                               "--load", str(root)], 2, timeout=240)
+    assert resumed.returncode == 0, resumed.tail()
+    assert f"resumed from {root} at iteration 2" in resumed.output
+
+
+def test_ckpt_keep_keeps_the_newest(tmp_path):
+    """--ckpt-keep 2 with a save every iteration: after 4 iterations iterations 3 and 4 remain,
+    the tracker names 4."""
+    root = tmp_path / "checkpoints"
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "4", "--save",
+                              str(root), "--save-interval", "1", "--ckpt-keep", "2"], 2,
+                             timeout=240)
+    assert result.returncode == 0, result.tail()
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000003", "iter_0000004",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
 def test_an_unwritable_save_directory_is_refused_up_front(tmp_path):
     """--save below a regular file cannot be created (as root, a read-only mode would not
     stop the write): one line naming --save before anything starts, exit 2."""

@@ -127,36 +127,85 @@ def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loadi
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
-                    extra: Callable[[dict], None] | None = None) -> str:
+                    extra: Callable[[dict], None] | None = None, keep: int | None = None) -> str:
     """Save on every rank (collective); return the checkpoint directory.
 
     ``extra(sharded_state_dict)`` may add entries (the 2BW schedule adds its second weight
-    version)."""
+    version). With ``keep``, only the ``keep`` newest checkpoints remain, older ones deleted
+    after the new one is complete and named by the tracker. A write that fails on any rank (a
+    full disk) fails on every rank with CheckpointError; the partial directory is removed and
+    the previous checkpoints and the tracker are untouched."""
     from megatron.core import dist_checkpointing
 
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        os.makedirs(tmp, exist_ok=True)
     dist.barrier()
     sharded = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=False,
                                   extra=extra)
-    dist_checkpointing.save(sharded, tmp)
-    dist.barrier()
+    error = _attempt(lambda: dist_checkpointing.save(sharded, tmp))
+    _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
     if dist.get_rank() == 0:
-        aside = final + ".old"
-        if os.path.isdir(final):  # the same iteration saved again: replace, never lose both
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-        tracker_tmp = os.path.join(root, TRACKER_FILE + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(state.iteration))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
+        error = _attempt(lambda: _publish(root, tmp, final, state.iteration))
+    _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
+    if dist.get_rank() == 0 and keep is not None:
+        _delete_older(root, keep)
     dist.barrier()
     return final
+
+
+def _attempt(action: Callable[[], None]) -> BaseException | None:
+    """Run ``action``; its exception, or None (torch's CheckpointException is a
+    BaseException)."""
+    try:
+        action()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as caught:
+        return caught
+    return None
+
+
+def _fail_unless_all_wrote(error: BaseException | None, root: str, final: str, tmp: str,
+                           iteration: int) -> None:
+    """Collective: CheckpointError on every rank when any rank's write failed, after rank 0
+    removed the partial ``tmp``; the tracker still names the last complete checkpoint."""
+    if _all_ranks_agree(error is None):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    why = _reason(error) if error is not None else "it failed on another rank"
+    try:
+        previous = latest_iteration(root)
+    except CheckpointError:
+        previous = None
+    kept = ("no earlier checkpoint exists" if previous is None else
+            f"the last complete checkpoint, iteration {previous}, is intact")
+    raise CheckpointError(f"--save: could not write the checkpoint of iteration {iteration} "
+                          f"to {final} ({why}); {kept}")
+
+
+def _publish(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Rank 0, after every rank wrote ``tmp``: rename it to ``final`` and point the tracker at
+    it, atomically and last; an older copy of the same iteration is replaced only after."""
+    aside = final + ".old"
+    if os.path.isdir(final):  # the same iteration saved again: replace, never lose both
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+    tracker_tmp = os.path.join(root, TRACKER_FILE + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
+
+
+def _delete_older(root: str, keep: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (``--ckpt-keep``)."""
+    for iteration in saved_iterations(root)[keep:]:
+        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
 
 
 def saved_iterations(root: str) -> list[int]:
@@ -215,7 +264,11 @@ def _candidates(root: str) -> list[int]:
 
 
 def _all_ranks_agree(ok: bool) -> bool:
-    flag = torch.tensor([0.0 if ok else 1.0])
+    """Whether ``ok`` holds on every rank (an all-reduce on the default group, on the
+    training device as its backend needs)."""
+    from megatron_2bw.runtime.distributed import training_device
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=training_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not flag.item()
 
@@ -256,7 +309,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = T
 def _reason(error: BaseException) -> str:
     """One line for a failed load: torch's CheckpointException wraps each rank's error."""
     failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
+    if isinstance(failures, dict) and not failures:  # torch's: the failing rank is elsewhere
+        return "it failed on another rank"
+    if isinstance(failures, dict):
         error = next(iter(failures.values()))
         if isinstance(error, tuple) and error:  # (exception, its traceback frames)
             error = error[0]

@@ -113,7 +113,8 @@ class Trainer:
         if hasattr(fb, "checkpoint_extra"):
             extra = lambda sharded: fb.checkpoint_extra(model, sharded)  # noqa: E731
         path = checkpointing.save_checkpoint(
-            self.args.save, self.model, self.optimizer, self.scheduler, self.state, extra=extra)
+            self.args.save, self.model, self.optimizer, self.scheduler, self.state, extra=extra,
+            keep=self.args.ckpt_keep)
         self.logger.print(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
     def _drain(self) -> None:
