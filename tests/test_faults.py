@@ -79,22 +79,35 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
-    save = tmp_path / "checkpoints"
+def _long_run(tmp_path, *flags: str) -> tuple[subprocess.Popen, "os.PathLike"]:
+    """A 2-process torchrun of a run far longer than the test, in its own session, returned
+    once it logged iteration 5 (its two workers are the launcher's children)."""
     command = [launch.TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(launch.free_port()), "pretrain_gpt_2bw.py",
-               *TINY, "--train-iters", "100000", "--lr", "1e-4", "--save", str(save),
-               "--save-interval", "100000"]
+               *TINY, "--train-iters", "100000", "--lr", "1e-4", *flags]
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=launch.REPO, env=launch.subprocess_env(),
                                    stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
+    deadline = time.monotonic() + 180
+    while "iteration      5/" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.2)
+    return process, log
+
+
+def _session_processes(session: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
+    save = tmp_path / "checkpoints"
+    process, log = _long_run(tmp_path, "--save", str(save), "--save-interval", "100000")
     try:
-        deadline = time.monotonic() + 180
-        while "iteration      5/" not in log.read_text():
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
         workers = _children(process.pid)
         assert len(workers) == 2, workers
         signalled_at = max(int(i) for i in re.findall(r"iteration +(\d+)/", log.read_text()))
@@ -114,6 +127,31 @@ def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
     assert signalled_at < iteration <= signalled_at + 3, (signalled_at, iteration)
     assert f"saved checkpoint at iteration {iteration} to " in text
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == iteration
+
+
+def test_a_killed_rank_ends_the_run_without_stray_processes(tmp_path):
+    """kill -9 of one worker mid-training: the launcher exits non-zero within a minute and no
+    process of the run's session (the other worker, data or checkpoint helpers) outlives it."""
+    process, log = _long_run(tmp_path, "--save", str(tmp_path / "checkpoints"),
+                             "--save-interval", "3")
+    try:
+        workers = _children(process.pid)
+        assert len(workers) == 2, workers
+        os.kill(min(workers), signal.SIGKILL)
+        code = process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _session_processes(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        strays = _session_processes(process.pid)
+    finally:
+        if _session_processes(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code != 0, log.read_text()[-3000:]
+    assert strays == [], strays
+    tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
+    if tracker.exists():  # whatever the kill interrupted, the tracker names a whole checkpoint
+        named = tmp_path / "checkpoints" / f"iter_{int(tracker.read_text()):07d}"
+        assert (named / "metadata.json").is_file() and (named / ".metadata").is_file()
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
