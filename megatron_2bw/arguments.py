@@ -50,7 +50,7 @@ def int_at_least(low: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
         return value
 
     parse.__name__ = f"integer >= {low}"
@@ -72,7 +72,8 @@ def number_in(low: float, high: float = math.inf, low_open: bool = False,
         inside = (math.isfinite(value) and (value > low if low_open else value >= low)
                   and (value < high if high_open else value <= high))
         if not inside:
-            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected a finite number in {interval}, "
+                                             f"got {text!r}")
         return value
 
     parse.__name__ = f"number in {interval}"

@@ -76,15 +76,15 @@ FLAG_CASES = {
     "loss-scale-window-zero": (
         ["--loss-scale-window", "0"],
         ["--loss-scale-window", "1"],
-        1, "--loss-scale-window", [">= 1", "got 0"]),
+        1, "--loss-scale-window", [">= 1", "got '0'"]),
     "hidden-size-zero": (
         ["--hidden-size", "0"],
         ["--hidden-size", "32"],
-        1, "--hidden-size", [">= 1", "got 0"]),
+        1, "--hidden-size", [">= 1", "got '0'"]),
     "dropout-of-one": (
         ["--hidden-dropout", "1"],
         ["--hidden-dropout", "0.5"],
-        1, "--hidden-dropout", ["[0, 1)", "got 1"]),
+        1, "--hidden-dropout", ["[0, 1)", "got '1'"]),
     "invalid-value": (
         ["--num-layers", "four"],
         ["--num-layers", "4"],

@@ -63,6 +63,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+                              comma_list, main_guard, nonneg_float, nonneg_int, output_file,
+                              positive_int, writable_dir)
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
 SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
@@ -172,7 +175,7 @@ class _Waits:
 
 def worker(argv: list[str]) -> int:
     ours, flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    p = argparse.ArgumentParser(prog="bench_schedules.py --worker")
+    p = ToolParser(prog="bench_schedules.py --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", type=int, required=True)
@@ -308,8 +311,10 @@ def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, 
         print(f" {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         for job, output in zip(jobs, outputs):
             if job.returncode != 0:
-                tail = "\n".join(output.splitlines()[-30:])
-                raise SystemExit(f"error: {label} failed (exit code {job.returncode}):\n{tail}")
+                for line in output.splitlines()[-30:]:  # indented: not this tool's error line
+                    print(f"  | {line}", file=sys.stderr)
+                raise ToolError(f"{label} run", f"failed with exit code {job.returncode}; "
+                                                "its last lines are above")
         ranks = []
         for copy, out in enumerate(outs):
             for path in sorted(out.glob("rank*.json")):
@@ -375,26 +380,27 @@ def _median_ms(stages: list[dict], key: str) -> str:
     return _per_stage(one(stage.get(key) or []) for stage in stages)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--worker" in argv:
-        return worker(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--depth", type=int, default=2, help="pipeline stages d = processes")
-    p.add_argument("--microbatches", type=int, default=2, help="microbatches per batch m")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--iters", type=int, default=20, help="measured iterations")
-    p.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
-    p.add_argument("--rounds", type=int, default=1,
+def _parser() -> argparse.ArgumentParser:
+    p = ToolParser(description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=positive_int, default=2,
+                   help="pipeline stages d = processes")
+    p.add_argument("--microbatches", type=positive_int, default=2,
+                   help="microbatches per batch m")
+    p.add_argument("--schedules", type=comma_list(str, SCHEDULES), default=SCHEDULES,
+                   help=f"comma-separated (default: {','.join(SCHEDULES)})")
+    p.add_argument("--iters", type=positive_int, default=20, help="measured iterations")
+    p.add_argument("--warmup", type=nonneg_int, default=3,
+                   help="iterations before measuring (at least 1 is run)")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="run every configuration this many times, interleaved; the table "
                         "shows the median over rounds")
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--clip-grad", type=float, default=0.0)
+    p.add_argument("--num-layers", type=positive_int, default=8)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--seq-length", type=positive_int, default=128)
+    p.add_argument("--micro-batch-size", type=positive_int, default=2)
+    p.add_argument("--vocab-size", type=positive_int, default=1024)
+    p.add_argument("--clip-grad", type=nonneg_float, default=0.0)
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share input and output embeddings (an all-reduce at every step)")
     p.add_argument("--sync-variants", action="store_true",
@@ -403,17 +409,51 @@ def main(argv: list[str] | None = None) -> int:
                    help="step the optimizer wrapped in megatron-core's ChainedOptimizer (as "
                         "get_megatron_optimizer returns it), which all-reduces the grad norm "
                         "over the stages at every step even without clipping")
-    p.add_argument("--timeline-dir", type=Path, default=None,
+    p.add_argument("--timeline-dir", type=writable_dir, default=None,
                    help="also record timelines of this package's schedules here "
                         "(draw with tools/timeline.py --records DIR/<schedule>)")
-    p.add_argument("--nice", type=int, default=0,
+    p.add_argument("--nice", type=_niceness, default=0,
                    help="run the configurations under 'nice -n N'; a negative N (needs the "
                         "privilege) keeps other processes on a shared machine from taking the "
                         "stages' cores (see the runq column)")
-    p.add_argument("--json", type=Path, default=None, help="also write all measurements here")
-    a = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, default=None,
+                   help="also write all measurements here")
+    return p
+
+
+def _niceness(text: str) -> int:
+    """A `nice -n` value, -20..19."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -20 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"expected an integer in -20..19, got {text!r}")
+    return value
+
+
+def _check_configs(a: argparse.Namespace, schedules: list[str]) -> None:
+    """Every configuration's training flags pass the training validator before any runs:
+    the pipeline on --depth processes, and the single process (PP=1)."""
+    rename = {"--pipeline-model-parallel-size": "--depth", "--global-batch-size": "--microbatches",
+              "--train-iters": "--iters"}
+    for schedule, nproc in [("megatron", 1)] + [(s, a.depth) for s in schedules]:
+        flags = _model_flags(a) + ["--pipeline-schedule", schedule,
+                                   "--pipeline-model-parallel-size", str(nproc)]
+        check_training_flags(flags, nproc, f"{schedule} on {nproc} process(es)", rename=rename)
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    """Benchmark the schedules (or, with --worker, run one rank); bad input ends it with one
+    `error:` line and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker(argv)
+    a = _parser().parse_args(argv)
     a.warmup = max(a.warmup, 1)
-    schedules = [s.strip() for s in a.schedules.split(",") if s.strip()]
+    schedules = list(dict.fromkeys(a.schedules))
+    _check_configs(a, schedules)
     d, m, b = a.depth, a.microbatches, a.micro_batch_size
     h, s = a.hidden_size, a.seq_length
 

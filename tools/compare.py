@@ -44,6 +44,9 @@ for _path in (str(REPO), str(TOOLS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+                              existing_file, main_guard, nonneg_float, nonneg_int, output_file,
+                              positive_int, reading, writable_dir)
 from megatron_2bw.logparse import ParsedLog, parse_log, rank_memory_line  # noqa: E402
 
 __all__ = ["Entry", "Summary", "DEFAULT_ENTRIES", "parse_entry", "summarize",
@@ -86,7 +89,7 @@ DEFAULT_ENTRIES = (
 
 
 def parse_entry(text: str) -> Entry:
-    """'LABEL:SCHEDULE:TP:PP' (e.g. '2BW PP=4:2bw:1:4') -> Entry."""
+    """'LABEL:SCHEDULE:TP:PP' (e.g. '2BW PP=4:2bw:1:4') -> Entry; TP, PP >= 1."""
     parts = text.rsplit(":", 3)
     if len(parts) != 4:
         raise argparse.ArgumentTypeError(f"expected LABEL:SCHEDULE:TP:PP, got {text!r}")
@@ -96,9 +99,20 @@ def parse_entry(text: str) -> Entry:
     if schedule not in SCHEDULES:
         raise argparse.ArgumentTypeError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     try:
-        return Entry(label, schedule, int(tp), int(pp))
+        entry = Entry(label, schedule, int(tp), int(pp))
     except ValueError:
         raise argparse.ArgumentTypeError(f"TP and PP must be integers in {text!r}") from None
+    if entry.tp < 1 or entry.pp < 1:
+        raise argparse.ArgumentTypeError(f"TP and PP must be >= 1 in {text!r}")
+    return entry
+
+
+def parse_log_source(text: str) -> tuple[str, str]:
+    """'LABEL=PATH' -> (label, path) of an existing file."""
+    label, sep, path = text.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {text!r}")
+    return label, existing_file(path)
 
 
 # ---- summary math -----------------------------------------------------------------------------
@@ -286,7 +300,9 @@ def torchrun(nproc: int) -> list[str]:
             "--nproc-per-node", str(nproc)]
 
 
-def _model_flags(a: argparse.Namespace) -> list[str]:
+def _model_flags(a: argparse.Namespace, data: bool = True) -> list[str]:
+    """Every entry's training flags but its layout; ``data=False``: mock data in place of the
+    corpus (no corpus is built, for validating a command line)."""
     flags = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
              "--num-attention-heads", str(a.num_attention_heads),
              "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -297,7 +313,7 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
              "--clip-grad", str(a.clip_grad)]
     if not a.tie_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
-    if a.data == "mock":
+    if a.data == "mock" or not data:
         flags += ["--mock-data", "--vocab-size", "1024"]
     else:
         from megatron_2bw.data.default import prepare_default_data
@@ -352,12 +368,41 @@ def _run_entry(a: argparse.Namespace, entry: Entry, log_path: Path) -> ParsedLog
     code = run_logged(command, log_path)
     text = log_path.read_text()
     if code != 0:
-        tail = "\n".join(text.splitlines()[-25:])
-        raise SystemExit(f"error: {entry.label} failed (exit code {code}), log {log_path}:\n"
-                         f"{tail}")
+        raise_failed_run(f"{entry.label} failed (exit code {code})", log_path, text)
     print(f"  {entry.label}: {time.perf_counter() - started:.0f} s, log {log_path}",
           file=sys.stderr, flush=True)
     return parse_log(text)
+
+
+def raise_failed_run(what: str, log_path: Path, text: str) -> None:
+    """Print the failed run's last log lines to stderr, indented (so no line of theirs reads as
+    this tool's error line), then raise the one ToolError naming the log."""
+    for line in text.splitlines()[-25:]:
+        print(f"  | {line}", file=sys.stderr)
+    raise ToolError(str(log_path), f"{what}; its last lines are above")
+
+
+def training_parser(model: str) -> argparse.ArgumentParser | None:
+    """The entry script's flag parser for ``model`` (None: GPT's, the default)."""
+    if model != "bert":
+        return None
+    import pretrain_bert_2bw  # BERT adds its own flags
+
+    return pretrain_bert_2bw.parser()
+
+
+def _check_entries(a: argparse.Namespace, entries: list[Entry]) -> None:
+    """Every entry's training command line passes the training entry's validator on
+    --nproc processes before the first run starts (ToolError naming the flag)."""
+    parser = training_parser(a.model)
+    layout = "--entry" if a.entry else "--nproc"  # the flag that chose TP, PP or the world
+    rename = {"--tensor-model-parallel-size": layout, "--pipeline-model-parallel-size": layout,
+              "--train-iters": "--iters"}
+    for entry in entries:
+        flags = [*_model_flags(a, data=False), *_entry_flags(entry), *a.extra]
+        check_training_flags(flags, a.nproc, f"entry {entry.label!r} ({entry.schedule}, "
+                                             f"TP={entry.tp}, PP={entry.pp}, {a.nproc} "
+                                             "processes)", parser, rename)
 
 
 def _slug(label: str) -> str:
@@ -365,75 +410,106 @@ def _slug(label: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="fairness: " + FAIRNESS_HELP)
+    p = ToolParser(description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog="fairness: " + FAIRNESS_HELP)
     p.add_argument("--entry", action="append", type=parse_entry, default=None,
                    metavar="LABEL:SCHEDULE:TP:PP",
                    help="a configuration (repeat the flag); default: the five above")
-    p.add_argument("--from-logs", nargs="+", default=None, metavar="LABEL=PATH",
+    p.add_argument("--from-logs", nargs="+", type=parse_log_source, default=None,
+                   metavar="LABEL=PATH",
                    help="summarise existing training logs instead of running (schedule and "
                         "layout are read from each log's first line)")
     p.add_argument("--reference", default=None,
                    help="label whose speed-up over each entry the table shows (default: the "
                         "2bw entry)")
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--nproc", type=int, default=2, help="processes per entry")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--iters", type=int, default=40, help="training iterations per entry")
-    p.add_argument("--log-interval", type=int, default=5,
+    p.add_argument("--nproc", type=positive_int, default=2, help="processes per entry")
+    p.add_argument("--num-layers", type=positive_int, default=4)
+    p.add_argument("--hidden-size", type=positive_int, default=256)
+    p.add_argument("--num-attention-heads", type=positive_int, default=4)
+    p.add_argument("--seq-length", type=positive_int, default=128)
+    p.add_argument("--micro-batch-size", type=positive_int, default=4)
+    p.add_argument("--global-batch-size", type=positive_int, default=32)
+    p.add_argument("--iters", type=positive_int, default=40,
+                   help="training iterations per entry")
+    p.add_argument("--log-interval", type=positive_int, default=5,
                    help="iterations per log line (the loop checks for a stop signal on all "
                         "ranks at each log line, a collective: keep it > 1)")
-    p.add_argument("--warmup", type=int, default=10, help="iterations not measured")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--warmup", type=nonneg_int, default=10, help="iterations not measured")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="run every entry this many times, interleaved; the table shows the "
                         "round with the median time (a shared machine's load drifts)")
     p.add_argument("--data", choices=("mock", "corpus"), default="mock",
                    help="mock: random tokens (--mock-data); corpus: the embedded corpus")
-    p.add_argument("--clip-grad", type=float, default=0.0, help=FAIRNESS_HELP)
+    p.add_argument("--clip-grad", type=nonneg_float, default=0.0, help=FAIRNESS_HELP)
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share input and output embeddings (see --clip-grad)")
     p.add_argument("--keep-chained-optimizer", action="store_true", help=CHAINED_HELP)
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "compare",
+    p.add_argument("--out", type=writable_dir, default=REPO / "runs" / "compare",
                    help="logs, PNG and JSON go here")
-    p.add_argument("--png", type=Path, default=None, help="default: OUT/compare_MODEL.png")
-    p.add_argument("--json", type=Path, default=None, help="also write the summaries here")
+    p.add_argument("--png", type=output_file, default=None,
+                   help="default: OUT/compare_MODEL.png")
+    p.add_argument("--json", type=output_file, default=None,
+                   help="also write the summaries here")
     p.add_argument("extra", nargs="*", help="after '--': more flags for every entry")
     return p
 
 
+@main_guard
 def main(argv: list[str] | None = None) -> int:
+    """Compare the entries (or --from-logs); bad input ends it with one `error:` line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-worker"]:
         return _rank_worker(argv)
+    return _compare(_parser().parse_args(argv))
+
+
+def _summaries_from_logs(a: argparse.Namespace) -> list[Summary]:
+    """One summary per --from-logs LABEL=PATH; a log that cannot be read, has no header line
+    or too few iteration lines raises ToolError naming --from-logs and the file."""
+    summaries = []
+    for label, path in a.from_logs:
+        with reading("--from-logs", path):
+            log = parse_log(Path(path).read_text())
+        if log.header is None:
+            raise ToolError("--from-logs", f"{path} has no 'training ... schedule' line (not "
+                                           "a megatron-2bw training log?)")
+        h = log.header
+        entry = Entry(label, h.schedule, h.tp, h.pp)
+        summaries.append(_summarize(entry, log, a.warmup, "--from-logs", path))
+    return summaries
+
+
+def _summarize(entry: Entry, log: ParsedLog, warmup: int, flag: str, path,
+               nproc: int | None = None) -> Summary:
+    """:func:`summarize`; a log with no line to measure raises ToolError naming ``flag``."""
     try:
-        return _compare(_parser().parse_args(argv))
-    except ValueError as error:  # a log without enough lines to measure, a bad --reference
-        raise SystemExit(f"error: {error}") from None
+        return summarize(entry, log, warmup, nproc)
+    except ValueError as err:
+        raise ToolError(flag, f"{path}: {err}") from None
+
+
+def _reference(reference: str | None, entries: list) -> str | None:
+    """``reference``, which must be one of the entries' labels, or by default the 2bw entry's
+    label (None without one)."""
+    labels = [e.label for e in entries]
+    if reference is not None and reference not in labels:
+        raise ToolError("--reference", f"{reference!r} is not an entry's label: {labels}")
+    return reference or next((e.label for e in entries if e.schedule == "2bw"), None)
 
 
 def _compare(a: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     summaries: list[Summary] = []
     if a.from_logs:
-        for item in a.from_logs:
-            label, sep, path = item.partition("=")
-            if not sep:
-                raise SystemExit(f"error: --from-logs: expected LABEL=PATH, got {item!r}")
-            log = parse_log(Path(path).read_text())
-            if log.header is None:
-                raise SystemExit(f"error: --from-logs: {path} has no 'training ... schedule' "
-                                 "line")
-            h = log.header
-            summaries.append(summarize(Entry(label, h.schedule, h.tp, h.pp), log, a.warmup))
+        summaries = _summaries_from_logs(a)
+        reference = _reference(a.reference, summaries)
         title = "from logs: " + ", ".join(s.label for s in summaries)
     else:
         entries = a.entry or list(DEFAULT_ENTRIES)
+        reference = _reference(a.reference, entries)
+        _check_entries(a, entries)
         print(f"compare: {a.model.upper()} {a.num_layers} layers, h={a.hidden_size}, "
               f"heads={a.num_attention_heads}, s={a.seq_length}, micro batch "
               f"{a.micro_batch_size}, global batch {a.global_batch_size}, {a.nproc} processes, "
@@ -446,15 +522,15 @@ def _compare(a: argparse.Namespace) -> int:
                 print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
             for entry in entries:
                 suffix = f"_round{round_ + 1}" if a.rounds > 1 else ""
-                log = _run_entry(a, entry,
-                                 a.out / f"{a.model}_{_slug(entry.label)}{suffix}.log")
-                rounds[entry.label].append(summarize(entry, log, a.warmup, a.nproc))
+                log_path = a.out / f"{a.model}_{_slug(entry.label)}{suffix}.log"
+                log = _run_entry(a, entry, log_path)
+                rounds[entry.label].append(
+                    _summarize(entry, log, a.warmup, "--warmup", log_path, a.nproc))
         summaries = [median_over_rounds(rounds[e.label]) for e in entries]
         title = (f"{a.model.upper()} L={a.num_layers} h={a.hidden_size} s={a.seq_length}, "
                  f"B={a.global_batch_size}, b={a.micro_batch_size}, {a.nproc} processes")
     for s in summaries:
         _add_schedule_memory(s)
-    reference = a.reference or next((s.label for s in summaries if s.schedule == "2bw"), None)
     load_after = os.getloadavg()
     print(format_table(summaries, reference))
     if not a.from_logs and a.rounds > 1:

@@ -32,7 +32,12 @@ for _path in (str(REPO), str(TOOLS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from compare import run_logged, save_figure, torchrun  # noqa: E402
+from compare import (raise_failed_run, run_logged, save_figure, torchrun,  # noqa: E402
+                     training_parser)
+from megatron_2bw.arguments import SCHEDULES  # noqa: E402
+from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+                              comma_list, main_guard, nonneg_float, nonneg_int, positive_int,
+                              reading, writable_dir)
 from megatron_2bw.logparse import ParsedLog, parse_log  # noqa: E402
 
 __all__ = ["MODEL_FLAGS", "final_losses", "relative_gap", "plot", "main"]
@@ -102,7 +107,12 @@ def _data_flags(model: str) -> list[str]:
 
 def _command(a: argparse.Namespace, schedule: str) -> list[str]:
     script = REPO / f"pretrain_{a.model}_2bw.py"
-    return [*torchrun(2), str(script), *_data_flags(a.model), *MODEL_FLAGS,
+    return [*torchrun(2), str(script), *_data_flags(a.model), *_training_flags(a, schedule)]
+
+
+def _training_flags(a: argparse.Namespace, schedule: str) -> list[str]:
+    """Every flag of a run but its data flags."""
+    return [*MODEL_FLAGS,
             "--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2",
             "--train-iters", str(a.iters), "--lr-warmup-iters", str(a.iters // 10),
             "--seed", str(a.seed),
@@ -111,31 +121,54 @@ def _command(a: argparse.Namespace, schedule: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ToolParser(description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--schedules", default="2bw,flush",
-                   help="the first is compared against the second")
-    p.add_argument("--iters", type=int, default=300,
+    p.add_argument("--schedules", type=comma_list(str, SCHEDULES), default=("2bw", "flush"),
+                   help="the first is compared against the second (default: 2bw,flush)")
+    p.add_argument("--iters", type=positive_int, default=300,
                    help="training iterations; the first tenth warm the learning rate up")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--eval-iters", type=int, default=20,
+    p.add_argument("--seed", type=nonneg_int, default=1234)
+    p.add_argument("--log-interval", type=positive_int, default=10)
+    p.add_argument("--eval-interval", type=positive_int, default=50)
+    p.add_argument("--eval-iters", type=positive_int, default=20,
                    help="validation batches per evaluation (the same batches every time)")
-    p.add_argument("--out", type=Path, default=None, help="default: runs/convergence/MODEL")
+    p.add_argument("--out", type=writable_dir, default=None,
+                   help="default: runs/convergence/MODEL")
     p.add_argument("--plot-only", action="store_true",
                    help="no training: read OUT/SCHEDULE.log of an earlier run")
-    p.add_argument("--target", type=float, default=0.02,
+    p.add_argument("--target", type=nonneg_float, default=0.02,
                    help="exit code 1 when the relative validation gap exceeds this")
     p.add_argument("extra", nargs="*", help="after '--': more flags for both runs")
     return p
 
 
+def read_log(path: Path, plot_only: bool) -> ParsedLog:
+    """The parsed training log at ``path``; one that is missing, unreadable or holds no
+    iteration line raises ToolError naming the file (and --plot-only, which asked for it)."""
+    what = "--plot-only" if plot_only else str(path)
+    if plot_only and not path.is_file():
+        raise ToolError(what, f"no log {path} of an earlier run (run without --plot-only, "
+                              "or give its --out)")
+    with reading(what, path):
+        log = parse_log(path.read_text())
+    if not log.iterations:
+        raise ToolError(what, f"{path} holds no training iteration line")
+    return log
+
+
+@main_guard
 def main(argv: list[str] | None = None) -> int:
+    """Train (or with --plot-only read) each schedule, compare, plot; exit code 1 when the
+    gap misses --target, 2 on bad input (one `error:` line)."""
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     out = a.out or REPO / "runs" / "convergence" / a.model
-    schedules = [s.strip() for s in a.schedules.split(",") if s.strip()]
+    schedules = list(dict.fromkeys(a.schedules))
+    if not a.plot_only:  # every run's flags pass the training validator before any starts
+        for schedule in schedules:
+            check_training_flags([*_training_flags(a, schedule), "--mock-data"], 2,
+                                 f"the {schedule} run", training_parser(a.model),
+                                 {"--train-iters": "--iters"})
     logs, seconds = {}, {}
     for schedule in schedules:
         log_path = out / f"{schedule}.log"
@@ -144,11 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             code = run_logged(_command(a, schedule), log_path)
             seconds[schedule] = time.perf_counter() - started
             if code != 0:
-                tail = "\n".join(log_path.read_text().splitlines()[-25:])
-                raise SystemExit(f"error: {schedule} failed (exit code {code}), log {log_path}:"
-                                 f"\n{tail}")
+                raise_failed_run(f"{schedule} failed (exit code {code})", log_path,
+                                 log_path.read_text())
             print(f"  {schedule}: {seconds[schedule]:.0f} s", file=sys.stderr, flush=True)
-        logs[schedule] = parse_log(log_path.read_text())
+        logs[schedule] = read_log(log_path, a.plot_only)
 
     finals = {s: final_losses(log) for s, log in logs.items()}
     print(f"{'schedule':<8} {'iteration':>9} {'train loss':>10} {'valid loss':>10} {'wall s':>7}")

@@ -27,6 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_2bw.cli import (ToolError, ToolParser, comma_list, existing_file,  # noqa: E402
+                              fraction, main_guard, nonneg_int, output_file, positive_float,
+                              positive_int, reading, writable_dir)
 from megatron_2bw.planner import (ALL_SCHEDULES, GiB, CostModel, E2EProfile, Layout,  # noqa: E402
                                   ModelSpec, Plan, PlanRequest, Profile, preset, search,
                                   write_plan)
@@ -37,37 +40,32 @@ from megatron_2bw.planner.cluster import Link  # noqa: E402
 _Gb = 1e9 / 8
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-
-
-def _schedules(text: str) -> tuple[str, ...]:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in ALL_SCHEDULES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown schedule(s) {bad}; choose from "
-                                         f"{','.join(ALL_SCHEDULES)}")
-    return names
+_ints = comma_list(positive_int)
+"""Comma-separated integers >= 1, at least one."""
+_schedules = comma_list(str, ALL_SCHEDULES)
+"""Comma-separated schedule names, at least one."""
 
 
 def _add_model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     g = p.add_argument_group("model (Megatron's flags)")
     g.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
-        g.add_argument(flag, type=int, required=required)
-    g.add_argument("--vocab-size", type=int, default=None,
+        g.add_argument(flag, type=positive_int, required=required)
+    g.add_argument("--vocab-size", type=positive_int, default=None,
                    help="tokenizer vocabulary (default: 51200 GPT, 30592 BERT)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None,
+                   help="default: 4 x hidden")
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--no-dropout", action="store_true",
                    help="the run uses --hidden-dropout 0 --attention-dropout 0")
 
 
 def _model(args) -> ModelSpec:
+    """The model the flags describe; heads that do not divide the hidden size are refused."""
+    if args.hidden_size % args.num_attention_heads:
+        raise ToolError("--hidden-size", f"{args.hidden_size} is not divisible by "
+                                         f"--num-attention-heads {args.num_attention_heads}")
     vocab = args.vocab_size or (30592 if args.model == "bert" else 51200)
     return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, ffn_hidden_size=args.ffn_hidden_size,
@@ -81,22 +79,26 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster", default="cpu-local",
                    help="v100-25gbe (alias paper: 8 x V100-16GB, 25 Gb/s Ethernet), dgx-a100, "
                         "dgx-h100, cpu-local (this machine, one process per core)")
-    g.add_argument("--nodes", type=int, default=1)
-    g.add_argument("--gpus-per-node", type=int, default=None)
-    g.add_argument("--gpu-memory-gib", type=float, default=None)
-    g.add_argument("--intra-node-gbytes", type=float, default=None,
+    g.add_argument("--nodes", type=positive_int, default=1)
+    g.add_argument("--gpus-per-node", type=positive_int, default=None)
+    g.add_argument("--gpu-memory-gib", type=positive_float, default=None)
+    g.add_argument("--intra-node-gbytes", type=positive_float, default=None,
                    help="GB/s per device and direction inside a node (NVLink)")
-    g.add_argument("--inter-node-gbits", type=float, default=None,
+    g.add_argument("--inter-node-gbits", type=positive_float, default=None,
                    help="Gb/s of a node's network, shared by its devices")
 
 
 def _cluster(args):
+    """The --cluster preset with the flags' changes; an unknown name is refused."""
     changes = {}
     if args.gpus_per_node:
         changes["gpus_per_node"] = args.gpus_per_node
     if args.gpu_memory_gib:
         changes["memory_bytes"] = args.gpu_memory_gib * GiB
-    cluster = preset(args.cluster, nodes=args.nodes, **changes)
+    try:
+        cluster = preset(args.cluster, nodes=args.nodes, **changes)
+    except ValueError as err:
+        raise ToolError("--cluster", str(err)) from None
     if args.intra_node_gbytes:
         cluster = cluster.with_(intra_node=Link(args.intra_node_gbytes * 1e9,
                                                 cluster.intra_node.latency))
@@ -107,12 +109,10 @@ def _cluster(args):
 
 
 def _load(kind, path, flag: str):
-    """`kind.load(path)`, or exit with one line naming the flag."""
-    try:
+    """`kind.load(path)`; a file that cannot be read or parsed raises ToolError naming the
+    flag."""
+    with reading(flag, path):
         return kind.load(path)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        print(f"error: {flag} {path}: {e}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def _precision(args, cluster) -> str:
@@ -138,12 +138,12 @@ def _load_profile(args, cluster) -> Profile | None:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ToolParser(prog="plan.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_flags(p)
     _add_cluster_flags(p)
     g = p.add_argument_group("training")
-    g.add_argument("--global-batch-size", type=int, required=True,
+    g.add_argument("--global-batch-size", type=positive_int, required=True,
                    help="B: the largest global batch that still trains well")
     g.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="default: bf16 on GPUs, fp32 on cpu-local")
@@ -151,7 +151,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="allowed schedules (leave out 2bw to forbid the 1-stale update)")
     g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
-    g.add_argument("--memory-fraction", type=float, default=0.9)
+    g.add_argument("--memory-fraction", type=fraction, default=0.9)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--no-clip-grad", action="store_true",
@@ -159,19 +159,20 @@ def plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw runs its step where the loop calls it (clipping or tied embeddings "
                         "then stall the pipeline at each step)")
-    g.add_argument("--max-tensor-parallel", type=int, default=None)
+    g.add_argument("--max-tensor-parallel", type=positive_int, default=None)
     g = p.add_argument_group("output")
-    g.add_argument("--profile", default=None,
+    g.add_argument("--profile", type=existing_file, default=None,
                    help="layer profile JSON (default: tools/profiles/<device>.json if present)")
     g.add_argument("--no-profile", action="store_true", help="closed forms only")
-    g.add_argument("--measured", default=None,
+    g.add_argument("--measured", type=existing_file, default=None,
                    help="end-to-end profile JSON: print predicted vs measured")
     g.add_argument("--closed-form", action="store_true",
                    help="no simulator refinement of the leading candidates")
-    g.add_argument("--simulate-top", type=int, default=5)
-    g.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    g.add_argument("--simulate-top", type=nonneg_int, default=5)
+    g.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table")
     g.add_argument("--explain", action="store_true", help="print every rejected layout")
-    g.add_argument("--out", default="plan", help="directory for plan.json and the scripts")
+    g.add_argument("--out", type=writable_dir, default="plan",
+                   help="directory for plan.json and the scripts")
     g.add_argument("--no-scripts", action="store_true", help="do not print the scripts")
     return p
 
@@ -207,6 +208,7 @@ def run_plan(argv) -> int:
     model, cluster = _model(args), _cluster(args)
     precision = _precision(args, cluster)
     profile = _load_profile(args, cluster)
+    e2e = _load(E2EProfile, args.measured, "--measured") if args.measured else None
     request = PlanRequest(
         model, cluster, args.global_batch_size, precision, schedules=args.schedules,
         micro_batch_sizes=args.micro_batch_sizes,
@@ -241,8 +243,7 @@ def run_plan(argv) -> int:
     if not args.no_scripts:
         print(f"\n--- {paths['torchrun']} ---\n{paths['torchrun'].read_text()}"
               f"--- {paths['sbatch']} ---\n{paths['sbatch'].read_text()}", end="")
-    if args.measured:
-        e2e = _load(E2EProfile, args.measured, "--measured")
+    if e2e is not None:
         print("\npredicted vs measured:\n"
               + profiling.format_accuracy(profiling.compare(e2e, cost,
                                                             simulate=not args.closed_form)))
@@ -256,59 +257,63 @@ _LAYOUT_RE = re.compile(r"t(\d+)d(\d+)w(\d+)b(\d+):([a-z0-9]+)(\+rc)?")
 
 
 def parse_layout(text: str, global_batch: int) -> Layout:
-    """'t1d2w1b4:2bw' (+rc for recomputation) with m from the global batch."""
+    """'t1d2w1b4:2bw' (+rc for recomputation) with m from the global batch; a bad one raises
+    ToolError naming --layouts."""
     match = _LAYOUT_RE.fullmatch(text.strip())
     if match is None:
-        raise argparse.ArgumentTypeError(f"layout {text!r}: expected like t1d2w1b4:2bw or "
-                                         "t2d1w1b4:megatron+rc")
+        raise ToolError("--layouts", f"layout {text!r}: expected like t1d2w1b4:2bw or "
+                                     "t2d1w1b4:megatron+rc")
     t, d, w, b = (int(x) for x in match.groups()[:4])
     schedule, rc = match.group(5), bool(match.group(6))
     if schedule not in ALL_SCHEDULES:
-        raise argparse.ArgumentTypeError(f"layout {text!r}: unknown schedule {schedule}")
+        raise ToolError("--layouts", f"layout {text!r}: unknown schedule {schedule}; choose "
+                                     f"from {','.join(ALL_SCHEDULES)}")
+    if min(t, d, w, b) < 1:
+        raise ToolError("--layouts", f"layout {text!r}: t, d, w and b must be >= 1")
     if global_batch % (b * w):
-        raise argparse.ArgumentTypeError(f"layout {text!r}: B={global_batch} is not a "
-                                         f"multiple of b x w = {b * w}")
+        raise ToolError("--layouts", f"layout {text!r}: --global-batch-size {global_batch} "
+                                     f"is not a multiple of b x w = {b * w}")
     return Layout(t, d, w, b, global_batch // (b * w), rc, schedule)
 
 
 def profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan.py profile",
-                                description="measure layers, or whole configurations")
+    p = ToolParser(prog="plan.py profile", description="measure layers, or whole configurations")
     _add_model_flags(p)
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--cpu", action="store_true", help="profile on CPU even where CUDA is")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=output_file, default=None,
                    help="default: tools/profiles/<device>.json (layers), e2e.json (--end-to-end)")
     g = p.add_argument_group("layer profile")
     g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8))
     g.add_argument("--tensor-parallel-sizes", type=_ints, default=(1, 2, 4, 8))
     g.add_argument("--no-recompute", action="store_true")
-    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--repeats", type=positive_int, default=10)
     g.add_argument("--no-links", action="store_true",
                    help="skip timing all-reduces between two local processes")
     g.add_argument("--no-calibrate", action="store_true",
                    help="skip the one-device training run that scales the parts to a whole "
                         "iteration (compute_scale)")
-    g.add_argument("--calibrate-devices", type=int, default=None,
+    g.add_argument("--calibrate-devices", type=positive_int, default=None,
                    help="devices the calibration run trains on, data-parallel (default: every "
                         "core on CPU, 1 on CUDA): as many as the planned runs keep busy")
     g = p.add_argument_group("end-to-end profile")
     g.add_argument("--end-to-end", action="store_true")
     g.add_argument("--layouts", default=None,
                    help="comma-separated, like t1d2w1b4:2bw,t2d1w1b4:megatron,t1d1w2b4:megatron")
-    g.add_argument("--candidates", type=int, default=4,
+    g.add_argument("--candidates", type=positive_int, default=4,
                    help="without --layouts: the planner's best this many for --nproc devices")
-    g.add_argument("--nproc", type=int, default=2, help="processes (devices) on this machine")
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--train-iters", type=int, default=12)
-    g.add_argument("--log-interval", type=int, default=3)
-    g.add_argument("--repeat", type=int, default=1,
+    g.add_argument("--nproc", type=positive_int, default=2,
+                   help="processes (devices) on this machine")
+    g.add_argument("--global-batch-size", type=positive_int, default=16)
+    g.add_argument("--train-iters", type=positive_int, default=12)
+    g.add_argument("--log-interval", type=positive_int, default=3)
+    g.add_argument("--repeat", type=positive_int, default=1,
                    help="run each layout this many times, keep the fastest (busy machines)")
-    g.add_argument("--idle-below", type=float, default=None,
+    g.add_argument("--idle-below", type=positive_float, default=None,
                    help="before each run wait (up to 10 min) for the load average to drop "
                         "below this")
-    g.add_argument("--profile", default=None,
+    g.add_argument("--profile", type=existing_file, default=None,
                    help="layer profile JSON to predict the runs with (accuracy table)")
     return p
 
@@ -317,7 +322,10 @@ def run_profile(argv) -> int:
     args = profile_parser().parse_args(argv)
     model = _model(args)
     if args.end_to_end:
-        return _run_end_to_end(args, model)
+        layouts = ([parse_layout(x, args.global_batch_size) for x in args.layouts.split(",")]
+                   if args.layouts else None)
+        profile = _load(Profile, args.profile, "--profile") if args.profile else None
+        return _run_end_to_end(args, model, layouts, profile)
     from megatron_2bw.runtime.cpu import cuda_usable
 
     on_cpu = args.cpu or not cuda_usable()
@@ -342,17 +350,17 @@ def run_profile(argv) -> int:
     return 0
 
 
-def _run_end_to_end(args, model: ModelSpec) -> int:
+def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,
+                    profile: Profile | None) -> int:
+    """Train `layouts` (default: the planner's best --candidates) and record them; inputs are
+    validated before anything runs."""
     from megatron_2bw.runtime.cpu import cuda_usable
 
     on_cpu = args.cpu or not cuda_usable()
     precision = args.precision or ("fp32" if on_cpu else "bf16")
-    if args.layouts:
-        layouts = [parse_layout(x, args.global_batch_size) for x in args.layouts.split(",")]
-    else:
+    if layouts is None:
         cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(
             "dgx-h100", gpus_per_node=args.nproc)
-        profile = _load(Profile, args.profile, "--profile") if args.profile else None
         cost = CostModel(model, cluster, precision, profile=profile)
         plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
@@ -361,8 +369,8 @@ def _run_end_to_end(args, model: ModelSpec) -> int:
                                    repeat=args.repeat, idle_below=args.idle_below, log=print)
     out = Path(args.out or "e2e.json")
     print(f"wrote {e2e.save(out)}")
-    if args.profile:
-        _print_report(e2e, _load(Profile, args.profile, "--profile"))
+    if profile is not None:
+        _print_report(e2e, profile)
     return 0
 
 
@@ -376,10 +384,11 @@ def _print_report(e2e: E2EProfile, profile: Profile, closed_form: bool = False) 
 
 
 def run_report(argv) -> int:
-    p = argparse.ArgumentParser(prog="plan.py report",
-                                description="predicted vs measured for an end-to-end profile")
-    p.add_argument("--measured", required=True, help="end-to-end profile JSON")
-    p.add_argument("--profile", required=True, help="layer profile JSON")
+    p = ToolParser(prog="plan.py report",
+                   description="predicted vs measured for an end-to-end profile")
+    p.add_argument("--measured", type=existing_file, required=True,
+                   help="end-to-end profile JSON")
+    p.add_argument("--profile", type=existing_file, required=True, help="layer profile JSON")
     p.add_argument("--closed-form", action="store_true")
     args = p.parse_args(argv)
     _print_report(_load(E2EProfile, args.measured, "--measured"),
@@ -387,7 +396,9 @@ def run_report(argv) -> int:
     return 0
 
 
+@main_guard
 def main(argv=None) -> int:
+    """Run a subcommand; bad input ends it with one `error:` line and exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"profile": run_profile, "report": run_report, "plan": run_plan}
     if argv and argv[0] in commands:

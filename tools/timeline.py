@@ -51,44 +51,72 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_2bw import trace  # noqa: E402
+from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+                              existing_dir, main_guard, nonneg_float, output_file, positive_float,
+                              positive_int, reading, writable_dir)
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
+from megatron_2bw.schedules import SCHEDULES  # noqa: E402
 
 
 # --- drawing ------------------------------------------------------------------------------------
 
 def _draw_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ToolParser(
         description="Draw a pipeline timeline (PNG, Chrome trace) from a simulation or from "
                     "the records of a real run. Subcommands: 'record' (under torchrun) and "
                     "'run' (torchrun + draw); see the module docstring.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--simulate", action="store_true", help="simulate a schedule")
-    source.add_argument("--records", metavar="DIR", help="per-rank *.jsonl files of a real run")
-    p.add_argument("--schedule", default="2bw", help="2bw, flush, gpipe or naive (--simulate)")
-    p.add_argument("--depth", type=int, default=4, help="pipeline stages d (--simulate)")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per batch m")
+    source.add_argument("--records", metavar="DIR", type=existing_dir,
+                        help="per-rank *.jsonl files of a real run")
+    p.add_argument("--schedule", default="2bw", choices=sorted(SCHEDULES),
+                   help="the schedule to simulate (--simulate)")
+    p.add_argument("--depth", type=positive_int, default=4, help="pipeline stages d (--simulate)")
+    p.add_argument("--microbatches", type=positive_int, default=4,
+                   help="microbatches per batch m")
     p.add_argument("--batches", default="3", metavar="N | A:B",
                    help="--simulate: number of batches N; --records: draw batches A..B-1")
-    p.add_argument("--forward", type=float, default=1.0, help="forward time (--simulate)")
-    p.add_argument("--backward", type=float, default=2.0, help="backward time (--simulate)")
-    p.add_argument("--p2p", type=float, default=0.0, help="transfer latency (--simulate)")
+    p.add_argument("--forward", type=positive_float, default=1.0,
+                   help="forward time (--simulate)")
+    p.add_argument("--backward", type=positive_float, default=2.0,
+                   help="backward time (--simulate)")
+    p.add_argument("--p2p", type=nonneg_float, default=0.0,
+                   help="transfer latency (--simulate)")
     _add_outputs(p)
     return p
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--png", help="write the timeline picture here")
-    p.add_argument("--chrome-trace", help="write Chrome trace JSON here")
+    p.add_argument("--png", type=output_file, help="write the timeline picture here")
+    p.add_argument("--chrome-trace", type=output_file, help="write Chrome trace JSON here")
     p.add_argument("--title", help="picture title (default: what was drawn)")
 
 
+def _require_outputs(args: argparse.Namespace) -> None:
+    """At least one of --png and --chrome-trace, checked before any work."""
+    if not args.png and not args.chrome_trace:
+        raise ToolError("--png", "nothing to write: give --png and/or --chrome-trace")
+
+
+def _batch_count(text: str) -> int:
+    """--batches N of a simulation: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise ToolError("--batches", f"--simulate needs a number of batches >= 1, got {text!r}")
+    return int(text)
+
+
 def _batch_window(text: str | None) -> tuple[int, int] | None:
+    """--batches A:B of recorded runs (A defaults to 0, B to the end): 0 <= A < B."""
     if not text:
         return None
     first, sep, last = text.partition(":")
-    if not sep:
-        raise SystemExit(f"error: --batches for records must be A:B, got {text!r}")
-    return int(first or 0), int(last) if last else 1 << 62
+    try:
+        window = int(first or 0), int(last) if last else 1 << 62
+    except ValueError:
+        window = None
+    if not sep or window is None or not 0 <= window[0] < window[1]:
+        raise ToolError("--batches", f"expected A:B with integers 0 <= A < B, got {text!r}")
+    return window
 
 
 def _select_batches(records, microbatches: int, window: tuple[int, int] | None):
@@ -101,13 +129,13 @@ def _select_batches(records, microbatches: int, window: tuple[int, int] | None):
 
     chosen = [r for r in records if window[0] <= batch(r) < window[1]]
     if not chosen:
-        raise SystemExit(f"error: no records in batches {window[0]}:{window[1]}")
+        recorded = max(batch(r) for r in records) + 1
+        raise ToolError("--batches", f"no records in batches {window[0]}:{window[1]} (the "
+                                     f"records hold batches 0:{recorded})")
     return chosen
 
 
 def _write(records, png: str | None, chrome: str | None, title: str, real: bool) -> None:
-    if not png and not chrome:
-        raise SystemExit("error: give --png and/or --chrome-trace")
     for path in (png, chrome):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -129,26 +157,50 @@ def _print_summary(records, real: bool) -> None:
               f"{s['span'] * scale:.1f}{unit}  (longest gap {s['longest_gap'] * scale:.1f}{unit})")
 
 
-def draw(argv: list[str]) -> int:
-    args = _draw_parser().parse_args(argv)
-    if args.simulate:
-        from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+def _load_run(folder: str) -> tuple[list, str, list[dict]]:
+    """(merged records, how they were aligned, per-rank headers) of a folder of *.jsonl
+    record files; a folder without them or an unreadable file raises ToolError (--records)."""
+    paths = sorted(Path(folder).glob("*.jsonl"))
+    if not paths:
+        raise ToolError("--records", f"{folder} holds no *.jsonl record files")
+    headers = []
+    for path in paths:
+        with reading("--records", path):
+            headers.append(trace.load_records(path)[0])
+    with reading("--records", folder):
+        records, how = trace.merge_records(paths)
+    return records, how, headers
 
-        batches = int(args.batches)
-        result = simulate(pipeline_actions(args.schedule, args.depth, args.microbatches, batches),
-                          Costs(args.forward, args.backward, p2p=args.p2p))
-        records = trace.records_from_simulation(result)
-        title = args.title or (f"{args.schedule}: d={args.depth}, m={args.microbatches}, "
-                               f"{batches} batches (simulated; bubble {result.bubble:.0%})")
-        _print_summary(records, real=False)
-        _write(records, args.png, args.chrome_trace, title, real=False)
-        return 0
-    records, how = trace.merge_records(args.records)
-    headers = [trace.load_records(p)[0] for p in sorted(Path(args.records).glob("*.jsonl"))]
+
+def _simulate(args: argparse.Namespace) -> int:
+    """Simulate --schedule and draw it."""
+    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+
+    batches = _batch_count(args.batches)
+    try:
+        actions = pipeline_actions(args.schedule, args.depth, args.microbatches, batches)
+    except ValueError as err:  # e.g. 2bw with fewer microbatches than stages
+        raise ToolError("--microbatches", str(err)) from None
+    result = simulate(actions, Costs(args.forward, args.backward, p2p=args.p2p))
+    records = trace.records_from_simulation(result)
+    title = args.title or (f"{args.schedule}: d={args.depth}, m={args.microbatches}, "
+                           f"{batches} batches (simulated; bubble {result.bubble:.0%})")
+    _print_summary(records, real=False)
+    _write(records, args.png, args.chrome_trace, title, real=False)
+    return 0
+
+
+def draw(argv: list[str]) -> int:
+    """Draw a simulated schedule (--simulate) or a real run's records (--records)."""
+    args = _draw_parser().parse_args(argv)
+    _require_outputs(args)
+    if args.simulate:
+        return _simulate(args)
+    window = _batch_window(args.batches) if ":" in (args.batches or "") else None
+    records, how, headers = _load_run(args.records)
     microbatches = next((h["microbatches"] for h in headers if "microbatches" in h),
                         args.microbatches)
     schedule = next((h["schedule"] for h in headers if "schedule" in h), "?")
-    window = _batch_window(args.batches) if ":" in (args.batches or "") else None
     records = _select_batches(records, microbatches, window)
     depth = 1 + max(r.stage for r in records)
     shown = f", batches {window[0]}:{window[1]}" if window else ""
@@ -161,20 +213,24 @@ def draw(argv: list[str]) -> int:
 
 # --- recording a real run -----------------------------------------------------------------------
 
-def _split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" not in argv:
-        raise SystemExit("error: put the training flags after '--'")
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+def _parse_with_flags(parser: argparse.ArgumentParser,
+                      argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(this tool's parsed flags, the training flags after '--'); this tool's flags are
+    parsed first (so --help works), then a missing '--' is refused."""
+    i = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:i])
+    if i == len(argv):
+        raise ToolError("--", "put the training flags after '--'")
+    return args, argv[i + 1:]
 
 
 def record(argv: list[str]) -> int:
     """One rank (under torchrun): train with pretrain_gpt_2bw.py's main(), the executor's
     timeline on, and write OUT/rank{R}.jsonl at the end, also when training fails."""
-    ours, flags = _split_flags(argv)
-    p = argparse.ArgumentParser(prog="timeline.py record")
-    p.add_argument("--out", required=True, help="directory for rank{R}.jsonl")
-    args = p.parse_args(ours)
+    p = ToolParser(prog="timeline.py record")
+    p.add_argument("--out", type=writable_dir, required=True,
+                   help="directory for rank{R}.jsonl")
+    args, flags = _parse_with_flags(p, argv)
     rank = int(os.environ.get("RANK", "0"))
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
@@ -216,14 +272,19 @@ def record(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     """torchrun --nproc-per-node N this-file record ..., then draw the records."""
-    ours, flags = _split_flags(argv)
-    p = argparse.ArgumentParser(prog="timeline.py run")
-    p.add_argument("--nproc", type=int, required=True, help="processes (ranks) to start")
-    p.add_argument("--out", required=True, help="directory for the per-rank records")
+    p = ToolParser(prog="timeline.py run")
+    p.add_argument("--nproc", type=positive_int, required=True,
+                   help="processes (ranks) to start")
+    p.add_argument("--out", type=writable_dir, required=True,
+                   help="directory for the per-rank records")
     p.add_argument("--batches", default=None, metavar="A:B", help="draw batches A..B-1 only")
     _add_outputs(p)
-    args = p.parse_args(ours)
-    if "--data-path" not in flags and "--mock-data" not in flags:
+    args, flags = _parse_with_flags(p, argv)
+    _batch_window(args.batches)
+    has_data = "--data-path" in flags or "--mock-data" in flags
+    check_training_flags(flags if has_data else [*flags, "--mock-data"], args.nproc,
+                         f"the training flags after '--' on --nproc {args.nproc}")
+    if not has_data:
         from megatron_2bw.data.default import prepare_default_data
 
         data = prepare_default_data()
@@ -247,13 +308,15 @@ def run(argv: list[str]) -> int:
     for flag, value in (("--png", args.png), ("--chrome-trace", args.chrome_trace),
                         ("--title", args.title), ("--batches", args.batches)):
         if value:
-            draw_args += [flag, value]
+            draw_args += [flag, str(value)]
     if args.png or args.chrome_trace:
         return draw(draw_args)
     return 0
 
 
+@main_guard
 def main(argv: list[str] | None = None) -> int:
+    """Dispatch to record, run or draw; bad input ends it with one `error:` line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "record":
         return record(argv[1:])

@@ -66,6 +66,9 @@ class _JsonFile:
     @classmethod
     def load(cls, path: str | os.PathLike):
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a JSON {type(data).__name__}, not a {cls.FORMAT!r} "
+                             "object")
         found = data.pop("format", cls.FORMAT)
         if found != cls.FORMAT:
             raise ValueError(f"{path} holds a {found!r}, not a {cls.FORMAT!r} (a layer profile "

@@ -1,0 +1,257 @@
+"""What the command-line tools under ``tools/`` share: bad input ends a tool with ONE line.
+
+Invariant: a tool given bad input (a flag out of range, a missing or unparsable input file, an
+output folder it cannot write) prints exactly one line ``error: <flag or file>: <what is
+wrong>`` to stderr and exits with code 2: no argparse usage block, no traceback. A bug in the
+tool still ends in a traceback: only the user errors below are caught.
+
+- :class:`ToolParser` is argparse whose errors raise :class:`FlagError` naming the flag (the
+  training entry's parser, :mod:`megatron_2bw.arguments`); its subparsers are ToolParsers.
+- The ``type=`` helpers (:func:`positive_int`, :func:`existing_file`, :func:`writable_dir`, ...)
+  reject a value at parse time with a message saying what was expected and what was given.
+- :func:`reading` turns an input that cannot be read or parsed into a :class:`ToolError` naming
+  the flag and the file; a tool's ``main`` decorated with :func:`main_guard` turns every user
+  error into the one line, also when a test calls it in-process.
+
+This module imports nothing heavy (no torch, no megatron-core), so a tool that parses its flags
+first fails fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Sequence
+
+from megatron_2bw.arguments import FlagError, _Parser, int_at_least, number_in, parse_args
+from megatron_2bw.data.errors import DataError
+
+__all__ = ["EXIT_USAGE", "FlagError", "ToolError", "ToolParser", "check_training_flags",
+           "comma_list", "existing_dir", "existing_file", "fraction", "main_guard",
+           "nonneg_float", "nonneg_int", "output_file", "output_prefix", "positive_float",
+           "positive_int", "reading", "writable_dir"]
+
+EXIT_USAGE = 2
+"""The exit code of every user error (argparse's own code for a bad command line)."""
+
+
+class ToolError(FlagError):
+    """A bad input to a tool; ``what`` is the flag or file to fix, ``str()`` the line after
+    ``error: `` (``what: message``)."""
+
+    def __init__(self, what: str, message: str):
+        super().__init__(str(what), message)
+
+    @property
+    def what(self) -> str:
+        return self.flag
+
+
+class ToolParser(_Parser):
+    """argparse whose every error raises :class:`FlagError` naming a flag, never printing the
+    usage block; subparsers made with :meth:`add_subparsers` are ToolParsers too."""
+
+    _REQUIRED = re.compile(r"the following arguments are required: ([^,\s]+)(?:, )?(.*)")
+    _ONE_OF = re.compile(r"one of the arguments (.*) is required")
+    _AMBIGUOUS = re.compile(r"ambiguous option: (\S+?)(?:=\S*)? (could match .*)")
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # as the training entry: flags are spelled out
+        super().__init__(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", ToolParser)
+        return super().add_subparsers(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        required = self._REQUIRED.match(message)
+        if required:
+            others = f"; also missing {required.group(2)}" if required.group(2) else ""
+            raise FlagError(required.group(1), f"is required{others}; see --help")
+        one_of = self._ONE_OF.match(message)
+        if one_of:
+            flags = one_of.group(1).split()
+            raise FlagError(flags[0], f"give one of {' '.join(flags)}; see --help")
+        ambiguous = self._AMBIGUOUS.match(message)
+        if ambiguous:
+            raise FlagError(ambiguous.group(1), f"is ambiguous ({ambiguous.group(2)})")
+        super().error(message)
+
+
+# ---- argparse type= helpers: each returns the converted value or raises ArgumentTypeError ----
+
+positive_int = int_at_least(1)
+"""An integer >= 1 (a count)."""
+nonneg_int = int_at_least(0)
+positive_float = number_in(0, low_open=True)
+"""A finite number > 0."""
+nonneg_float = number_in(0)
+fraction = number_in(0, 1, low_open=True)
+"""A number in (0, 1]."""
+
+
+def comma_list(item: Callable, choices: Sequence[str] | None = None) -> Callable:
+    """A ``type=`` for a non-empty comma-separated list; each item converted by ``item`` (a
+    ``type=`` itself) and, with ``choices``, one of them. Returns a tuple."""
+
+    def parse(text: str) -> tuple:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        bad = [part for part in parts if choices is not None and part not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad))} in {text!r}; choose from "
+                f"{','.join(choices)}")
+        return tuple(item(part) for part in parts)
+
+    return parse
+
+
+def existing_file(text: str) -> str:
+    """A path to an existing, readable file (not a folder)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file, got the folder {text!r}")
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path to an existing folder."""
+    if not os.path.isdir(text):
+        what = "is a file, not a folder" if os.path.exists(text) else "no such folder"
+        raise argparse.ArgumentTypeError(f"{what}: {text!r}")
+    return text
+
+
+def _probe(folder: Path, shown: str) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(
+            f"cannot write into {str(folder)!r} ({err.strerror or err}) for {shown!r}") from None
+
+
+def _writable_folder(folder: Path, shown: str) -> None:
+    """``folder`` exists and takes a temporary file, or does not exist yet and its nearest
+    existing ancestor is such a folder (the tool creates it); ``shown`` is the value the
+    user gave. Nothing is left behind by the check."""
+    ancestor = folder.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(ancestor)!r} is a file, not a folder, so "
+                                         f"{shown!r} cannot be written")
+    _probe(ancestor, shown)
+
+
+def writable_dir(text: str) -> Path:
+    """A folder the tool can write into (see :func:`_writable_folder`), not a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a folder, got the file {text!r}")
+    _writable_folder(path, text)
+    return path
+
+
+def output_prefix(text: str) -> str:
+    """A file name prefix (``PREFIX.model``, ``PREFIX_text_document.bin``) whose folder is
+    writable."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name prefix, got ''")
+    _writable_folder(Path(text).absolute().parent, text)
+    return text
+
+
+def output_file(text: str) -> Path:
+    """A file path the tool can write: not a folder, and its folder is writable."""
+    path = Path(text)
+    if not text or text.endswith(os.sep) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file name, got the folder {text!r}")
+    _writable_folder(path.absolute().parent, text)
+    return path
+
+
+# ---- inputs read after parsing ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def reading(what: str, path: str | os.PathLike | None = None) -> Iterator[None]:
+    """Inside: an input that cannot be read or parsed (OSError; ValueError, JSON errors
+    included; a KeyError or TypeError from a malformed record) raises :class:`ToolError`
+    naming ``what`` (the flag) and ``path``. Keep the block to reading and parsing only."""
+    try:
+        yield
+    except (FlagError, DataError):
+        raise
+    except OSError as err:
+        raise ToolError(what, f"{path or err.filename}: {err.strerror or err}") from err
+    except (ValueError, KeyError, TypeError) as err:
+        if isinstance(err, json.JSONDecodeError):
+            detail = f"not valid JSON ({err})"
+        elif isinstance(err, KeyError):
+            detail = f"a record lacks the field {err}"
+        elif isinstance(err, TypeError):
+            detail = f"a record has the wrong fields or types ({err})"
+        else:
+            detail = str(err) or type(err).__name__
+        shown = "" if path is None or str(path) in detail else f"{path}: "
+        raise ToolError(what, shown + detail) from err
+
+
+def check_training_flags(flags: Sequence[str], world_size: int, what: str,
+                         parser: argparse.ArgumentParser | None = None,
+                         rename: dict[str, str] | None = None) -> argparse.Namespace:
+    """The parsed training command line, validated by the training entry's own validator
+    (``parser``: the entry script's, default GPT's) before anything runs. A bad one raises
+    :class:`ToolError` naming the training flag, or the tool's flag that set it
+    (``rename[training flag]``), and ``what`` (the run it belongs to)."""
+    try:
+        return parse_args(list(flags), world_size=world_size, parser=parser)
+    except FlagError as err:
+        message = str(err)[len(err.flag) + 2:]
+        raise ToolError((rename or {}).get(err.flag, err.flag), f"{what}: {message}") from None
+
+
+# ---- the one error line -----------------------------------------------------------------------
+
+_USER_ERRORS = (FlagError, DataError, FileNotFoundError, PermissionError, IsADirectoryError,
+                NotADirectoryError, json.JSONDecodeError)
+
+
+def _one_line(err: BaseException) -> str:
+    """``<flag or file>: <what is wrong>`` on one line."""
+    if isinstance(err, OSError) and err.filename is not None:
+        text = f"{err.filename}: {err.strerror or err}"
+    elif isinstance(err, json.JSONDecodeError):
+        text = f"input: not valid JSON ({err})"
+    else:
+        text = str(err)
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def main_guard(main: Callable) -> Callable:
+    """``main`` as a command: a user error raised inside (bad flag, data error, missing or
+    unparsable file, :class:`ToolError`) prints one ``error:`` line to stderr and raises
+    ``SystemExit(2)``; any other exception (a bug) propagates with its traceback."""
+
+    @functools.wraps(main)
+    def guarded(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except _USER_ERRORS as err:
+            sys.stdout.flush()
+            print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USAGE) from None
+
+    return guarded
