@@ -197,6 +197,12 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "that holds another run's checkpoints")
     g.add_argument("--exit-interval", type=_COUNT, default=None,
                    help="stop (after saving) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=_POSITIVE, default=None,
+                   help="stop (after saving) once training has run this long; checked every "
+                        "iteration on every rank")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="accepted for Megatron-LM's command lines: SIGTERM and SIGINT are "
+                        "always handled (save, then exit 0)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
 

@@ -129,6 +129,22 @@ def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == iteration
 
 
+def test_exit_duration_saves_and_exits_zero(tmp_path):
+    """--exit-duration-in-mins 0.1 on a run of 100000 iterations (Megatron-LM's flag): after
+    about 6 s every rank stops at the same iteration, saves it and exits 0."""
+    save = tmp_path / "checkpoints"
+    started = time.monotonic()
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "100000",
+                              "--exit-duration-in-mins", "0.1", "--save", str(save),
+                              "--exit-signal-handler"], 2, timeout=180)
+    assert result.returncode == 0, result.tail()
+    stopped = re.search(r"stopping at iteration (\d+) \((--exit-duration-in-mins 0.1 reached|a "
+                        r"stop signal on another rank)\)", result.output)
+    assert stopped, result.tail()
+    assert time.monotonic() - started >= 6
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == int(stopped.group(1))
+
+
 def test_a_killed_rank_ends_the_run_without_stray_processes(tmp_path):
     """kill -9 of one worker mid-training: the launcher exits non-zero within a minute and no
     process of the run's session (the other worker, data or checkpoint helpers) outlives it."""

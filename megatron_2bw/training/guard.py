@@ -12,6 +12,9 @@ Divergence, per iteration (Megatron-LM's ``--check-for-nan-in-loss-and-grad``, o
   * fp16 with dynamic loss scaling: a skipped step is normal (an overflow lowers the scale), but
     ``--loss-scale-window`` consecutive skipped steps mean the scale cannot recover.
 
+A stop request is a SIGTERM or SIGINT received by any rank, or ``--exit-duration-in-mins``
+passed on any rank (timed from the start of training).
+
 Invariant: every rank posts exactly one exchange per iteration and waits for them in order, so
 the control group sees the same sequence of all-reduces on every rank.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +69,9 @@ class RunGuard:
         self.fp16_dynamic = bool(args.fp16) and args.loss_scale is None
         self.window = args.loss_scale_window
         self.received: str | None = None
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        self.deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
+        self.duration_reason = f"--exit-duration-in-mins {minutes:g} reached" if minutes else None
         self.consecutive_skips = 0
         self.pending: list[tuple[int, torch.Tensor, object]] = []
         if install_handlers:
@@ -78,6 +85,9 @@ class RunGuard:
              succeeded: bool) -> None:
         """Launch the exchange of this iteration's flags."""
         self.consecutive_skips = 0 if succeeded else self.consecutive_skips + 1
+        if self.deadline is not None and self.received is None \
+                and time.monotonic() >= self.deadline:
+            self.received = self.duration_reason
         flags = torch.zeros(4)
         flags[_STOP] = self.received is not None
         if self.check_nan:
