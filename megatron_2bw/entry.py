@@ -75,7 +75,7 @@ def _check_corpus(args: argparse.Namespace, tokenizer) -> None:
         if args.model_type == "bert":
             bert.check_splits_have_samples(prefix, args.split, counts, args.bert_binary_head)
         else:
-            gpt.check_splits_have_tokens(prefix, args.split, counts)
+            gpt.check_splits_have_tokens(prefix, args.split, counts, args.seq_length)
 
 
 def padded_vocab(args: argparse.Namespace, tokenizer) -> int:

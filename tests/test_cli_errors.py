@@ -212,6 +212,8 @@ def test_a_corpus_too_small_for_the_split_is_one_line(tiny_gpt_data, tmp_path):
     documents the split needs (the smallest n with round(0.999 n) < n, derived here)."""
     import json
 
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     from megatron_2bw.data.gpt import check_splits_have_tokens
     from megatron_2bw.data.preprocess import preprocess_jsonl
 
@@ -221,12 +223,22 @@ def test_a_corpus_too_small_for_the_split_is_one_line(tiny_gpt_data, tmp_path):
     prefix = preprocess_jsonl(str(corpus), str(tmp_path / "small"), "GPTSentencePieceTokenizer",
                               tiny_gpt_data.tokenizer_model, append_eod=True)["text"]
     needed = next(n for n in range(1, 10_000) if round(0.999 * n) < n)
-    check_splits_have_tokens(prefix, "969,31,0", (8, 8, 0))  # the repaired twin is served
+    check_splits_have_tokens(prefix, "969,31,0", (8, 8, 0), 16)  # the repaired twin is served
     result = launch.python([SCRIPT, *TINY, "--data-path", prefix, "--split", "969,30,1",
                             "--tokenizer-model", tiny_gpt_data.tokenizer_model],
                            timeout=120, WORLD_SIZE="1")
     assert_one_error_line(result, "--data-path", "test split", "holds no tokens",
                           f"at least {needed} documents")
+    # the same corpus, every split served, but a million iterations: 10 000+ passes refused
+    dataset = IndexedDataset(prefix)  # alive while its memory-mapped lengths are read
+    tokens = int(dataset.sequence_lengths[:39].astype("int64").sum())  # train: documents [0, 39)
+    samples = 1_000_000 * 2
+    result = launch.python([SCRIPT, *TINY, "--data-path", prefix, "--split", "969,31,0",
+                            "--train-iters", "1000000", "--eval-iters", "0",
+                            "--tokenizer-model", tiny_gpt_data.tokenizer_model],
+                           timeout=120, WORLD_SIZE="1")
+    assert_one_error_line(result, "--data-path", f"train split of {prefix} holds {tokens} tokens",
+                          f"would pass over them {-(-(samples * 16 + 1) // tokens)} times")
 
 
 # ---- under torchrun: every rank reports and fails on its own -------------------------------

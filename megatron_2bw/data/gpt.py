@@ -89,22 +89,38 @@ def documents_needed(split: str, num_samples: tuple[int, int, int]) -> int:
     return next((n for n in range(1, 1_000_001) if enough(n)), 1_000_001)
 
 
-def check_splits_have_tokens(prefix: str, split: str, num_samples: tuple[int, int, int]) -> None:
-    """DataError unless every split asked for samples holds tokens of `prefix`: megatron-core's
-    GPTDataset repeats a split's tokens until they cover the samples asked for, and on a split of
-    no tokens (too few documents for `--split`'s share) it repeats forever."""
+MAX_EPOCHS = 10_000
+"""More passes over a split than this are refused: megatron-core's GPTDataset builds its
+document and sample indices over every epoch up front (memory and time in proportion)."""
+
+
+def check_splits_have_tokens(prefix: str, split: str, num_samples: tuple[int, int, int],
+                             seq_length: int) -> None:
+    """DataError unless every split asked for samples holds tokens of `prefix`, enough that
+    the samples need at most MAX_EPOCHS passes: megatron-core's GPTDataset repeats a split's
+    tokens until they cover the samples asked for, and on a split of no tokens (too few
+    documents for `--split`'s share) it repeats forever."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
     lengths = numpy.asarray(dataset.sequence_lengths, dtype=numpy.int64)
     ranges = split_document_ranges(split, len(lengths))
     for name, docs, wanted in zip(("train", "valid", "test"), ranges, num_samples):
-        if docs is None or wanted == 0 or lengths[docs[0]:docs[1]].sum() > 0:
+        if docs is None or wanted == 0:
             continue
-        raise DataError("--data-path", f"the {name} split of {prefix} holds no tokens: --split "
-                        f"{split} gives it documents [{docs[0]}, {docs[1]}) of {len(lengths)}; "
-                        f"it needs at least {documents_needed(split, num_samples)} documents "
-                        f"(or a --split that gives the {name} split 0, or --eval-iters 0)")
+        tokens = int(lengths[docs[0]:docs[1]].sum())
+        if tokens == 0:
+            raise DataError("--data-path", f"the {name} split of {prefix} holds no tokens: "
+                            f"--split {split} gives it documents [{docs[0]}, {docs[1]}) of "
+                            f"{len(lengths)}; it needs at least "
+                            f"{documents_needed(split, num_samples)} documents (or a --split "
+                            f"that gives the {name} split 0, or --eval-iters 0)")
+        needed = wanted * seq_length + 1
+        if needed > MAX_EPOCHS * tokens:
+            raise DataError("--data-path", f"the {name} split of {prefix} holds {tokens} tokens; "
+                            f"its {wanted} samples of --seq-length {seq_length} would pass over "
+                            f"them {-(-needed // tokens)} times (at most {MAX_EPOCHS}): use a "
+                            f"larger corpus or split, or fewer iterations")
 
 
 def build_gpt_datasets(
@@ -140,7 +156,7 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
     )
     for prefix in config.blend[0]:
-        check_splits_have_tokens(prefix, split, num_samples)
+        check_splits_have_tokens(prefix, split, num_samples, seq_length)
     return build_datasets(GPTDataset, config, num_samples, is_built_on_rank)
 
 
