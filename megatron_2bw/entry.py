@@ -183,9 +183,10 @@ def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     return args.train_iters * args.global_batch_size, eval_samples, eval_samples
 
 
-def _iterators(args: argparse.Namespace, state, train, valid, test):
+def _iterators(args: argparse.Namespace, state, vocab_size: int, train, valid, test):
     """This data-parallel rank's iterators: training from ``state.consumed_train_samples``,
-    validation and test restarting at their first sample at every evaluation."""
+    validation and test restarting at their first sample at every evaluation; every batch's
+    token ids checked against ``vocab_size``."""
     from megatron.core import parallel_state as ps
 
     from megatron_2bw.data.gpt import make_data_iterator
@@ -193,17 +194,36 @@ def _iterators(args: argparse.Namespace, state, train, valid, test):
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
-    def iterator(dataset, consumed=0):
+    def iterator(dataset, split, consumed=0):
         if dataset is None:
             return None
-        return make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
-                                  consumed_samples=consumed)
+        batches = make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
+                                     consumed_samples=consumed)
+        return _in_vocabulary(batches, vocab_size, split)
 
     return DataIterators(
-        train=iterator(train, state.consumed_train_samples),
-        valid=None if valid is None else (lambda: iterator(valid)),
-        test=None if test is None else (lambda: iterator(test)),
+        train=iterator(train, "training", state.consumed_train_samples),
+        valid=None if valid is None else (lambda: iterator(valid, "validation")),
+        test=None if test is None else (lambda: iterator(test, "test")),
     )
+
+
+def _in_vocabulary(batches, vocab_size: int, split: str):
+    """``batches`` unchanged, each checked on the host before it reaches the model: a token id
+    outside the vocabulary (a damaged .bin, data tokenized with another tokenizer) raises
+    DataError instead of an embedding's index error (a device-side assert on CUDA)."""
+    for batch in batches:
+        tokens = batch["tokens"] if "tokens" in batch else batch["text"]  # GPT, BERT
+        top = int(tokens.max())
+        if top >= vocab_size or int(tokens.min()) < 0:
+            raise DataError("--data-path", f"a {split} batch holds token id {top}, outside the "
+                            f"tokenizer's vocabulary of {vocab_size} (a damaged .bin file, or "
+                            f"data tokenized with another tokenizer than --tokenizer-model)")
+        yield batch
+
+
+def _vocabulary(args: argparse.Namespace, tokenizer) -> int:
+    return args.vocab_size if tokenizer is None else tokenizer.vocab_size
 
 
 def gpt_data(args: argparse.Namespace, state, tokenizer):
@@ -217,7 +237,7 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
         train, valid, test = gpt.build_gpt_datasets(
             args.data_path, args.split, args.seq_length, args.seed, tokenizer,
             _sample_counts(args), cache_dir=args.data_cache_path)
-    return _iterators(args, state, train, valid, test)
+    return _iterators(args, state, _vocabulary(args, tokenizer), train, valid, test)
 
 
 def bert_layer_spec(args: argparse.Namespace):
@@ -245,4 +265,4 @@ def bert_data(args: argparse.Namespace, state, tokenizer):
             args.data_path, args.split, args.seq_length, args.seed, tokenizer, counts,
             binary_head=args.bert_binary_head, masking_probability=args.mask_prob,
             short_sequence_probability=args.short_seq_prob, cache_dir=args.data_cache_path)
-    return _iterators(args, state, train, valid, test)
+    return _iterators(args, state, _vocabulary(args, tokenizer), train, valid, test)

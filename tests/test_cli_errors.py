@@ -198,6 +198,39 @@ def test_corrupt_indexed_dataset(tiny_gpt_data, tmp_path, damage):
     assert prefix in line, line
 
 
+def test_splits_asked_for_no_samples_are_not_built(tiny_gpt_data):
+    """The tiny corpus has 12 documents: --split 969,30,1 leaves the validation and test splits
+    empty. With --eval-iters 0 they are asked for nothing and training runs (megatron-core's
+    builder would build them anyway and repeat their zero tokens forever)."""
+    result = launch.python([SCRIPT, *TINY, *tiny_gpt_data.flags(), "--eval-iters", "0",
+                            "--log-interval", "1", "--split", "969,30,1"],
+                           timeout=120, WORLD_SIZE="1")
+    assert result.returncode == 0, result.tail()
+    assert re.search(r"iteration +2/ +2", result.output), result.tail()
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line(tiny_gpt_data, tmp_path):
+    """A .bin whose bytes were overwritten (every 50th token id 65535, well-formed index): the
+    first batch holding one ends the run with one line naming --data-path, not the embedding's
+    IndexError (a device-side assert on CUDA)."""
+    import numpy
+
+    prefix = _copy_dataset(tiny_gpt_data.data_prefix, tmp_path)
+    tokens = numpy.memmap(prefix + ".bin", dtype=numpy.uint16, mode="r+")
+    tokens[::50] = 65535
+    tokens.flush()
+    del tokens
+    result = launch.python([SCRIPT, *TINY, "--data-path", prefix, "--eval-iters", "0",
+                            "--tokenizer-model", tiny_gpt_data.tokenizer_model],
+                           timeout=120, WORLD_SIZE="1")
+    assert result.returncode == 2, result.tail()
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --data-path: a training batch holds token id 65535, outside the "
+                      f"tokenizer's vocabulary of {tiny_gpt_data.vocab_size} (a damaged .bin "
+                      f"file, or data tokenized with another tokenizer than --tokenizer-model)"]
+    assert "Traceback" not in result.output, result.tail()
+
+
 def test_tokenizer_model_that_is_not_sentencepiece(tiny_gpt_data, tmp_path):
     fake = tmp_path / "fake.model"
     fake.write_text("this is not a sentencepiece model\n")

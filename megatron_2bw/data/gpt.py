@@ -176,7 +176,10 @@ def build_datasets(
     is_built_on_rank: Callable[[], bool] | None = None,
 ) -> tuple:
     """(train, valid, test) of `dataset_cls` from `BlendedMegatronDatasetBuilder`; collective
-    over the world group when one exists, and usable without one."""
+    over the world group when one exists, and usable without one. A split asked for no samples
+    is not built (None): megatron-core would build it anyway, and an empty one forever."""
+    config.split_matrix = [None if wanted == 0 else bounds
+                           for bounds, wanted in zip(config.split_matrix, num_samples)]
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, list(num_samples), is_built_on_rank or (lambda: True), config
     )
