@@ -318,7 +318,7 @@ def test_bad_tokenizer_raises_data_error(tmp_path):
     with pytest.raises(DataError, match="^--tokenizer-model: .*not a sentencepiece model"):
         build_tokenizer(GPT, str(tmp_path / "junk.model"))
     with pytest.raises(DataError, match="^--tokenizer-type: "):
-        build_tokenizer("GPT2BPETokenizer", str(tmp_path / "junk.model"))
+        build_tokenizer("TikTokenizer", str(tmp_path / "junk.model"))
     with pytest.raises(DataError, match="^--vocab-size: "):
         build_tokenizer("NullTokenizer")
 

@@ -2,9 +2,17 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my \\
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 2
 
 writes `data/my_text_document.bin/.idx` (`_sentence` with --split-sentences); pass
 `--data-path data/my_text_document` to training.
+
+Every flag of Megatron-LM's tools/preprocess_data.py (core_v0.16.1) is accepted. Documents are
+always written in input order, so --partitions and --keep-sequential-samples give the same
+bytes as one partition; sentences are split by a language-independent rule that keeps every
+character (--lang is accepted, newlines are always kept).
 
 Bad input (a missing or unparsable file, a bad flag) ends the tool with one `error:` line and
 exit code 2; flags and files are checked before megatron-core is imported.
@@ -19,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.cli import (ToolError, ToolParser, existing_file, main_guard,  # noqa: E402
                               output_prefix, positive_int, reading)
+from megatron_2bw.data.tokenizer_types import (TOKENIZER_TYPES, missing_tokenizer_input,  # noqa: E402
+                                               tokenizer_type)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,14 +40,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument(
         "--split-sentences", action="store_true", help="one sequence per sentence or line"
     )
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="accepted: sentence splitting always keeps newlines")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, metavar="TYPE",
-                       help="GPTSentencePieceTokenizer, SentencePieceTokenizer or NullTokenizer "
-                            "(checked by megatron_2bw.data.tokenizer.build_tokenizer)")
-    group.add_argument("--tokenizer-model", type=existing_file, default=None,
-                       help="sentencepiece .model file")
+    group.add_argument("--tokenizer-type", type=tokenizer_type, required=True, metavar="TYPE",
+                       help=", ".join(TOKENIZER_TYPES))
+    group.add_argument("--vocab-file", type=existing_file, default=None,
+                       help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)")
+    group.add_argument("--merge-file", type=existing_file, default=None,
+                       help="merges.txt (GPT2BPETokenizer)")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="sentencepiece .model file, or a HuggingFace tokenizer folder")
     group.add_argument("--vocab-size", type=positive_int, default=None, help="for NullTokenizer")
+    group = parser.add_argument_group("tokenization process")
     group.add_argument("--append-eod", action="store_true", help="end each document with eod")
+    group.add_argument("--lang", default="english",
+                       help="accepted (Megatron-LM's NLTK language); the splitter here is "
+                            "rule-based and language-independent")
     group = parser.add_argument_group("output data")
     group.add_argument(
         "--output-prefix", type=output_prefix, required=True,
@@ -45,7 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes")
-    return parser.parse_args(argv)
+    group.add_argument("--partitions", type=positive_int, default=1,
+                       help="accepted and equivalent: the input is read as one stream and "
+                            "written in order, so the output bytes equal --partitions 1")
+    group.add_argument("--log-interval", type=positive_int, default=1000,
+                       help="print progress every N documents (to stderr)")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="accepted: documents are always written in input order")
+    args = parser.parse_args(argv)
+    missing = missing_tokenizer_input(args.tokenizer_type, {
+        "--vocab-file": args.vocab_file, "--merge-file": args.merge_file,
+        "--tokenizer-model": args.tokenizer_model, "--vocab-size": args.vocab_size})
+    if missing:
+        raise ToolError(missing, f"required with --tokenizer-type {args.tokenizer_type}")
+    return args
 
 
 @main_guard
@@ -67,6 +99,9 @@ def main(argv=None) -> None:
             split_sentences=args.split_sentences,
             workers=args.workers,
             vocab_size=args.vocab_size,
+            log_interval=args.log_interval,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
         )
     for key, prefix in prefixes.items():
         summary = check_indexed_dataset(prefix, "--output-prefix")

@@ -19,12 +19,13 @@ import json
 import multiprocessing
 import os
 import re
-from dataclasses import dataclass
+import sys
+import time
 from typing import Iterable, Iterator
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron_2bw.data.errors import DataError
-from megatron_2bw.data.tokenizer import build_tokenizer
+from megatron_2bw.data.tokenizer import TokenizerSpec
 
 # A sentence ends at a newline, or at ., ! or ? followed by spaces (kept with the sentence).
 _SENTENCE_END = re.compile(r"\n|(?<=[.!?])[ \t]+")
@@ -51,18 +52,6 @@ def split_sentences(text: str) -> list[str]:
         else:
             pending += piece
     return sentences
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """The flags that make a tokenizer; picklable, so worker processes can build their own."""
-
-    tokenizer_type: str
-    tokenizer_model: str | None = None
-    vocab_size: int | None = None
-
-    def build(self):
-        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
 
 
 class DocumentEncoder:
@@ -138,26 +127,36 @@ def preprocess_jsonl(
     split_sentences: bool = False,
     workers: int = 1,
     vocab_size: int | None = None,
+    log_interval: int | None = None,
+    **tokenizer_files,
 ) -> dict[str, str]:
     """Tokenize `input_path` (one JSON object per line) into indexed datasets.
 
     Returns `{key: dataset prefix}`; each prefix is what `--data-path` takes. `workers > 1`
-    tokenizes in a process pool; the output is identical for any number of workers.
+    tokenizes in a process pool; the output is identical for any number of workers. Every
+    `log_interval` documents a progress line goes to stderr.
+    `tokenizer_files` are TokenizerSpec's other fields (`vocab_file`, `merge_file`,
+    `vocab_extra_ids`).
     """
     if not os.path.isfile(input_path):
         raise DataError("--input", f"{input_path} does not exist")
-    spec = TokenizerSpec(tokenizer_type, tokenizer_model, vocab_size)
+    spec = TokenizerSpec(tokenizer_type, tokenizer_model, vocab_size, **tokenizer_files)
     tokenizer = spec.build()
     level = "sentence" if split_sentences else "document"
     prefixes = {key: f"{output_prefix}_{key}_{level}" for key in json_keys}
     encoder_args = (tuple(prefixes), append_eod, split_sentences, input_path)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    start = time.time()
     with _atomic_builders(prefixes, dtype) as builders:
-        for doc in _encode_all(spec, tokenizer, encoder_args, input_path, workers):
+        docs = _encode_all(spec, tokenizer, encoder_args, input_path, workers)
+        for count, doc in enumerate(docs, start=1):
             for key, (ids, lengths) in doc.items():
                 if ids:
                     builders[key].add_document(ids, lengths)
+            if log_interval and count % log_interval == 0:
+                rate = count / max(time.time() - start, 1e-9)
+                print(f"processed {count} documents ({rate:.0f} docs/s)", file=sys.stderr)
     return prefixes
 
 

@@ -8,23 +8,30 @@ pieces, so GPT and BERT datasets share one model:
 Normalization is the identity and whitespace is kept, so `detokenize(tokenize(text)) == text`
 for any text that contains none of the special pieces (code indentation included).
 
-`build_tokenizer` returns megatron-core tokenizer objects (`MegatronTokenizerText` over its
-sentencepiece library wrapper), which carry what `GPTDataset` and `BERTMaskedWordPieceDataset`
-read: `eod`, `pad`, `vocab_size`, `unique_identifiers`, `tokenize`, `detokenize`, and for
-`SentencePieceTokenizer` also `cls`, `sep`, `mask` and `inv_vocab`.
+`build_tokenizer` (or `TokenizerSpec(...).build()`) returns megatron-core tokenizer objects
+(`MegatronTokenizerText` over a text library: megatron-core's sentencepiece, HuggingFace and
+null libraries, and our offline GPT-2 BPE and BERT WordPiece libraries in `vocab_tokenizers`),
+for every `--tokenizer-type` in `tokenizer_types.TOKENIZER_TYPES`. They carry what
+`GPTDataset` and `BERTMaskedWordPieceDataset` read: `eod`, `pad`, `vocab_size`,
+`unique_identifiers`, `tokenize`, `detokenize`, and for BERT's types also `cls`, `sep`, `mask`
+and `inv_vocab`.
 """
 
 import functools
 import json
 import math
 import os
+from dataclasses import asdict, dataclass, fields
 from typing import Iterator
 
 import sentencepiece
 
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
+from megatron_2bw.data import vocab_tokenizers
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
+                                               missing_tokenizer_input)
 
 PAD, EOD, CLS, SEP, MASK = "[PAD]", "[EOD]", "[CLS]", "[SEP]", "[MASK]"
 NEWLINE = "\n"
@@ -36,7 +43,6 @@ BERT_SPECIAL_TOKENS = {
     "sep_token": SEP,
     "mask_token": MASK,
 }
-TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
 MAX_LINE_BYTES = 16384
 
 
@@ -132,36 +138,137 @@ class SentencePieceTextTokenizer(MegatronTokenizerText):
         return self._tokenizer.inv_vocab
 
 
-def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
-) -> MegatronTokenizerBase:
-    """Build a tokenizer as Megatron-LM's `--tokenizer-type` / `--tokenizer-model` would.
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The flags that make a tokenizer (Megatron-LM's names); picklable, so worker processes
+    can build their own."""
 
-    - `GPTSentencePieceTokenizer`: plain encoding; `eod` is the model's eos piece.
+    tokenizer_type: str
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_extra_ids: int = 0
+
+    @classmethod
+    def from_args(cls, args) -> "TokenizerSpec":
+        return cls(*(getattr(args, field.name, None) or field.default for field in fields(cls)))
+
+    def build(self) -> MegatronTokenizerBase:
+        return build_tokenizer(**asdict(self))
+
+
+class VocabFileTokenizer(MegatronTokenizerText):
+    """megatron-core's text tokenizer over one of our offline libraries (`config["library"]`
+    names a key of VOCAB_LIBRARIES; the keyword arguments go to its constructor)."""
+
+    def _restore_model(self, **kwargs):
+        return VOCAB_LIBRARIES[self.library](**kwargs)
+
+
+VOCAB_LIBRARIES = {"gpt2-bpe": vocab_tokenizers.GPT2BPE, "wordpiece": vocab_tokenizers.WordPiece}
+# Files that make a local HuggingFace tokenizer folder loadable by AutoTokenizer.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                      "tokenizer.model")
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    vocab_extra_ids: int = 0,
+) -> MegatronTokenizerBase:
+    """Build a tokenizer as Megatron-LM's `--tokenizer-type` and its file flags would, through
+    megatron-core's tokenizer package (`MegatronTokenizerText` over a text library).
+
+    - `GPT2BPETokenizer`: byte-level BPE from `vocab_file` (vocab.json) and `merge_file`
+      (merges.txt); `eod` is `<|endoftext|>`.
+    - `BertWordPieceLowerCase` / `BertWordPieceCase`: WordPiece from `vocab_file` (vocab.txt);
+      `cls`, `sep`, `mask`, `pad` from the file, `eod` = `sep`, plus `vocab_extra_ids` ids
+      `<extra_id_N>` after the file's.
+    - `GPTSentencePieceTokenizer`, `Llama2Tokenizer` (megatron-core builds both alike: no bos
+      is added): plain sentencepiece encoding; `eod` is the model's eos piece.
     - `SentencePieceTokenizer`: megatron-core's legacy mode with BERT's special tokens
       (`cls`, `sep`, `mask`, `pad`, `eod`); like Megatron-LM, literal "[CLS]" etc. in the text
       encode to the special ids, and `detokenize` strips outer whitespace. Other text gets the
       same ids as with `GPTSentencePieceTokenizer`.
+    - `HuggingFaceTokenizer`: megatron-core's AutoTokenizer wrapper over `tokenizer_model`, a
+      local folder (or a name already in the HuggingFace cache); needs `pip install .[hf]`.
     - `NullTokenizer`: ids written as decimal text, `vocab_size` ids plus `eod = vocab_size`.
+    Missing or bad inputs raise DataError naming the flag.
     """
-    if tokenizer_type == "NullTokenizer":
-        if not vocab_size:
-            raise DataError("--vocab-size", "NullTokenizer needs a vocabulary size")
-        null = {"library": "null"}
-        return MegatronTokenizer.from_pretrained(metadata_path=null, vocab_size=vocab_size)
     if tokenizer_type not in TOKENIZER_TYPES:
         known = ", ".join(TOKENIZER_TYPES)
-        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not one of {known}")
+        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not supported; use one of {known}")
+    flags = {"--tokenizer-model": tokenizer_model, "--vocab-size": vocab_size,
+             "--vocab-file": vocab_file, "--merge-file": merge_file}
+    missing = missing_tokenizer_input(tokenizer_type, flags)
+    if missing:
+        raise DataError(missing, f"required with --tokenizer-type {tokenizer_type}")
+    for flag in FILE_FLAGS:
+        if flag in TOKENIZER_INPUTS[tokenizer_type]:
+            check_file(flag, flags[flag])
+    if tokenizer_type == "NullTokenizer":
+        null = {"library": "null"}
+        return MegatronTokenizer.from_pretrained(metadata_path=null, vocab_size=vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        config = {"library": "gpt2-bpe", "model_type": "gpt"}
+        return VocabFileTokenizer(vocab_file, config, vocab_file=vocab_file, merges_file=merge_file)
+    if tokenizer_type.startswith("BertWordPiece"):
+        config = {"library": "wordpiece", "model_type": "bert"}
+        lower_case = tokenizer_type == "BertWordPieceLowerCase"
+        return VocabFileTokenizer(vocab_file, config, vocab_file=vocab_file,
+                                  lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return build_huggingface_tokenizer(tokenizer_model)
     check_sentencepiece_model(tokenizer_model)
     config = {"library": "sentencepiece"}
-    if tokenizer_type == "GPTSentencePieceTokenizer":
-        return SentencePieceTextTokenizer(tokenizer_model, {**config, "model_type": "gpt"})
-    return SentencePieceTextTokenizer(
-        tokenizer_model,
-        {**config, "model_type": "bert"},
-        legacy=True,
-        special_tokens=dict(BERT_SPECIAL_TOKENS),
-    )
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTextTokenizer(
+            tokenizer_model,
+            {**config, "model_type": "bert"},
+            legacy=True,
+            special_tokens=dict(BERT_SPECIAL_TOKENS),
+        )
+    return SentencePieceTextTokenizer(tokenizer_model, {**config, "model_type": "gpt"})
+
+
+def check_file(flag: str, path: str) -> None:
+    """Raise DataError naming `flag` unless `path` is an existing file."""
+    if not os.path.exists(path):
+        raise DataError(flag, f"{path} does not exist")
+    if not os.path.isfile(path):
+        raise DataError(flag, f"{path} is a folder, expected a file")
+
+
+def build_huggingface_tokenizer(name_or_folder: str) -> MegatronTokenizerBase:
+    """megatron-core's HuggingFace library with Megatron-LM's defaults (slow tokenizer, no
+    special tokens added to the ids); DataError naming --tokenizer-model if it cannot load."""
+    if os.path.isfile(name_or_folder):
+        raise DataError("--tokenizer-model", f"{name_or_folder} is a file; HuggingFaceTokenizer "
+                        "takes a tokenizer folder (or a name in the HuggingFace cache)")
+    if os.path.isdir(name_or_folder) and not any(
+            os.path.isfile(os.path.join(name_or_folder, name)) for name in HF_TOKENIZER_FILES):
+        raise DataError("--tokenizer-model", f"{name_or_folder} holds no tokenizer files "
+                        f"({', '.join(HF_TOKENIZER_FILES)})")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise DataError("--tokenizer-type", "HuggingFaceTokenizer needs the transformers "
+                        "package: pip install -e .[hf]") from err
+    huggingface = {"library": "huggingface", "model_type": "default"}
+    try:
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=name_or_folder, metadata_path=huggingface,
+            additional_special_tokens=[], use_fast=False, trust_remote_code=False,
+            include_special_tokens=False)
+    except (ValueError, OSError) as err:
+        detail = " ".join(str(err).split())[:300]
+        raise DataError("--tokenizer-model", f"{name_or_folder} is not a HuggingFace tokenizer "
+                        f"({detail})") from err
 
 
 def check_sentencepiece_model(tokenizer_model: str | None) -> None:
