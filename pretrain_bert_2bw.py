@@ -40,9 +40,15 @@ def parser() -> argparse.ArgumentParser:
 
 def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
     """megatron-core's BertModel with the layer spec --transformer-impl picks (see
-    ``entry.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM."""
+    ``entry.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM.
+    BertModel's rotary embedding has a fixed base (10000): another --rotary-base is refused."""
     from megatron.core.models.bert.bert_model import BertModel
 
+    from megatron_2bw.arguments import FlagError
+
+    if args.position_embedding_type == "rope" and args.rotary_base != 10000:
+        raise FlagError("--rotary-base", f"BERT's rotary embedding has base 10000 "
+                        f"(megatron-core's BertModel takes none), got {args.rotary_base}")
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
@@ -53,6 +59,8 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         add_binary_head=args.bert_binary_head,
     )
 

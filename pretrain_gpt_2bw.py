@@ -14,7 +14,9 @@ from megatron_2bw import entry
 
 def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
     """megatron-core's GPTModel with the layer spec --transformer-impl picks (see
-    ``entry.gpt_layer_spec``)."""
+    ``entry.gpt_layer_spec``) and the position-embedding arguments Megatron-LM's
+    gpt_builders.py passes; --rotary-seq-len-interpolation-factor reaches the rotary embedding
+    as in Megatron-LM's legacy language model (its core path drops it)."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -26,6 +28,9 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 

@@ -4,6 +4,7 @@ the optimizer and its learning-rate schedule. Model-agnostic: GPT and BERT pass 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Callable
 
 import torch
@@ -22,7 +23,10 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def transformer_config(args: argparse.Namespace, device: str, **overrides):
     """The TransformerConfig Megatron-LM would build from these flags (its
-    ``core_transformer_config_from_args``), with fused kernels off on the CPU."""
+    ``core_transformer_config_from_args``, megatron/training/arguments.py at core_v0.16.1:
+    flags named like a config field are copied, GQA and the activation are translated), with
+    fused kernels off on the CPU. ``args`` went through ``validate_args`` (ffn_hidden_size,
+    kv_channels, num_query_groups and add_qkv_bias hold Megatron-LM's derived values)."""
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = device == "cuda"
@@ -32,8 +36,21 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        # "if args.group_query_attention: kw_args['num_query_groups'] = args.num_query_groups
+        #  else: kw_args['num_query_groups'] = None"
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -43,7 +60,6 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -52,9 +68,31 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=True,
+        **_activation(args, on_gpu),
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def _activation(args: argparse.Namespace, on_gpu: bool) -> dict:
+    """The MLP's activation fields as ``core_transformer_config_from_args`` sets them:
+    --swiglu -> SiLU with a gated linear unit, --squared-relu -> megatron-core's squared_relu,
+    GeLU otherwise. --openai-gelu is Megatron-LM's legacy-model flag (its core path ignores
+    it); here it picks megatron-core's ``openai_gelu`` as the legacy MLP did. The bias+activation
+    fusion exists for GeLU with a bias and for SwiGLU (Megatron-LM turns bias_gelu_fusion off
+    with --disable-bias-linear), on CUDA only."""
+    import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.utils import openai_gelu
+
+    if args.swiglu:
+        return dict(activation_func=F.silu, gated_linear_unit=True,
+                    bias_activation_fusion=on_gpu)
+    if args.squared_relu:
+        return dict(activation_func=squared_relu, bias_activation_fusion=False)
+    if args.openai_gelu:
+        return dict(activation_func=openai_gelu, bias_activation_fusion=False)
+    return dict(activation_func=F.gelu, bias_activation_fusion=on_gpu and args.add_bias_linear)
 
 
 def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
@@ -68,8 +106,9 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
 
     from megatron_2bw.runtime.distributed import training_device
 
-    model = provider(config, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
+    with _model_fits(args):
+        model = provider(config, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage())
     if config.params_dtype != torch.float32 or config.fp16 or config.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -84,6 +123,28 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     wrapped = DistributedDataParallel(config, ddp_config, model)
     wrapped.broadcast_params()  # DP replicas start from identical weights
     return [wrapped]
+
+
+@contextlib.contextmanager
+def _model_fits(args: argparse.Namespace):
+    """A model that cannot be allocated (sizes beyond memory, or beyond an index) raises
+    FlagError naming the size flags, not the allocator's traceback."""
+    from megatron_2bw.arguments import FlagError
+
+    try:
+        yield
+    except (MemoryError, OverflowError, torch.OutOfMemoryError, RuntimeError) as error:
+        text = str(error)
+        if isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError) \
+                and "allocate" not in text:
+            raise
+        reason = text.strip().splitlines()[0][:160] if text.strip() else type(error).__name__
+        raise FlagError("--num-layers/--hidden-size", f"this stage's model ({args.num_layers} "
+                        f"layers of hidden size {args.hidden_size}, "
+                        f"{args.max_position_embeddings} positions, TP="
+                        f"{args.tensor_model_parallel_size} PP="
+                        f"{args.pipeline_model_parallel_size}) cannot be allocated here "
+                        f"({reason}): use a smaller model or more model parallelism") from None
 
 
 def build_optimizer(args: argparse.Namespace, model: list):
