@@ -1,13 +1,21 @@
-"""Read back what the training loop prints (``megatron_2bw.training.logs``).
+"""Read back what the training loop prints (``megatron_2bw.training.logs``), and Megatron-LM's
+own training logs (``training_log()`` in megatron/training/training.py, core_v0.16.1):
 
-    iteration     10/   200 | consumed samples: 160 | elapsed time per iteration (ms): 812.5 |
-        learning rate: 1.000E-03 | ... | lm loss: 5.123E+00 | ... | samples/s: 19.69 |
-        tokens/s: 2521 | TFLOP/s per device: 0.0123 | peak memory (MiB): 611
-    validation loss at iteration 50 | lm loss value: 4.812E+00 | lm loss PPL: 1.23E+02
+    [...] iteration       10/     200 | consumed samples:          160 |
+        elapsed time per iteration (ms): 812.5 | learning rate: 1.000000E-03 |
+        global batch size:    16 | lm loss: 5.123000E+00 | loss scale: 1.0 | grad norm: 0.800 |
+        number of skipped iterations:   0 | number of nan iterations:   0 |
+        samples/s: 19.69 | tokens/s: 2521 | TFLOP/s per device: 0.0123 |
+        peak memory (MiB): 611 | ETA: 0h02m36s |
+    validation loss at iteration 50 | lm loss value: 4.812E+00 | lm loss PPL: 1.23E+02 |
     training 2bw schedule on 2 cpu processes: TP=1 PP=2 DP=1, 4 microbatches per batch
 
-Lines are split at ``|`` into ``name: value`` fields, so fields may move or be added without
-breaking the parser; a line without the fields a record needs is skipped. Tools that launch
+The fields up to "number of nan iterations" are Megatron-LM's; the rest are ours. Lines are
+split at ``|`` into ``name: value`` fields, so fields may move or be added without breaking the
+parser; a line without the fields a record needs is skipped. On Megatron-LM's line (no
+samples/s) samples/s is global batch size / time per iteration, and TFLOP/s per device is its
+"throughput per GPU" (with --log-throughput); earlier logs of ours ("skipped iterations",
+no ETA) parse too. Tools that launch
 runs add one line per process with that process's peak memory (:func:`rank_memory_line`): the
 loop logs only on the last rank.
 
@@ -41,6 +49,9 @@ class IterationRecord:
     grad_norm: float | None = None
     global_batch_size: int | None = None
     skipped: int | None = None
+    loss_scale: float | None = None
+    eta_s: float | None = None
+    """Our estimate of the time left (remaining iterations x this interval's time)."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +87,11 @@ class ParsedLog:
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+)")
-_VALIDATION = re.compile(r"(\w+) loss at iteration (\d+)")
+_VALIDATION = re.compile(r"([\w-]+) loss at iteration (\d+)( on test set)?")
 _HEADER = re.compile(r"training (\S+) schedule on (\d+) (\S+) process(?:es)?: "
                      r"TP=(\d+) PP=(\d+) DP=(\d+), (\d+) microbatch")
 _RANK_MEMORY = re.compile(r"^\s*rank (\d+) peak memory \(MiB\): ([-+0-9.eE]+)\s*$")
+_DURATION = re.compile(r"^\s*(\d+)h(\d+)m(\d+)s")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)", re.I)
 
 
@@ -105,8 +117,22 @@ def _integer(text: str | None) -> int | None:
     return None if value is None or math.isnan(value) else int(value)
 
 
+def _duration(text: str | None) -> float | None:
+    """'1h02m03s' -> 3723.0"""
+    match = _DURATION.match(text or "")
+    if match is None:
+        return None
+    hours, minutes, seconds = map(int, match.groups())
+    return hours * 3600.0 + minutes * 60.0 + seconds
+
+
+def _first(fields: dict[str, str], *names: str) -> str | None:
+    """The value of the first of ``names`` the line has (our name, then Megatron-LM's)."""
+    return next((fields[n] for n in names if n in fields), None)
+
+
 def parse_iteration(line: str) -> IterationRecord | None:
-    """The record of a training log line, or None for any other line."""
+    """The record of a training log line (ours or Megatron-LM's), or None for any other line."""
     head = _ITERATION.search(line.split("|", 1)[0])
     if head is None:
         return None
@@ -114,15 +140,20 @@ def parse_iteration(line: str) -> IterationRecord | None:
     ms, loss = _number(f.get("elapsed time per iteration (ms)")), _number(f.get("lm loss"))
     if ms is None or loss is None:
         return None
+    batch = _integer(f.get("global batch size"))
+    samples_per_s = _number(f.get("samples/s"))
+    if samples_per_s is None and batch is not None and ms > 0:
+        samples_per_s = batch / (ms / 1000.0)
     return IterationRecord(
         iteration=int(head.group(1)), train_iters=int(head.group(2)), ms_per_iteration=ms,
-        loss=loss, samples_per_s=_number(f.get("samples/s")),
-        tokens_per_s=_number(f.get("tokens/s")),
-        tflops_per_device=_number(f.get("TFLOP/s per device")),
+        loss=loss, samples_per_s=samples_per_s, tokens_per_s=_number(f.get("tokens/s")),
+        tflops_per_device=_number(_first(f, "TFLOP/s per device",
+                                         "throughput per GPU (TFLOP/s/GPU)")),
         peak_memory_mib=_number(f.get("peak memory (MiB)")),
         learning_rate=_number(f.get("learning rate")), grad_norm=_number(f.get("grad norm")),
-        global_batch_size=_integer(f.get("global batch size")),
-        skipped=_integer(f.get("skipped iterations")))
+        global_batch_size=batch,
+        skipped=_integer(_first(f, "skipped iterations", "number of skipped iterations")),
+        loss_scale=_number(f.get("loss scale")), eta_s=_duration(f.get("ETA")))
 
 
 def parse_validation(line: str) -> ValidationRecord | None:
@@ -131,7 +162,8 @@ def parse_validation(line: str) -> ValidationRecord | None:
     loss = _number(_fields(line).get("lm loss value"))
     if head is None or loss is None:
         return None
-    return ValidationRecord(iteration=int(head.group(2)), loss=loss, split=head.group(1))
+    split = "test" if head.group(3) else head.group(1)  # Megatron-LM: "... on test set"
+    return ValidationRecord(iteration=int(head.group(2)), loss=loss, split=split)
 
 
 def parse_header(line: str) -> RunHeader | None:
