@@ -1,23 +1,36 @@
-"""Checkpoints with megatron-core's dist_checkpointing, in Megatron-LM's directory layout.
+"""Checkpoints with megatron-core's dist_checkpointing, in Megatron-LM's directory layout and
+with Megatron-LM's state, so that either program resumes the other's checkpoints.
 
     {save}/iter_0000100/                 one dist_checkpointing directory per save
     {save}/latest_checkpointed_iteration.txt
+
+What a checkpoint holds is what Megatron-LM's ``generate_state_dict`` and ``save_checkpoint``
+(megatron/training/checkpointing.py, core_v0.16.1) write: "args" (the flags, a Namespace, with
+the data position in ``args.consumed_train_samples`` / ``consumed_valid_samples``),
+"checkpoint_version" 3.0, "iteration", "model" and "optimizer" (sharded), "opt_param_scheduler"
+(counted in samples, as Megatron-LM steps it), "rng_state" (a ShardedObject of a list of one
+dict per (PP rank, TP rank)) and "num_floating_point_operations_so_far"; plus our own keys,
+which Megatron-LM ignores: "layout" and a schedule's extras (2BW's older weight version).
+Checkpoints written by megatron-2bw before it wrote Megatron-LM's state still load.
 
 Invariants: a checkpoint directory is complete before the tracker file names it (written under
 a temporary name, renamed after every rank finished), so a crash mid-save leaves the previous
 checkpoint as the latest; a checkpoint saved again at the same iteration replaces the old one
 only once the new one is complete (the old one is moved aside, then deleted), and the tracker
 is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
-newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint
-holds the model, the optimizer (Adam moments and step), the LR schedule, the iteration, the
-consumed samples, the TP/PP/DP layout and each model-parallel rank's RNG state: a resumed run
+newest readable one, with a warning; all ranks agree on which one they loaded. A resumed run
 continues exactly as an uninterrupted one would. A run with another layout loads the model and
 optimizer resharded and, where TP or PP changed, its own RNG state from --seed (said in a
-warning).
+warning). The learning-rate schedule in a checkpoint must match the flags unless
+--override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the
+checkpoint wins) says otherwise, as in Megatron-LM.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import logging
 import os
 import random
 import shutil
@@ -32,18 +45,26 @@ __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration
            "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's generate_state_dict
 
 
 class CheckpointError(ValueError):
     """A --load/--save problem the user must fix; ``str()`` is the one line they see."""
 
 
+class _ScheduleMismatch(CheckpointError):
+    """The flags disagree with the checkpoint: no older checkpoint is tried."""
+
+
 @dataclass
 class TrainState:
-    """Where training stands; saved and restored with the weights."""
+    """Where training stands; saved and restored with the weights. ``consumed_valid_samples``
+    is carried over from the checkpoint (our evaluations re-read the same batches)."""
 
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    num_floating_point_operations_so_far: float = 0
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -63,33 +84,43 @@ def latest_iteration(root: str) -> int | None:
 
 
 def _rng_state():
+    """Megatron-LM's ``get_rng_state`` for torch_dist: one list of this rank's RNG states,
+    sharded by (PP rank, TP rank) and replicated over data-parallel ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {
-        "random": random.getstate(),
-        "np": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),  # the CPU runtime's generator on the CPU
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
-    return ShardedObject("rng_state", state, (pp, tp),
-                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank())
+    shape = (ps.get_pipeline_model_parallel_world_size(),
+             ps.get_tensor_model_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    return ShardedObject("rng_state", [state], shape, offset,
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+def _set_rng_state(saved) -> None:
+    """Restore what :func:`_rng_state` saved (Megatron-LM's list, whose first entry all
+    data-parallel ranks share), or the dict of checkpoints from before it."""
+    from megatron.core.tensor_parallel import convert_cuda_rng_state, get_cuda_rng_tracker
 
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    if isinstance(saved, dict):  # megatron-2bw's own layout before Megatron-LM's
+        saved = [{"random_rng_state": saved["random"], "np_rng_state": saved["np"],
+                  "torch_rng_state": saved["torch"],
+                  "cuda_rng_state": saved.get("cuda", saved["torch"]),
+                  "rng_tracker_states": saved["tracker"]}]
+    state = saved[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states({name: convert_cuda_rng_state(value) for name, value
+                                       in state["rng_tracker_states"].items()})
 
 
 def _layout() -> dict:
@@ -101,41 +132,167 @@ def _layout() -> dict:
             "data": ps.get_data_parallel_world_size()}
 
 
+def _saved_layout(common: dict) -> dict | None:
+    """The layout a checkpoint was written with: our "layout" key, or Megatron-LM's args (TP
+    and PP 1 where they are missing, as Megatron-LM assumes); None when neither is there."""
+    if "layout" in common:
+        return common["layout"]
+    saved_args = common.get("args")
+    if saved_args is None:
+        return None
+    return {"tensor": getattr(saved_args, "tensor_model_parallel_size", 1),
+            "pipeline": getattr(saved_args, "pipeline_model_parallel_size", 1),
+            "data": getattr(saved_args, "data_parallel_size", None)}
+
+
 def _describe(layout: dict) -> str:
     return f"TP={layout['tensor']} PP={layout['pipeline']} DP={layout['data']}"
 
 
-def _sharded_state_dict(model, optimizer, scheduler, state: TrainState, is_loading: bool,
-                        extra: Callable[[dict], None] | None = None,
-                        with_rng: bool = True) -> dict:
-    """Everything a checkpoint holds; ``extra`` adds a schedule's own entries. The model and
-    optimizer entries are keyed by global layer and parameter names (dist_checkpointing
-    reshards them for any layout); the RNG state is one object per (PP rank, TP rank)."""
-    sharded = {"model": model[0].module.sharded_state_dict()}
-    if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading)
-    if scheduler is not None:
-        sharded["opt_param_scheduler"] = scheduler.state_dict()
-    sharded["iteration"] = state.iteration
-    sharded["consumed_train_samples"] = state.consumed_train_samples
-    sharded["layout"] = _layout()
-    if with_rng:
+def _content_metadata(args: argparse.Namespace) -> dict:
+    """Megatron-LM's ``_build_sharded_state_dict_metadata`` for torch_dist, which selects how
+    the model and optimizer shard their state. The distributed optimizer keeps its state in
+    the fully reshardable 'fully_sharded_model_space' form (Megatron-LM reads the form back
+    from the checkpoint)."""
+    from megatron.core import parallel_state as ps
+
+    metadata = {}
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = "fully_sharded_model_space"
+    metadata["singleton_local_shards"] = False
+    metadata["chained_optim_avoid_prefix"] = True
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    return metadata
+
+
+# Our scheduler counts iterations; Megatron-LM's counts samples (its training.py
+# get_optimizer_param_scheduler multiplies by the global batch size, train_step steps it by
+# the batch's samples). Checkpoints hold Megatron-LM's unit.
+_SCHEDULER_STEP_KEYS = ("lr_warmup_steps", "lr_decay_steps", "num_steps", "wd_incr_steps")
+
+
+def _scheduler_in_samples(scheduler, global_batch_size: int) -> dict:
+    """Our scheduler's state as Megatron-LM's would hold it."""
+    state = scheduler.state_dict()
+    for key in _SCHEDULER_STEP_KEYS:
+        state[key] = state[key] * global_batch_size
+    return state
+
+
+def _scheduler_in_iterations(saved: dict, global_batch_size: int) -> dict:
+    """A checkpoint's scheduler state in our unit (fractional where Megatron-LM's batch size
+    ramped up: the learning rate depends only on the ratios of these counts)."""
+    state = dict(saved)
+    for key in _SCHEDULER_STEP_KEYS:
+        whole, rest = divmod(state[key], global_batch_size)
+        state[key] = int(whole) if rest == 0 else state[key] / global_batch_size
+    return state
+
+
+# scheduler state key -> the flag that sets it (build.build_scheduler)
+_SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr",
+                    "lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
+                    "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",
+                    "end_wd": "--weight-decay", "wd_incr_steps": "--train-iters",
+                    "wd_incr_style": "weight-decay increment style"}
+
+
+def _check_scheduler(path: str, saved: dict, scheduler, args: argparse.Namespace) -> None:
+    """Megatron-LM's default on resume (OptimizerParamScheduler._check_and_set): every
+    schedule setting in the checkpoint equals the flags', unless one of the two flags says
+    which side wins. ``saved`` is in iterations. Raises one CheckpointError listing all."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    ours = scheduler.state_dict()
+    differing = [f"{flag} {ours[key]} (checkpoint: {saved[key]})"
+                 for key, flag in _SCHEDULER_FLAGS.items()
+                 if key in saved and saved[key] != ours[key]]
+    if differing:
+        raise _ScheduleMismatch(
+            f"--load: {path} holds another learning-rate schedule than the flags: "
+            f"{', '.join(dict.fromkeys(differing))}; pass --override-opt_param-scheduler to "
+            f"use the flags or --use-checkpoint-opt_param-scheduler to use the checkpoint's")
+
+
+def _load_optimizer(optimizer, saved: dict, args: argparse.Namespace) -> None:
+    """The optimizer's state; its parameter groups carry the learning-rate bounds the scheduler
+    reads (``max_lr``, ``min_lr``), which --override-opt_param-scheduler keeps from the flags.
+    (Megatron-LM at core_v0.16.1 loaded the checkpoint's there, so the override missed --lr,
+    NVIDIA/Megatron-LM#1138; its later load_checkpoint re-applies the flags' bounds.)"""
+    flag_bounds = [{k: g[k] for k in ("max_lr", "min_lr") if k in g}
+                   for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    if args.override_opt_param_scheduler:
+        for group, bounds in zip(optimizer.param_groups, flag_bounds):
+            group.update(bounds)
+
+
+def _load_scheduler(scheduler, saved: dict, args: argparse.Namespace) -> None:
+    """megatron-core's load with Megatron-LM's two flags (``saved`` in iterations)."""
+    scheduler.override_opt_param_scheduler = args.override_opt_param_scheduler
+    scheduler.use_checkpoint_opt_param_scheduler = not args.override_opt_param_scheduler
+    scheduler.load_state_dict(saved)
+
+
+def _saved_args(args: argparse.Namespace, state: TrainState) -> argparse.Namespace:
+    """The flags as Megatron-LM saves them, with the data position its loader reads there.
+    Only values that ``torch.load(weights_only=True)`` reads back are kept (both programs
+    load the common state that way: anything else would make the checkpoint unreadable)."""
+    saved = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v)})
+    saved.consumed_train_samples = state.consumed_train_samples
+    saved.skipped_train_samples = 0
+    saved.consumed_valid_samples = state.consumed_valid_samples
+    return saved
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
+
+
+def _state_to_save(model, optimizer, scheduler, state: TrainState, args: argparse.Namespace,
+                   metadata: dict, extra: Callable[[dict], None] | None) -> dict:
+    """Megatron-LM's ``generate_state_dict`` (+ ``num_floating_point_operations_so_far``) and
+    our "layout"; ``extra`` adds a schedule's own entries. The model and optimizer entries are
+    keyed by global layer and parameter names (dist_checkpointing reshards them for any
+    layout, as ``metadata`` (:func:`_content_metadata`) asks); the RNG state is one object per
+    (PP rank, TP rank)."""
+    sharded = {"args": _saved_args(args, state), "checkpoint_version": CHECKPOINT_VERSION,
+               "iteration": state.iteration,
+               "model": model[0].module.sharded_state_dict(metadata=metadata)}
+    if not args.no_save_optim:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False,
+                                                            metadata=metadata)
+        sharded["opt_param_scheduler"] = _scheduler_in_samples(scheduler,
+                                                               args.global_batch_size)
+    if not args.no_save_rng:
         sharded["rng_state"] = _rng_state()
+    sharded["num_floating_point_operations_so_far"] = state.num_floating_point_operations_so_far
+    sharded["layout"] = _layout()
     if extra is not None:
         extra(sharded)
     return sharded
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
-                    extra: Callable[[dict], None] | None = None, keep: int | None = None) -> str:
+                    args: argparse.Namespace, extra: Callable[[dict], None] | None = None,
+                    keep: int | None = None) -> str:
     """Save on every rank (collective); return the checkpoint directory.
 
-    ``extra(sharded_state_dict)`` may add entries (the 2BW schedule adds its second weight
-    version). With ``keep``, only the ``keep`` newest checkpoints remain, older ones deleted
-    after the new one is complete and named by the tracker. A write that fails on any rank (a
-    full disk) fails on every rank with CheckpointError; the partial directory is removed and
-    the previous checkpoints and the tracker are untouched."""
+    ``args`` are the run's flags (saved as Megatron-LM saves them; --no-save-optim and
+    --no-save-rng leave those parts out). ``extra(sharded_state_dict)`` may add entries (the
+    2BW schedule adds its second weight version). With ``keep``, only the ``keep`` newest
+    checkpoints remain, older ones deleted after the new one is complete and named by the
+    tracker. A write that fails on any rank (a full disk) fails on every rank with
+    CheckpointError; the partial directory is removed and the previous checkpoints and the
+    tracker are untouched."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
+
+    bind_helpers_to_this_process()  # megatron-core's writer processes end with this rank
 
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
@@ -143,9 +300,10 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
-    sharded = _sharded_state_dict(model, optimizer, scheduler, state, is_loading=False,
-                                  extra=extra)
-    error = _attempt(lambda: dist_checkpointing.save(sharded, tmp))
+    metadata = _content_metadata(args)
+    sharded = _state_to_save(model, optimizer, scheduler, state, args, metadata, extra)
+    error = _attempt(lambda: dist_checkpointing.save(
+        sharded, tmp, content_metadata=_clean_metadata_for_serialization(metadata)))
     _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
     if dist.get_rank() == 0:
         error = _attempt(lambda: _publish(root, tmp, final, state.iteration))
@@ -253,14 +411,33 @@ def _probe_writable(root: str, error_type) -> None:
                                    f"{error.strerror or error}") from None
 
 
-def _candidates(root: str) -> list[int]:
+def _candidates(root: str, warn: Callable[[str], None] = print) -> list[int]:
     """The tracker's iteration first, then older complete checkpoints, newest first."""
     try:
         named = latest_iteration(root)
-    except CheckpointError:  # a torn tracker: the directories still tell what was saved
+    except CheckpointError as error:  # a torn tracker: the directories tell what was saved
+        warn(f" warning: {str(error).removeprefix('--load: ')}; trying the checkpoint "
+             "directories newest first")
         named = None
     older = [i for i in saved_iterations(root) if named is None or i < named]
     return ([named] if named is not None else []) + older
+
+
+@contextlib.contextmanager
+def _quiet_checkpoint_loggers():
+    """torch.distributed.checkpoint (through the root logger) and megatron-core log a failed
+    read with its traceback before raising; the caller reports it in one line (or falls back),
+    so they are silenced while a checkpoint loads."""
+    names = ("", "torch.distributed.checkpoint", "megatron.core.dist_checkpointing")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _all_ranks_agree(ok: bool) -> bool:
@@ -273,24 +450,27 @@ def _all_ranks_agree(ok: bool) -> bool:
     return not flag.item()
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = True,
-                    load_rng: bool = True,
+def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace,
                     extra: Callable[[dict, str], None] | None = None,
                     on_loaded: Callable[[dict], None] | None = None,
                     warn: Callable[[str], None] = print) -> TrainState | None:
-    """Restore the newest readable checkpoint under ``root`` into the given objects; None when
-    there is none. ``extra(sharded, checkpoint_path)`` lets a schedule request its own entries,
-    ``on_loaded(loaded)`` read them back. A checkpoint that fails to load on any rank is
-    skipped on every rank, with a warning; when none loads, ValueError names the newest."""
-    candidates = _candidates(root)
+    """Restore the newest readable checkpoint under ``root`` (ours or Megatron-LM's) into the
+    given objects; None when there is none. ``args`` are the run's flags (--no-load-optim,
+    --no-load-rng, the scheduler flags). ``extra(sharded, checkpoint_path)`` lets a schedule
+    request its own entries, ``on_loaded(loaded)`` read them back. A checkpoint that fails to
+    load on any rank is skipped on every rank, with a warning; when none loads, CheckpointError
+    names the newest. A learning-rate schedule that disagrees with the flags is a
+    CheckpointError at once (the flags are wrong, not the checkpoint)."""
+    candidates = _candidates(root, warn)
     if not candidates:
         return None
     failures = []
     for iteration in candidates:
         path = checkpoint_dir(root, iteration)
         try:
-            state = _load_one(path, model, optimizer, scheduler, load_optim, load_rng, extra,
-                              on_loaded, warn)
+            with _quiet_checkpoint_loggers():  # a failure is reported once, by this loop
+                state = _load_one(path, model, optimizer, scheduler, args, extra, on_loaded,
+                                  warn)
             error = None
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -301,6 +481,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optim: bool = T
                 warn(f" warning: skipped unreadable checkpoint(s) {'; '.join(failures)}; "
                      f"loaded {path}")
             return state
+        if isinstance(error, _ScheduleMismatch):  # the same on every rank: common state
+            raise error
         why = "unreadable on another rank" if error is None else _reason(error)
         failures.append(f"{path} ({why})")
     raise CheckpointError(f"--load: no readable checkpoint in {root}: {failures[0]}")
@@ -320,35 +502,87 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[-1][:200]}" if text else type(error).__name__
 
 
-def _load_one(path: str, model, optimizer, scheduler, load_optim: bool, load_rng: bool,
-              extra, on_loaded, warn: Callable[[str], None]) -> TrainState:
+def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, extra,
+              on_loaded, warn: Callable[[str], None]) -> TrainState:
+    """Load one checkpoint as Megatron-LM's ``load_checkpoint`` does: the optimizer and
+    scheduler unless --no-load-optim or the checkpoint has none (then mixed-precision main
+    weights are refreshed from the model), the RNG state unless --no-load-rng, the checkpoint
+    has none, or TP or PP changed."""
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing")
-    saved_layout = dist_checkpointing.load_common_state_dict(path).get("layout")
-    layout = _layout()
-    rng_keyed_alike = saved_layout is None or all(
-        saved_layout[k] == layout[k] for k in ("tensor", "pipeline"))
-    if saved_layout is not None and saved_layout != layout:
-        rng = ("RNG state kept" if rng_keyed_alike else
-               "RNG state re-seeded from --seed (it is kept per TP and PP rank)")
-        warn(f" warning: {path} was saved with {_describe(saved_layout)}, this run is "
-             f"{_describe(layout)}: model and optimizer state resharded; {rng}")
-    load_rng = load_rng and rng_keyed_alike
-    sharded = _sharded_state_dict(model, optimizer if load_optim else None,
-                                  scheduler if load_optim else None,
-                                  TrainState(), is_loading=True,
-                                  extra=None if extra is None else lambda sd: extra(sd, path),
-                                  with_rng=load_rng)
-    loaded = dist_checkpointing.load(sharded, path)
+    common = dist_checkpointing.load_common_state_dict(path)
+    load_optim = not args.no_load_optim and "opt_param_scheduler" in common
+    saved_scheduler = None
+    if load_optim:
+        saved_scheduler = common["opt_param_scheduler"]
+        if "checkpoint_version" in common:  # Megatron-LM's state: samples
+            saved_scheduler = _scheduler_in_iterations(saved_scheduler, args.global_batch_size)
+        _check_scheduler(path, saved_scheduler, scheduler, args)
+    load_rng = not args.no_load_rng and _rng_keyed_alike(path, common, warn) and not getattr(
+        common.get("args"), "no_save_rng", False)
+    loaded = dist_checkpointing.load(
+        _state_to_load(model, optimizer if load_optim else None, common, load_rng,
+                       None if extra is None else lambda sd: extra(sd, path)), path)
     model[0].module.load_state_dict(loaded["model"])
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _load_optimizer(optimizer, loaded["optimizer"], args)
+        _load_scheduler(scheduler, saved_scheduler, args)
+    else:
+        optimizer.reload_model_params()
     if load_rng:
         _set_rng_state(loaded["rng_state"])
     if on_loaded is not None:
         on_loaded(loaded)
-    return TrainState(iteration=loaded["iteration"],
-                      consumed_train_samples=loaded["consumed_train_samples"])
+    return _train_state(loaded)
+
+
+def _rng_keyed_alike(path: str, common: dict, warn: Callable[[str], None]) -> bool:
+    """Whether the checkpoint's RNG states fit this run (same TP and PP); warns when the
+    layout changed."""
+    saved, layout = _saved_layout(common), _layout()
+    if saved is None:
+        return True
+    keyed_alike = all(saved[k] == layout[k] for k in ("tensor", "pipeline"))
+    if saved != layout:
+        rng = ("RNG state kept" if keyed_alike else
+               "RNG state re-seeded from --seed (it is kept per TP and PP rank)")
+        warn(f" warning: {path} was saved with {_describe(saved)}, this run is "
+             f"{_describe(layout)}: model and optimizer state resharded; {rng}")
+    return keyed_alike
+
+
+def _state_to_load(model, optimizer, common: dict, with_rng: bool,
+                   extra: Callable[[dict], None] | None) -> dict:
+    """The sharded entries to read, made with the content metadata the checkpoint was saved
+    with (Megatron-LM's ``load_content_metadata``); its common entries come back as saved."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    sharded = {"model": model[0].module.sharded_state_dict(metadata=metadata)}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True,
+                                                            metadata=metadata)
+    if with_rng:
+        sharded["rng_state"] = _rng_state()
+    if extra is not None:
+        extra(sharded)
+    return sharded
+
+
+def _train_state(loaded: dict) -> TrainState:
+    """Where the checkpoint's run stood: Megatron-LM keeps the samples in its args; our
+    checkpoints from before Megatron-LM's state kept them in "consumed_train_samples"."""
+    saved_args = loaded.get("args")
+    if saved_args is None:
+        return TrainState(iteration=loaded["iteration"],
+                          consumed_train_samples=loaded["consumed_train_samples"])
+    return TrainState(
+        iteration=loaded["iteration"],
+        consumed_train_samples=getattr(saved_args, "consumed_train_samples", 0),
+        consumed_valid_samples=getattr(saved_args, "consumed_valid_samples", 0),
+        num_floating_point_operations_so_far=loaded.get(
+            "num_floating_point_operations_so_far", 0))

@@ -11,7 +11,7 @@ the loop drains before evaluating, checkpointing and finishing.
 from __future__ import annotations
 
 import argparse
-import time
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,13 +82,22 @@ class Trainer:
             attach(self.optimizer, defer=not args.no_deferred_step)
         self.forward_step_func = forward_step_func
         self.loss_key = loss_key
-        self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir)
+        self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir,
+                                  logs.LogFlags.from_args(args), self.info.device)
+        self.timers = logs.attach_timers(args, self.config, self.optimizer)
+        self.interval = logs.IntervalStats()
+        if args.log_num_zeros_in_grad and args.pipeline_schedule == "2bw":
+            self.logger.print(" --log-num-zeros-in-grad: not counted where the 2bw optimizer "
+                              "step is deferred (the step runs inside the next iteration)")
         self.flops_per_iteration = logs.transformer_flops_per_iteration(args, vocab_size)
         self.state = self._maybe_load()
         self.data = data_provider(args, self.state)
 
     # ---- checkpoints -------------------------------------------------------------------
     def _maybe_load(self) -> TrainState:
+        """The checkpoint's TrainState (or a fresh one); notes where the FLOPs count resumes
+        (Megatron-LM's num_floating_point_operations_so_far)."""
+        self._flops_counted_at = (0, 0)
         if not self.args.load:
             return TrainState()
         fb, model = self.forward_backward, self.model
@@ -97,13 +106,13 @@ class Trainer:
             hooks = dict(extra=lambda sharded, path: fb.prepare_load(model, sharded, path),
                          on_loaded=lambda loaded: fb.checkpoint_loaded(model, loaded))
         state = checkpointing.load_checkpoint(
-            self.args.load, self.model, self.optimizer, self.scheduler,
-            load_optim=not self.args.no_load_optim, load_rng=not self.args.no_load_rng,
+            self.args.load, self.model, self.optimizer, self.scheduler, self.args,
             warn=self.logger.print, **hooks)
         if state is None:
             self.logger.print(f" no checkpoint found in {self.args.load}: starting from scratch")
             return TrainState()
         self.logger.print(f" resumed from {self.args.load} at iteration {state.iteration}")
+        self._flops_counted_at = (state.iteration, state.num_floating_point_operations_so_far)
         return state
 
     def save(self) -> None:
@@ -112,9 +121,12 @@ class Trainer:
         extra = None
         if hasattr(fb, "checkpoint_extra"):
             extra = lambda sharded: fb.checkpoint_extra(model, sharded)  # noqa: E731
+        iteration, flops = self._flops_counted_at
+        self.state.num_floating_point_operations_so_far = (
+            flops + (self.state.iteration - iteration) * self.flops_per_iteration)
         path = checkpointing.save_checkpoint(
-            self.args.save, self.model, self.optimizer, self.scheduler, self.state, extra=extra,
-            keep=self.args.ckpt_keep)
+            self.args.save, self.model, self.optimizer, self.scheduler, self.state, self.args,
+            extra=extra, keep=self.args.ckpt_keep)
         self.logger.print(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
     def _drain(self) -> None:
@@ -137,19 +149,42 @@ class Trainer:
                     micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length,
                     forward_only=forward_only)
 
-    def train_step(self) -> tuple[float | None, float | None, bool]:
-        """One global batch: forward/backward over all microbatches, then the optimizer step."""
+    def train_step(self) -> tuple[float | None, float | None, float | None, bool]:
+        """One global batch: forward/backward over all microbatches, then the optimizer step.
+        Returns (loss, grad norm, zeros in the gradients (--log-num-zeros-in-grad), success);
+        timed as Megatron-LM's train_step times it ('forward-backward', 'optimizer')."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_dicts = self.forward_backward(data_iterator=self.data.train,
-                                           **self._schedule_kwargs(forward_only=False))
-        succeeded, grad_norm, _ = self.optimizer.step()
+        with self._timed("forward-backward", self._schedule_times_itself()):
+            loss_dicts = self.forward_backward(data_iterator=self.data.train,
+                                               **self._schedule_kwargs(forward_only=False))
+        with self._timed("optimizer"):
+            succeeded, grad_norm, num_zeros = self.optimizer.step()
         if succeeded:
             self.scheduler.step(increment=1)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.args.global_batch_size
-        return _mean_loss_over_data_parallel(loss_dicts, self.loss_key), grad_norm, succeeded
+        loss = _mean_loss_over_data_parallel(loss_dicts, self.loss_key)
+        return loss, grad_norm, num_zeros, succeeded
+
+    @contextlib.contextmanager
+    def _timed(self, name: str, already_timed: bool = False):
+        """megatron-core timer ``name`` (level 1) around the block, unless the block times
+        itself under that name."""
+        timer = None if already_timed else self.timers(name, log_level=1)
+        if timer is not None:
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.stop()
+
+    def _schedule_times_itself(self) -> bool:
+        """megatron-core's own schedules start and stop 'forward-backward' themselves."""
+        return getattr(self.forward_backward, "__module__", "") == \
+            "megatron.core.pipeline_parallel.schedules"
 
     @torch.no_grad()
     def evaluate(self, make_iterator: Callable[[], object], split: str = "validation") -> float:
@@ -158,29 +193,74 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         iterator, losses = make_iterator(), []
-        for _ in range(self.args.eval_iters):
-            loss_dicts = self.forward_backward(data_iterator=iterator,
-                                               **self._schedule_kwargs(forward_only=True))
-            losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key))
+        with logs.timers_detached(self.config):
+            for _ in range(self.args.eval_iters):
+                loss_dicts = self.forward_backward(data_iterator=iterator,
+                                                   **self._schedule_kwargs(forward_only=True))
+                losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key))
         for chunk in self.model:
             chunk.train()
         loss = None if losses[0] is None else sum(losses) / len(losses)
         if loss is not None:
-            self.logger.validation(self.state.iteration, loss, split)
+            self.logger.validation(self.state.iteration, loss, split,
+                                   self.state.consumed_train_samples, self.loss_key)
         return loss
 
     # ---- the loop ----------------------------------------------------------------------
-    def _log(self, loss, grad_norm, seconds: float, skipped: int) -> None:
-        if not self.logger.enabled:
-            return
-        self.logger.iteration(logs.IterationLog(
-            iteration=self.state.iteration, train_iters=self.args.train_iters,
-            seconds_per_iteration=seconds, lr=self.optimizer.param_groups[0]["lr"],
-            loss=loss, grad_norm=grad_norm,
-            consumed_samples=self.state.consumed_train_samples,
-            global_batch_size=self.args.global_batch_size, seq_length=self.args.seq_length,
-            flops_per_iteration=self.flops_per_iteration, world_size=self.info.world_size,
-            peak_mem_mib=logs.peak_memory_mib(self.info.device), skipped=skipped))
+    def _log(self, loss, grad_norm, num_zeros, succeeded: bool) -> float | None:
+        """Megatron-LM's training_log for the iteration just run: its scalars every
+        --tensorboard-log-interval, and every --log-interval the line and the timers. Every rank
+        calls it (the parameter norm and the timers are collectives). Returns the interval's
+        mean loss when a line was due (None on ranks without the loss)."""
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        a, iteration = self.args, self.state.iteration
+        self.interval.add(loss, succeeded)
+        line_due, scalars_due = self._due(a.log_interval), self._due(a.tensorboard_log_interval)
+        params_norm = logs.params_l2_norm(self.model) \
+            if a.log_params_norm and (line_due or scalars_due) else None
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        loss_scale = float(self.optimizer.get_loss_scale())
+        if scalars_due:
+            self.logger.step(logs.StepStats(
+                iteration, self.state.consumed_train_samples, lr, a.global_batch_size,
+                {self.loss_key: loss}, loss_scale, self.info.world_size, grad_norm, num_zeros,
+                params_norm))
+        if not line_due:
+            return None
+        interval = self.interval.take()
+        seconds = self.timers("interval-time").elapsed() / interval.iterations
+        if self.logger.enabled:
+            self.logger.iteration(logs.IterationLog(
+                iteration=iteration, train_iters=a.train_iters, seconds_per_iteration=seconds,
+                lr=lr, loss=interval.mean_loss, grad_norm=grad_norm,
+                consumed_samples=self.state.consumed_train_samples,
+                global_batch_size=a.global_batch_size, seq_length=a.seq_length,
+                flops_per_iteration=self.flops_per_iteration, world_size=self.info.world_size,
+                peak_mem_mib=logs.peak_memory_mib(self.info.device), skipped=interval.skipped,
+                loss_key=self.loss_key, loss_scale=loss_scale, num_zeros=num_zeros,
+                params_norm=params_norm, nan_iterations=interval.nan,
+                log_throughput=a.log_throughput))
+        self.logger.timers(self.timers, iteration, self._schedule_scalars())
+        return interval.mean_loss
+
+    def _schedule_scalars(self) -> dict:
+        """Our schedule's tags next to Megatron-LM's (logs.SCHEDULE_TAGS), read on this rank
+        before the timers start over."""
+        versions = getattr(self.forward_backward, "versions", None)
+        return {"pipeline-bubble-fraction":
+                logs.stage_bubble_fraction(self.timers, self.args.timing_log_level),
+                "weight-versions": None if versions is None else len(versions.alive)}
+
+    @contextlib.contextmanager
+    def _interval_paused(self):
+        """Evaluations and checkpoints do not count in the time per iteration (as in
+        Megatron-LM, which stops 'interval-time' around them)."""
+        self.timers("interval-time").stop()
+        try:
+            yield
+        finally:
+            self.timers("interval-time").start()
 
     def _due(self, interval: int | None, iteration: int | None = None) -> bool:
         iteration = self.state.iteration if iteration is None else iteration
@@ -205,7 +285,7 @@ class Trainer:
         divergence raises :class:`Divergence` before anything else is saved."""
         a, guard = self.args, RunGuard(_cpu_group(), self.args)
         last = {"train_loss": None, "valid_loss": None}
-        losses, skipped, started = [], 0, time.perf_counter()
+        self.timers("interval-time", log_level=0).start()
         stop_signal: str | None = None
         self.logger.print(f" training {a.pipeline_schedule} schedule on {self.info.world_size} "
                           f"{self.info.device} processes: TP={a.tensor_model_parallel_size} "
@@ -215,25 +295,21 @@ class Trainer:
             upcoming = self.state.iteration + 1
             if stop_signal or self._pauses_after(upcoming):
                 self._prepare_drain()
-            loss, grad_norm, succeeded = self.train_step()
+            loss, grad_norm, num_zeros, succeeded = self.train_step()
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
-            losses.append(loss)
-            skipped += not succeeded
+            interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
-                seconds = (time.perf_counter() - started) / len(losses)
-                last["train_loss"] = None if loss is None else sum(losses) / len(losses)
-                self._log(last["train_loss"], grad_norm, seconds, skipped)
-                losses, skipped, started = [], 0, time.perf_counter()
+                last["train_loss"] = interval_loss
             pausing = stop_signal is not None or self._pauses_after(self.state.iteration)
             stop_signal = self._judge(guard.settle() if pausing else guard.verdicts(keep=1),
                                       guard, stop_signal)
             if a.eval_iters and self.data.valid is not None and self._due(a.eval_interval):
-                last["valid_loss"] = self.evaluate(self.data.valid)
-                started = time.perf_counter()
+                with self._interval_paused():
+                    last["valid_loss"] = self.evaluate(self.data.valid)
             stopping = pausing and (stop_signal is not None or self._due(a.exit_interval))
             if a.save and (self._due(a.save_interval) or stopping):
-                self.save()
-                started = time.perf_counter()
+                with self._interval_paused():
+                    self.save()
             if stopping:
                 why = f" ({stop_signal})" if stop_signal else ""
                 self.logger.print(f" stopping at iteration {self.state.iteration}{why}")
