@@ -22,10 +22,15 @@ setup(
         "sentencepiece>=0.2",
         "numpy>=1.26",
         "psutil>=5.9",  # megatron-core's async checkpoint writer imports it
+        "tensorboard>=2.14",  # --tensorboard-dir (torch.utils.tensorboard writes the events)
+        "regex>=2022.1",  # GPT-2's pre-tokenizer pattern (\\p{L}, \\p{N}) for GPT2BPETokenizer
     ],
     extras_require={
         # NVIDIA apex is built from source (https://github.com/NVIDIA/apex) and is optional.
         "gpu": ["transformer-engine[pytorch]"],
-        "dev": ["pytest>=8", "matplotlib>=3.8"],
+        # --tokenizer-type HuggingFaceTokenizer (megatron-core's AutoTokenizer wrapper).
+        "hf": ["transformers>=4.40"],
+        # The tests load a HuggingFace tokenizer folder, so dev includes hf's packages.
+        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40"],
     },
 )

@@ -13,8 +13,15 @@ import os
 import re
 from typing import Sequence
 
+from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
+                                               missing_tokenizer_input, tokenizer_type)
+
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
            "int_at_least", "number_in"]
+
+MAX_TRAIN_SAMPLES = 2 ** 40
+"""More training samples than this (beyond any real run) are refused: the dataset indices
+for all of them are built before the first iteration."""
 
 SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
 
@@ -87,11 +94,22 @@ _PROBABILITY = number_in(0, 1, high_open=True)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's model flags (megatron/training/arguments.py at core_v0.16.1: its
+    "network size" group, and the TransformerConfig fields its ArgumentGroupFactory turns into
+    flags, with their dests: --norm-epsilon -> layernorm_epsilon, --disable-bias-linear ->
+    add_bias_linear)."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=_COUNT, default=4)
     g.add_argument("--hidden-size", type=_COUNT, default=256)
-    g.add_argument("--ffn-hidden-size", type=_COUNT, default=None, help="default: 4 x hidden size")
+    g.add_argument("--ffn-hidden-size", type=_COUNT, default=None,
+                   help="default: 4 x hidden size; with --swiglu int((4 x hidden x 2/3) / 64) "
+                        "x 64, as Megatron-LM")
     g.add_argument("--num-attention-heads", type=_COUNT, default=4)
+    g.add_argument("--kv-channels", type=_COUNT, default=None,
+                   help="size of each attention head's projection; default: hidden / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=_COUNT, default=None,
+                   help="key/value head groups with --group-query-attention (default 1)")
     g.add_argument("--seq-length", type=_COUNT, default=128)
     g.add_argument("--max-position-embeddings", type=_COUNT, default=None,
                    help="default: --seq-length")
@@ -99,8 +117,39 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.1)
     g.add_argument("--attention-dropout", type=_PROBABILITY, default=0.1)
     g.add_argument("--init-method-std", type=_POSITIVE, default=0.02)
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated: use --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_false",
+                   dest="add_position_embedding",
+                   help="deprecated: use --position-embedding-type none (accepted only with "
+                        "rope, as Megatron-LM)")
+    g.add_argument("--rotary-percent", type=number_in(0, 1, low_open=True), default=1.0,
+                   help="fraction of each head's dimensions rotated by rope")
+    g.add_argument("--rotary-base", type=_COUNT, default=10000)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=_COUNT, default=None)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=_POSITIVE, default=1e-5)
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="the original BERT's residual order")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated linear unit with SiLU instead of GeLU")
+    g.add_argument("--squared-relu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="OpenAI's tanh approximation of GeLU")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no bias in any linear layer (--add-qkv-bias keeps the QKV one)")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="--normalization applied to each head's queries and keys")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q K^T by 1/layer number (fp16); implies "
+                        "--attention-softmax-in-fp32")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms and dropout over the sequence on tensor-parallel ranks "
+                        "(CUDA only; off when the tensor-parallel size is 1, as Megatron-LM)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
                    default="transformer_engine",
@@ -171,9 +220,14 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="indexed dataset prefix, or a blend 'weight prefix weight prefix ...'")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="GPTSentencePieceTokenizer",
-                   choices=("GPTSentencePieceTokenizer", "SentencePieceTokenizer",
-                            "NullTokenizer"))
-    g.add_argument("--tokenizer-model", default=None)
+                   type=tokenizer_type, metavar="TYPE", help=", ".join(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model file, or a HuggingFace tokenizer folder")
+    g.add_argument("--vocab-file", default=None,
+                   help="vocab.json (GPT2BPETokenizer) or vocab.txt (BertWordPiece*)")
+    g.add_argument("--merge-file", default=None, help="merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--vocab-extra-ids", type=_NONNEG, default=0,
+                   help="BertWordPiece*: append <extra_id_0> ... <extra_id_{N-1}> to the vocab")
     g.add_argument("--vocab-size", type=_COUNT, default=None, help="for NullTokenizer")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true",
@@ -181,11 +235,35 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    def torch_dist_only(text: str) -> str:
+        """--ckpt-format takes Megatron-LM's values, of which we write torch_dist only."""
+        if text != "torch_dist":
+            raise argparse.ArgumentTypeError(f"only torch_dist is supported, got {text!r}")
+        return text
+
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=_COUNT, default=10)
     g.add_argument("--eval-interval", type=_COUNT, default=100)
     g.add_argument("--eval-iters", type=_NONNEG, default=10)
     g.add_argument("--tensorboard-dir", default=None)
+    # Megatron-LM's logging flags, defaults as in its LoggerConfig (training_config.py);
+    # what each writes: megatron_2bw/training/logs.py
+    g.add_argument("--tensorboard-log-interval", type=_COUNT, default=1)
+    g.add_argument("--tensorboard-queue-size", type=_COUNT, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_COUNT, default=None)
@@ -205,6 +283,23 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "always handled (save, then exit 0)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="leave the optimizer and learning-rate schedule out of checkpoints")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="leave the RNG state out of checkpoints")
+    g.add_argument("--ckpt-format", type=torch_dist_only, default="torch_dist",
+                   help="accepted for Megatron-LM's command lines: checkpoints are always "
+                        "torch_dist (megatron-core's dist_checkpointing)")
+    schedule = g.add_mutually_exclusive_group()
+    schedule.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                          dest="override_opt_param_scheduler", action="store_true",
+                          help="on --load, take the learning-rate schedule from the flags, "
+                               "not from the checkpoint")
+    schedule.add_argument("--use-checkpoint-opt_param-scheduler",
+                          "--use-checkpoint-opt-param-scheduler",
+                          dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                          help="on --load, take the learning-rate schedule from the "
+                               "checkpoint; by default the two must agree (as in Megatron-LM)")
 
 
 def build_parser(description: str = "Pretrain a model with megatron-2bw") -> argparse.ArgumentParser:
@@ -265,6 +360,9 @@ def _validate_batch(args: argparse.Namespace) -> None:
 
 
 def _validate_training(args: argparse.Namespace) -> None:
+    _require(args.train_iters * args.global_batch_size <= MAX_TRAIN_SAMPLES, "--train-iters",
+             f"{args.train_iters} iterations of {args.global_batch_size} samples exceed "
+             f"{MAX_TRAIN_SAMPLES:.2e} samples (the data indices are built up front)")
     _require(not (args.bf16 and args.fp16), "--bf16", "--bf16 and --fp16 are exclusive")
     _require(args.min_lr <= args.lr, "--min-lr",
              f"must lie in [0, --lr={args.lr}], got {args.min_lr}")
@@ -301,13 +399,62 @@ def _validate_data(args: argparse.Namespace) -> None:
         return
     _require(args.data_path is not None, "--data-path",
              "required (an indexed dataset prefix from tools/preprocess_data.py), or --mock-data")
-    if args.tokenizer_type == "NullTokenizer":
-        _require(args.vocab_size is not None, "--vocab-size", "required with NullTokenizer")
-        return
-    _require(args.tokenizer_model is not None, "--tokenizer-model",
-             f"required with --tokenizer-type {args.tokenizer_type}")
-    _require(os.path.isfile(args.tokenizer_model), "--tokenizer-model",
-             f"no such file: {args.tokenizer_model}")
+    inputs = {"--tokenizer-model": args.tokenizer_model, "--vocab-file": args.vocab_file,
+              "--merge-file": args.merge_file, "--vocab-size": args.vocab_size}
+    missing = missing_tokenizer_input(args.tokenizer_type, inputs)
+    _require(missing is None, missing, f"required with --tokenizer-type {args.tokenizer_type}")
+    _require(args.vocab_extra_ids == 0 or args.tokenizer_type.startswith("BertWordPiece"),
+             "--vocab-extra-ids", "only used with BertWordPieceLowerCase / BertWordPieceCase")
+    for flag in TOKENIZER_INPUTS[args.tokenizer_type]:
+        must_be_file = flag in FILE_FLAGS or args.tokenizer_type != "HuggingFaceTokenizer"
+        if flag != "--vocab-size" and must_be_file:
+            _require(os.path.isfile(inputs[flag]), flag, f"no such file: {inputs[flag]}")
+
+
+def _validate_model_features(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the model-feature flags and the defaults it derives from them
+    (``validate_args`` and ``core_transformer_config_from_args`` in
+    megatron/training/arguments.py at core_v0.16.1; megatron-core's TransformerConfig checks,
+    raised here as flag errors). Runs after :func:`_validate_layout` (hidden % heads)."""
+    h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
+    if args.use_rotary_position_embeddings:  # its "Legacy RoPE arguments"
+        args.position_embedding_type = "rope"
+    _require(args.add_position_embedding or args.position_embedding_type == "rope",
+             "--no-position-embedding", "deprecated (Megatron-LM accepts it only with rope); "
+             "use --position-embedding-type none")
+    _require(not (args.swiglu and args.squared_relu), "--squared-relu",
+             "--swiglu and --squared-relu are exclusive")
+    _require(not (args.openai_gelu and (args.swiglu or args.squared_relu)), "--openai-gelu",
+             "exclusive with --swiglu and --squared-relu")
+    if args.ffn_hidden_size is None:  # swiglu: two fc1 projections, ~the parameters of 4h
+        args.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if args.swiglu else 4 * h
+        _require(args.ffn_hidden_size > 0, "--swiglu", f"the default FFN size int((4 x {h} x "
+                 "2/3) / 64) x 64 is 0 for hidden sizes below 24; give --ffn-hidden-size")
+    _require(args.ffn_hidden_size % tp == 0, "--ffn-hidden-size", f"{args.ffn_hidden_size} is "
+             f"not divisible by tensor-parallel size {tp}")
+    args.kv_channels = args.kv_channels or h // heads
+    if args.num_query_groups is not None:
+        _require(args.group_query_attention, "--num-query-groups",
+                 "needs --group-query-attention")
+    if args.group_query_attention:
+        groups = args.num_query_groups = args.num_query_groups or 1
+        _require(heads % groups == 0, "--num-query-groups",
+                 f"{heads} attention heads do not split into {groups} query groups")
+        _require(groups % tp == 0 or tp % groups == 0, "--num-query-groups",
+                 f"{groups} query groups must be a multiple or a divisor of tensor-parallel "
+                 f"size {tp}")
+    if args.add_bias_linear:  # "keep the 'add bias' args in sync"
+        args.add_qkv_bias = True
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if tp == 1:  # Megatron-LM turns it off (with a warning) rather than change the numerics
+        args.sequence_parallel = False
+    if args.sequence_parallel:
+        from megatron_2bw.runtime.cpu import select_device
+
+        _require(select_device(args.cpu) == "cuda", "--sequence-parallel",
+                 "needs CUDA: on the CPU megatron-core's layers use torch's LayerNorm/RMSNorm "
+                 "(WrappedTorchNorm), which refuses sequence parallelism")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -315,6 +462,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     num_microbatches, ...). Raises FlagError naming the first bad flag."""
     args.world_size = world_size
     _validate_layout(args)
+    _validate_model_features(args)
     _validate_batch(args)
     _validate_training(args)
     _validate_data(args)

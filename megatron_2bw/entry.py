@@ -47,6 +47,8 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
+        _check_model_type_flags(args)
+        _check_output_paths(args)
         checkpointing.check_paths(args)
         distributed.select_device(args.cpu)
         versions.check()
@@ -54,12 +56,36 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
             return args, None
         from megatron_2bw.data import tokenizer as tokenizers
 
-        tokenizer = tokenizers.build_tokenizer(args.tokenizer_type, args.tokenizer_model,
-                                               args.vocab_size)
+        tokenizer = tokenizers.TokenizerSpec.from_args(args).build()
         _check_corpus(args, tokenizer)
     except _USER_ERRORS as error:
         fail(error)
     return args, tokenizer
+
+
+def _check_model_type_flags(args: argparse.Namespace) -> None:
+    """What one model type needs of the shared flags: a BERT sample is [CLS] A [SEP] B [SEP]
+    with A and B non-empty (megatron-core's sample mapping divides by --seq-length - 4)."""
+    if args.model_type == "bert" and args.seq_length < 5:
+        raise FlagError("--seq-length", f"BERT needs at least 5 ([CLS] A [SEP] B [SEP]), got "
+                        f"{args.seq_length}")
+
+
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """Up front, on every rank: the folders a run writes besides --save (TensorBoard events,
+    megatron-core's dataset index cache) can be written, and --load is not a file."""
+    from megatron_2bw.cli import writable_dir
+
+    for flag in ("--tensorboard-dir", "--data-cache-path"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            try:
+                writable_dir(value)
+            except argparse.ArgumentTypeError as error:
+                raise FlagError(flag, str(error)) from None
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise FlagError("--load", f"{args.load} is a file; --load takes the checkpoint "
+                        "directory (the one holding latest_checkpointed_iteration.txt)")
 
 
 def _check_corpus(args: argparse.Namespace, tokenizer) -> None:
@@ -100,6 +126,30 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
         fail(error)
     except Divergence as error:  # every rank reads the same verdict: all end with this line
         fail(error, code=1)
+    except RuntimeError as error:
+        if not _lost_peer(error):
+            raise
+        if getattr(error, "reported_by_stage", None) is not None:
+            sys.exit(1)  # the pipeline stage printed its line and its program
+        fail(f"a peer process ended or cannot be reached, so this rank stops: "
+             f"{_first_line(error)}", code=1)
+
+
+# Messages of gloo's and NCCL's transports when the process at the other end is gone.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "NCCL communicator was aborted", "remote process exited")
+
+
+def _lost_peer(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return (isinstance(error, getattr(dist, "DistBackendError", ())) or
+            any(marker in str(error) for marker in _PEER_GONE))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:240]
 
 
 def next_batch(data_iterator, every_stage: bool = False) -> dict:
@@ -168,12 +218,30 @@ def _is_rank_zero() -> bool:
 
 def gpt_layer_spec(args: argparse.Namespace):
     """transformer-engine's layer spec when :func:`use_transformer_engine` says so, the local
-    spec otherwise."""
+    spec otherwise, with the arguments Megatron-LM's gpt_builders.py passes them
+    (``_get_transformer_layer_spec``: qk_layernorm to both, normalization to the local one; TE's
+    norms read ``config.normalization``). No experts, no multi-latent attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if _choose_layer_spec(args, gpt_layer_specs.HAVE_TE):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec()
+    use_te = _choose_layer_spec(args, gpt_layer_specs.HAVE_TE)
+    _check_sequence_parallel_norm(args, use_te, gpt_layer_specs.HAVE_APEX)
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
+                                                    normalization=args.normalization)
+
+
+def _check_sequence_parallel_norm(args: argparse.Namespace, use_te: bool,
+                                  have_apex: bool) -> None:
+    """Sequence parallelism needs a norm that supports it: transformer-engine's, or apex's
+    FusedLayerNorm (LayerNorm only); the local spec's torch norms (WrappedTorchNorm) assert."""
+    if not args.sequence_parallel or use_te:
+        return
+    if not have_apex or args.normalization != "LayerNorm":
+        raise FlagError("--sequence-parallel", "needs transformer_engine's layers, or apex with "
+                        "--normalization LayerNorm: the local spec's torch "
+                        f"{args.normalization} refuses sequence parallelism")
 
 
 def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -242,11 +310,22 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
 
 def bert_layer_spec(args: argparse.Namespace):
     """transformer-engine's BERT layer spec when :func:`use_transformer_engine` says so, the
-    local spec otherwise."""
+    local spec otherwise (Megatron-LM's pretrain_bert.py uses both as they are: fixed specs
+    without a query/key norm, so --qk-layernorm is refused; the norms follow
+    ``config.normalization``)."""
     from megatron.core.models.bert import bert_layer_specs
 
-    if _choose_layer_spec(args, bert_layer_specs.HAVE_TE):
+    if args.qk_layernorm:
+        raise FlagError("--qk-layernorm", "megatron-core's BERT layer specs have no query/key "
+                        "norm (GPT only)")
+    use_te = _choose_layer_spec(args, bert_layer_specs.HAVE_TE)
+    _check_sequence_parallel_norm(args, use_te, bert_layer_specs.HAVE_APEX)
+    if use_te:
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    if bert_layer_specs.HAVE_APEX and args.normalization != "LayerNorm":
+        raise FlagError("--normalization", f"{args.normalization} needs transformer_engine's "
+                        "layers for BERT: the local BERT spec's apex FusedLayerNorm is "
+                        "LayerNorm only")
     return bert_layer_specs.bert_layer_local_spec
 
 

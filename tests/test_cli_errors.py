@@ -141,6 +141,51 @@ def test_numeric_flag_out_of_range(flag, bad, good, interval):
     assert interval in str(error.value) and bad in str(error.value), error.value
 
 
+def _a_file(tmp_path) -> str:
+    path = tmp_path / "a-file"
+    path.write_text("")
+    return str(path)
+
+
+# id: (extra flags given tmp_path, script, flag named, fragments); each found by trying what a
+# new user would (scripts/try_bad_inputs.py) and a traceback, a crash or a hang before
+LATE_CASES = {
+    "tensorboard-dir-below-a-file": (lambda t: ["--tensorboard-dir", _a_file(t) + "/tb"],
+                                     SCRIPT, "--tensorboard-dir", ["is a file, not a folder"]),
+    "data-cache-below-a-file": (lambda t: ["--data-cache-path", _a_file(t) + "/cache"],
+                                SCRIPT, "--data-cache-path", ["is a file, not a folder"]),
+    "load-a-file": (lambda t: ["--load", _a_file(t)], SCRIPT, "--load",
+                    ["is a file; --load takes the checkpoint directory"]),
+    "train-iters-beyond-any-run": (lambda t: ["--train-iters", "10" * 15], SCRIPT,
+                                   "--train-iters", ["samples exceed"]),
+    "bert-seq-length-4": (lambda t: ["--seq-length", "4"], "pretrain_bert_2bw.py",
+                          "--seq-length", ["BERT needs at least 5", "got 4"]),
+    "hidden-size-beyond-memory": (lambda t: ["--hidden-size", "4000000000000"], SCRIPT,
+                                  "--num-layers/--hidden-size", ["cannot be allocated here"]),
+    "num-layers-beyond-an-index": (lambda t: ["--num-layers", "1" * 25], SCRIPT,
+                                   "--num-layers/--hidden-size", ["cannot be allocated here"]),
+}
+
+
+@pytest.mark.parametrize("case", list(LATE_CASES))
+def test_late_failures_are_one_line(case, tmp_path):
+    extra, script, flag, fragments = LATE_CASES[case]
+    result = launch.python([script, *TINY, "--mock-data", *extra(tmp_path)], timeout=120,
+                           WORLD_SIZE="1")
+    assert_one_error_line(result, flag, *fragments)
+
+
+def test_a_nan_blend_weight_is_one_line(tiny_gpt_data):
+    from megatron_2bw.data.errors import DataError
+    from megatron_2bw.data.gpt import parse_data_path
+
+    prefix = tiny_gpt_data.data_prefix
+    assert parse_data_path(["0.5", prefix, "1", prefix])[1] == [0.5, 1.0]
+    for weight in ("nan", "inf"):
+        with pytest.raises(DataError, match="finite weights > 0"):
+            parse_data_path([weight, prefix, "1", prefix])
+
+
 def test_missing_data_path(tiny_gpt_data):
     tokenizer = ["--tokenizer-model", tiny_gpt_data.tokenizer_model]
     parse_args([*TINY, *tokenizer, "--data-path", tiny_gpt_data.data_prefix], world_size=1)

@@ -146,6 +146,8 @@ CASES = {
     "convergence-unknown-schedule": (["convergence.py", "--schedules", "2bw,pipedream"],
                                      "--schedules", "pipedream"),
     "convergence-zero-iters": (["convergence.py", "--iters", "0"], "--iters", ">= 1"),
+    "convergence-iters-below-log-interval": (["convergence.py", "--iters", "2"], "--iters",
+                                             "log no line at --log-interval 10"),
     "convergence-bad-training-flag": (["convergence.py", "--", "--lr", "-1"], "--lr",
                                       "the 2bw run"),
     "convergence-out-is-file": (["convergence.py", "--out", "{d}/bad.json"], "--out", "file"),

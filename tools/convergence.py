@@ -153,7 +153,8 @@ def read_log(path: Path, plot_only: bool) -> ParsedLog:
     with reading(what, path):
         log = parse_log(path.read_text())
     if not log.iterations:
-        raise ToolError(what, f"{path} holds no training iteration line")
+        held = f"{path} holds" if plot_only else "holds"
+        raise ToolError(what, f"{held} no training iteration line")
     return log
 
 
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     out = a.out or REPO / "runs" / "convergence" / a.model
     schedules = list(dict.fromkeys(a.schedules))
+    if not a.plot_only and a.iters < a.log_interval:
+        raise ToolError("--iters", f"{a.iters} iterations log no line at --log-interval "
+                                   f"{a.log_interval}: give --iters >= --log-interval")
     if not a.plot_only:  # every run's flags pass the training validator before any starts
         for schedule in schedules:
             check_training_flags([*_training_flags(a, schedule), "--mock-data"], 2,

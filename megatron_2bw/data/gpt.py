@@ -48,9 +48,9 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     weights = [_as_float(item) for item in data_path[0::2]]
     if len(data_path) % 2 == 1 or all(w is None for w in weights):
         return list(data_path), None
-    bad_weight = any(w is None or w <= 0 for w in weights)
+    bad_weight = any(w is None or not 0 < w < float("inf") for w in weights)
     if bad_weight or any(_as_float(p) is not None for p in data_path[1::2]):
-        expected = "PREFIX ... or WEIGHT PREFIX ... with weights > 0"
+        expected = "PREFIX ... or WEIGHT PREFIX ... with finite weights > 0"
         raise DataError("--data-path", f"expected {expected}, got {data_path}")
     return list(data_path[1::2]), weights
 

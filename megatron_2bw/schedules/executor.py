@@ -396,6 +396,7 @@ def _next_action(program: list[Step], index: int) -> str:
 
 def _report_failure(stage: int, program: list[Step], index: int, error: Exception) -> None:
     """This stage's program for the call, the failing step marked (the row is this stage's)."""
+    error.reported_by_stage = stage  # the entry script adds no second line
     grid = format_grid([program], {0: index}).replace("stage 0 ", f"stage {stage} ", 1)
     print(f"error: pipeline stage {stage} failed at step {program[index]} "
           f"({index + 1} of {len(program)} in this call): {error}\n{grid}",

@@ -69,6 +69,7 @@ class RunGuard:
         self.fp16_dynamic = bool(args.fp16) and args.loss_scale is None
         self.window = args.loss_scale_window
         self.received: str | None = None
+        self.posted_stop = False
         minutes = getattr(args, "exit_duration_in_mins", None)
         self.deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
         self.duration_reason = f"--exit-duration-in-mins {minutes:g} reached" if minutes else None
@@ -90,6 +91,10 @@ class RunGuard:
             self.received = self.duration_reason
         flags = torch.zeros(4)
         flags[_STOP] = self.received is not None
+        if self.received is not None and not self.posted_stop:
+            self.posted_stop = True  # said by the rank that got it: the stop comes <= 2 later
+            print(f" stop requested ({self.received}) on rank {dist.get_rank()} by the end "
+                  f"of iteration {iteration}", flush=True)
         if self.check_nan:
             broken = local_divergence(loss, grad_norm, not succeeded, self.consecutive_skips,
                                       self.fp16_dynamic, self.window)
