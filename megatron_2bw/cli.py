@@ -33,7 +33,7 @@ from typing import Callable, Iterator, NoReturn, Sequence
 from megatron_2bw.arguments import FlagError, _Parser, int_at_least, number_in, parse_args
 from megatron_2bw.data.errors import DataError
 
-__all__ = ["EXIT_USAGE", "FlagError", "ToolError", "ToolParser", "check_training_flags",
+__all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser", "check_training_flags",
            "comma_list", "existing_dir", "existing_file", "fraction", "main_guard",
            "nonneg_float", "nonneg_int", "output_file", "output_prefix", "positive_float",
            "positive_int", "reading", "writable_dir"]
@@ -95,6 +95,16 @@ positive_float = number_in(0, low_open=True)
 nonneg_float = number_in(0)
 fraction = number_in(0, 1, low_open=True)
 """A number in (0, 1]."""
+
+
+def add_model_size_flags(parser: argparse.ArgumentParser, *, num_layers: int,
+                         micro_batch_size: int, hidden_size: int = 256,
+                         num_attention_heads: int = 4, seq_length: int = 128) -> None:
+    """The training flags of a tool's model and micro batch, with the tool's defaults."""
+    for flag, default in (("--num-layers", num_layers), ("--hidden-size", hidden_size),
+                          ("--num-attention-heads", num_attention_heads),
+                          ("--seq-length", seq_length), ("--micro-batch-size", micro_batch_size)):
+        parser.add_argument(flag, type=positive_int, default=default)
 
 
 def comma_list(item: Callable, choices: Sequence[str] | None = None) -> Callable:

@@ -63,7 +63,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # noqa: E402
+                              check_training_flags,
                               comma_list, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, writable_dir)
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
@@ -394,11 +395,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="run every configuration this many times, interleaved; the table "
                         "shows the median over rounds")
-    p.add_argument("--num-layers", type=positive_int, default=8)
-    p.add_argument("--hidden-size", type=positive_int, default=256)
-    p.add_argument("--num-attention-heads", type=positive_int, default=4)
-    p.add_argument("--seq-length", type=positive_int, default=128)
-    p.add_argument("--micro-batch-size", type=positive_int, default=2)
+    add_model_size_flags(p, num_layers=8, micro_batch_size=2)
     p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--clip-grad", type=nonneg_float, default=0.0)
     p.add_argument("--tie-embeddings", action="store_true",

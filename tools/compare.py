@@ -44,7 +44,8 @@ for _path in (str(REPO), str(TOOLS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from megatron_2bw.cli import (ToolError, ToolParser, check_training_flags,  # noqa: E402
+from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # noqa: E402
+                              check_training_flags,
                               existing_file, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, reading, writable_dir)
 from megatron_2bw.logparse import ParsedLog, parse_log, rank_memory_line  # noqa: E402
@@ -425,11 +426,7 @@ def _parser() -> argparse.ArgumentParser:
                         "2bw entry)")
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--nproc", type=positive_int, default=2, help="processes per entry")
-    p.add_argument("--num-layers", type=positive_int, default=4)
-    p.add_argument("--hidden-size", type=positive_int, default=256)
-    p.add_argument("--num-attention-heads", type=positive_int, default=4)
-    p.add_argument("--seq-length", type=positive_int, default=128)
-    p.add_argument("--micro-batch-size", type=positive_int, default=4)
+    add_model_size_flags(p, num_layers=4, micro_batch_size=4)
     p.add_argument("--global-batch-size", type=positive_int, default=32)
     p.add_argument("--iters", type=positive_int, default=40,
                    help="training iterations per entry")
