@@ -151,6 +151,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="split norms and dropout over the sequence on tensor-parallel ranks "
                         "(CUDA only; off when the tensor-parallel size is 1, as Megatron-LM)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto",
+                   help="transformer_engine's attention kernel (TransformerConfig."
+                        "attention_backend); the local layer spec has one attention")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
                    default="transformer_engine",
                    help="layer implementation; transformer_engine is used only on CUDA where "
@@ -188,6 +192,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
                                                 "inverse-square-root"), default="cosine")
     g.add_argument("--lr-warmup-iters", type=_NONNEG, default=0)
+    g.add_argument("--lr-warmup-fraction", type=number_in(0, 1), default=None,
+                   help="warm-up as a fraction of --lr-decay-iters (instead of "
+                        "--lr-warmup-iters)")
     g.add_argument("--lr-decay-iters", type=_COUNT, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=number_in(0), default=0.01)
     g.add_argument("--clip-grad", type=number_in(0), default=1.0)
@@ -370,6 +377,9 @@ def _validate_training(args: argparse.Namespace) -> None:
     _require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale",
              f"{args.min_loss_scale:g} exceeds --initial-loss-scale {args.initial_loss_scale:g}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(args.lr_warmup_iters == 0, "--lr-warmup-fraction",
+                 "give --lr-warmup-fraction or --lr-warmup-iters, not both")
     _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
              f"{args.lr_warmup_iters} warm-up iterations exceed {args.lr_decay_iters} decay "
              "iterations")

@@ -344,3 +344,43 @@ def test_every_rank_fails_under_torchrun(tiny_gpt_data, tmp_path):
         assert_one_error_line(rank_log, "--tensor-model-parallel-size", "world size 2")
     # torchrun's own summary follows, but no frame of our code appears anywhere
     assert not re.search(r'File ".*(megatron_2bw|pretrain_gpt_2bw)', result.output)
+
+
+def test_lr_warmup_fraction_is_megatron_lms():
+    """--lr-warmup-fraction f warms up over f x --lr-decay-iters iterations (Megatron-LM's
+    lr_warmup_steps = f x lr_decay_steps), linearly from 0 to --lr; with --lr-warmup-iters it
+    is refused."""
+    import torch
+
+    from megatron_2bw.arguments import FlagError
+    from megatron_2bw.training.build import build_scheduler
+
+    args = parse_args(["--mock-data", "--train-iters", "8", "--lr", "1e-3", "--min-lr", "0",
+                       "--lr-decay-style", "linear", "--lr-warmup-fraction", "0.25"],
+                      world_size=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_scheduler(args, optimizer)
+    rates = []
+    for _ in range(8):
+        scheduler.step(1)
+        rates.append(optimizer.param_groups[0]["lr"])
+    warmup = 0.25 * 8  # two iterations up, then linear decay to 0 at iteration 8
+    expected = [1e-3 * step / warmup if step <= warmup else
+                1e-3 * (1 - (step - warmup) / (8 - warmup)) for step in range(1, 9)]
+    assert rates == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(FlagError, match="--lr-warmup-fraction: give"):
+        parse_args(["--mock-data", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"],
+                   world_size=1)
+
+
+def test_a_transformer_engine_attention_backend_on_the_cpu_is_one_line():
+    """Megatron-LM's BERT example passes --attention-backend fused: on the CPU (no
+    transformer_engine) one line says it is not used, and BERT trains (megatron-core's
+    BertModel would assert on a fused backend with its own attention)."""
+    result = launch.python(["pretrain_bert_2bw.py", *TINY, "--mock-data", "--eval-iters", "0",
+                            "--log-interval", "1", "--attention-backend", "fused"],
+                           timeout=120, WORLD_SIZE="1")
+    assert result.returncode == 0, result.tail()
+    assert " --attention-backend fused: a transformer_engine kernel, not used (this process " \
+           "runs on the CPU; transformer_engine needs CUDA)" in result.output, result.tail()
+    assert re.search(r"iteration +2/ +2", result.output), result.tail()

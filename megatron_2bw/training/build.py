@@ -47,6 +47,7 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=_attention_backend(args, on_gpu),
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -187,6 +188,32 @@ def _unchained(optimizer):
     return optimizer
 
 
+def _attention_backend(args: argparse.Namespace, on_gpu: bool):
+    """--attention-backend; transformer_engine's kernels (flash, fused, unfused) exist only
+    with its layer spec: elsewhere (the CPU, the local spec) megatron-core's own attention runs
+    (``auto``; said on rank 0)."""
+    from megatron.core.models.gpt.gpt_layer_specs import HAVE_TE
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_2bw.entry import use_transformer_engine
+
+    name = getattr(args, "attention_backend", "auto")
+    use_te, why = use_transformer_engine(getattr(args, "transformer_impl", "local"), HAVE_TE,
+                                         on_gpu)
+    if not use_te and name not in ("auto", "local"):
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f" --attention-backend {name}: a transformer_engine kernel, not used ({why}); "
+                  "megatron-core's attention runs", flush=True)
+        name = "auto"
+    return AttnBackend[name]
+
+
+def warmup_iterations(args: argparse.Namespace) -> float:
+    """--lr-warmup-iters, or Megatron-LM's --lr-warmup-fraction of the decay iterations."""
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    return args.lr_warmup_iters if fraction is None else fraction * args.lr_decay_iters
+
+
 def build_scheduler(args: argparse.Namespace, optimizer):
     """Linear warm-up from 0 to --lr over --lr-warmup-iters, then --lr-decay-style down to
     --min-lr at --lr-decay-iters; stepped once per iteration."""
@@ -197,7 +224,7 @@ def build_scheduler(args: argparse.Namespace, optimizer):
         init_lr=0.0,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
+        lr_warmup_steps=warmup_iterations(args),
         lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,

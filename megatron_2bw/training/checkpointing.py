@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -197,6 +198,13 @@ _SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr",
                     "wd_incr_style": "weight-decay increment style"}
 
 
+def _differs(saved, ours) -> bool:
+    """Numbers compare to rounding (a --lr-warmup-fraction's steps went through samples)."""
+    if isinstance(saved, (int, float)) and isinstance(ours, (int, float)):
+        return not math.isclose(saved, ours, rel_tol=1e-9, abs_tol=1e-12)
+    return saved != ours
+
+
 def _check_scheduler(path: str, saved: dict, scheduler, args: argparse.Namespace) -> None:
     """Megatron-LM's default on resume (OptimizerParamScheduler._check_and_set): every
     schedule setting in the checkpoint equals the flags', unless one of the two flags says
@@ -206,7 +214,7 @@ def _check_scheduler(path: str, saved: dict, scheduler, args: argparse.Namespace
     ours = scheduler.state_dict()
     differing = [f"{flag} {ours[key]} (checkpoint: {saved[key]})"
                  for key, flag in _SCHEDULER_FLAGS.items()
-                 if key in saved and saved[key] != ours[key]]
+                 if key in saved and _differs(saved[key], ours[key])]
     if differing:
         raise _ScheduleMismatch(
             f"--load: {path} holds another learning-rate schedule than the flags: "
