@@ -395,7 +395,7 @@ def test_stalled_peer_ends_its_neighbour_with_one_line(launch, tmp_path):
     launcher kills the frozen process at the group's deadline."""
     case = Case("2bw", d=2, m=2, w=1, iters=3)
     spec = {"out": str(tmp_path), "init": str(launch.out / "init.pt"), "timeout_minutes": 0.1,
-            "groups": {"stall": {"world": 2, "timeout_s": 90,
+            "groups": {"stall": {"world": 2, "timeout_s": 40,
                                  "runs": [{**case.run(), "stall": {"stage": 1, "exchange": 6}}]}}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     # strict mode off: its rendezvous would end stage 0's send before the batch is issued, and
