@@ -280,10 +280,12 @@ def _in_vocabulary(batches, vocab_size: int, split: str):
     """``batches`` unchanged, each checked on the host before it reaches the model: a token id
     outside the vocabulary (a damaged .bin, data tokenized with another tokenizer) raises
     DataError instead of an embedding's index error (a device-side assert on CUDA)."""
+    import torch
+
     for batch in batches:
         tokens = batch["tokens"] if "tokens" in batch else batch["text"]  # GPT, BERT
-        top = int(tokens.max())
-        if top >= vocab_size or int(tokens.min()) < 0:
+        low, top = (int(value) for value in torch.aminmax(tokens))
+        if top >= vocab_size or low < 0:
             raise DataError("--data-path", f"a {split} batch holds token id {top}, outside the "
                             f"tokenizer's vocabulary of {vocab_size} (a damaged .bin file, or "
                             f"data tokenized with another tokenizer than --tokenizer-model)")

@@ -217,8 +217,9 @@ class Trainer:
         a, iteration = self.args, self.state.iteration
         self.interval.add(loss, succeeded)
         line_due, scalars_due = self._due(a.log_interval), self._due(a.tensorboard_log_interval)
-        params_norm = logs.params_l2_norm(self.model) \
-            if a.log_params_norm and (line_due or scalars_due) else None
+        if not (line_due or scalars_due):
+            return None
+        params_norm = logs.params_l2_norm(self.model) if a.log_params_norm else None
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
         loss_scale = float(self.optimizer.get_loss_scale())
         if scalars_due:
