@@ -36,7 +36,7 @@ from megatron_2bw.data.errors import DataError
 __all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser", "check_training_flags",
            "comma_list", "existing_dir", "existing_file", "fraction", "main_guard",
            "nonneg_float", "nonneg_int", "output_file", "output_prefix", "positive_float",
-           "positive_int", "reading", "writable_dir"]
+           "positive_int", "reading", "require_writable_dir", "writable_dir"]
 
 EXIT_USAGE = 2
 """The exit code of every user error (argparse's own code for a bad command line)."""
@@ -173,6 +173,16 @@ def writable_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"expected a folder, got the file {text!r}")
     _writable_folder(path, text)
     return path
+
+
+def require_writable_dir(flag: str, value: str) -> None:
+    """A training run's output folder (``--save``, ``--tensorboard-dir``, ...) is checked as
+    :func:`writable_dir` checks a tool's, before anything starts; raises FlagError naming
+    ``flag``."""
+    try:
+        writable_dir(value)
+    except argparse.ArgumentTypeError as error:
+        raise FlagError(flag, str(error)) from None
 
 
 def output_prefix(text: str) -> str:

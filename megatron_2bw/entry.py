@@ -74,15 +74,12 @@ def _check_model_type_flags(args: argparse.Namespace) -> None:
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Up front, on every rank: the folders a run writes besides --save (TensorBoard events,
     megatron-core's dataset index cache) can be written, and --load is not a file."""
-    from megatron_2bw.cli import writable_dir
+    from megatron_2bw.cli import require_writable_dir
 
     for flag in ("--tensorboard-dir", "--data-cache-path"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
-            try:
-                writable_dir(value)
-            except argparse.ArgumentTypeError as error:
-                raise FlagError(flag, str(error)) from None
+            require_writable_dir(flag, value)
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise FlagError("--load", f"{args.load} is a file; --load takes the checkpoint "
                         "directory (the one holding latest_checkpointed_iteration.txt)")

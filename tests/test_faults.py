@@ -379,6 +379,6 @@ def test_an_unwritable_save_directory_is_refused_up_front(tmp_path):
     result = launch.python(["pretrain_gpt_2bw.py", *flags], timeout=60, WORLD_SIZE="2")
     assert result.returncode == 2, result.tail()
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: --save: {blocker / 'checkpoints'} is not a writable directory: "
-                      f"Not a directory"], result.tail()
+    assert errors == [f"error: --save: {str(blocker)!r} is a file, not a folder, so "
+                      f"{str(blocker / 'checkpoints')!r} cannot be written"], result.tail()
     assert "Traceback" not in result.output

@@ -390,10 +390,11 @@ def check_paths(args) -> None:
     mistyped --load would otherwise start from scratch and rewind that run's tracker). Raises
     FlagError."""
     from megatron_2bw.arguments import FlagError
+    from megatron_2bw.cli import require_writable_dir
 
     if args.save is None:
         return
-    _probe_writable(args.save, FlagError)
+    require_writable_dir("--save", args.save)
     if args.overwrite_save:
         return
     if args.load is None or os.path.abspath(args.load) == os.path.abspath(args.save):
@@ -403,20 +404,6 @@ def check_paths(args) -> None:
         raise FlagError("--load", f"{args.load} holds no checkpoint, but --save {args.save} "
                         f"holds another run's (iteration {theirs[0]}): fix --load, or pass "
                         f"--overwrite-save to start from scratch there")
-
-
-def _probe_writable(root: str, error_type) -> None:
-    """--save must take a file now, not hours in at the first save: create it, write and
-    remove a probe file (one per process: every rank probes, on a shared file system too)."""
-    probe = os.path.join(root, f".write-probe-{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as error:
-        raise error_type("--save", f"{root} is not a writable directory: "
-                                   f"{error.strerror or error}") from None
 
 
 def _candidates(root: str, warn: Callable[[str], None] = print) -> list[int]:
