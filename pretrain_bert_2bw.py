@@ -24,7 +24,12 @@ from megatron_2bw.arguments import build_parser, number_in
 
 def parser() -> argparse.ArgumentParser:
     """Megatron-LM's flags with its BERT flags added, and BERT's tokenizer type by default."""
-    p = build_parser("Pretrain BERT with megatron-2bw")
+    p = build_parser("Pretrain BERT with megatron-2bw", extra_args_provider=_add_bert_args)
+    p.set_defaults(tokenizer_type="SentencePieceTokenizer")
+    return p
+
+
+def _add_bert_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bert")
     g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                    help="no sentence-order prediction head (and no token types)")
@@ -34,8 +39,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--short-seq-prob", default=0.1,
                    type=number_in(0, 1),
                    help="probability of a sample shorter than --seq-length")
-    p.set_defaults(tokenizer_type="SentencePieceTokenizer")
-    return p
 
 
 def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):

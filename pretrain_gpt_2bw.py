@@ -21,7 +21,7 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=entry.gpt_layer_spec(args),
+        transformer_layer_spec=entry.gpt_layer_spec(args, config),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -34,13 +34,18 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
     )
 
 
-def loss_func(loss_mask, output_tensor):
+def loss_func(loss_mask, output_tensor, per_token: bool = False):
     """Mean token loss of one microbatch; the reported value is a detached copy (the schedule
-    divides the returned loss by the number of microbatches in place)."""
+    divides the returned loss by the number of microbatches in place). With ``per_token``
+    (--calculate-per-token-loss) the summed loss and the token count, as Megatron-LM's
+    pretrain_gpt.py returns them: megatron-core divides the gradients by the batch's tokens."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = (losses * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
+    total, tokens = (losses * mask).sum(), mask.sum()
+    mean = (total / tokens).detach().clone()
+    if per_token:
+        return total, tokens.int(), {"lm loss": mean}
+    return total / tokens, {"lm loss": mean}
 
 
 def forward_step(data_iterator, model):
@@ -49,7 +54,14 @@ def forward_step(data_iterator, model):
     batch = entry.next_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    per_token = getattr(_unwrap(model).config, "calculate_per_token_loss", False)
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def main(argv=None):

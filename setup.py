@@ -11,6 +11,8 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
+    # Megatron-LM's parser at core_v0.16.1, read at run time by megatron_lm_flags.py
+    package_data={"megatron_2bw": ["megatron_lm_flags_core_v0.16.1.json"]},
     py_modules=["pretrain_gpt_2bw", "pretrain_bert_2bw"],
     install_requires=[
         # torch is pinned loosely on purpose: clusters bring their own CUDA build; the
@@ -30,7 +32,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         # --tokenizer-type HuggingFaceTokenizer (megatron-core's AutoTokenizer wrapper).
         "hf": ["transformers>=4.40"],
-        # The tests load a HuggingFace tokenizer folder, so dev includes hf's packages.
-        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40"],
+        # The tests load a HuggingFace tokenizer folder, so dev includes hf's packages;
+        # scripts/examples/prepare_data.py trains GPT-2 BPE and WordPiece files with tokenizers.
+        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40", "tokenizers>=0.19"],
     },
 )

@@ -99,20 +99,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     flags, with their dests: --norm-epsilon -> layernorm_epsilon, --disable-bias-linear ->
     add_bias_linear)."""
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=_COUNT, default=4)
-    g.add_argument("--hidden-size", type=_COUNT, default=256)
+    g.add_argument("--num-layers", type=_COUNT, default=None, help="required")
+    g.add_argument("--hidden-size", type=_COUNT, default=None, help="required")
     g.add_argument("--ffn-hidden-size", type=_COUNT, default=None,
                    help="default: 4 x hidden size; with --swiglu int((4 x hidden x 2/3) / 64) "
                         "x 64, as Megatron-LM")
-    g.add_argument("--num-attention-heads", type=_COUNT, default=4)
+    g.add_argument("--num-attention-heads", type=_COUNT, default=None, help="required")
     g.add_argument("--kv-channels", type=_COUNT, default=None,
                    help="size of each attention head's projection; default: hidden / heads")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=_COUNT, default=None,
                    help="key/value head groups with --group-query-attention (default 1)")
-    g.add_argument("--seq-length", type=_COUNT, default=128)
+    g.add_argument("--seq-length", type=_COUNT, default=None, help="required")
     g.add_argument("--max-position-embeddings", type=_COUNT, default=None,
-                   help="default: --seq-length")
+                   help="required; at least --seq-length")
     g.add_argument("--make-vocab-size-divisible-by", type=_COUNT, default=128)
     g.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.1)
     g.add_argument("--attention-dropout", type=_PROBABILITY, default=0.1)
@@ -155,6 +155,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    default="auto",
                    help="transformer_engine's attention kernel (TransformerConfig."
                         "attention_backend); the local layer spec has one attention")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   dest="layernorm_zero_centered_gamma",
+                   help="norms hold weight - 1 (TransformerConfig.layernorm_zero_centered_gamma)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused vocab-parallel cross entropy")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="loss and gradients averaged over all tokens of the batch, not per "
+                        "microbatch (megatron-core's per-token loss)")
+    g.add_argument("--context-parallel-size", type=_COUNT, default=1,
+                   help="only 1: context parallelism needs transformer-engine attention on CUDA")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
                    default="transformer_engine",
                    help="layer implementation; transformer_engine is used only on CUDA where "
@@ -185,17 +195,40 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=_COUNT, default=4)
     g.add_argument("--global-batch-size", type=_COUNT, default=None,
                    help="default: micro batch x data-parallel size")
-    g.add_argument("--train-iters", type=_COUNT, default=200)
+    g.add_argument("--rampup-batch-size", nargs=3, type=_COUNT, default=None,
+                   metavar=("START", "INCREMENT", "RAMPUP_SAMPLES"),
+                   help="grow the global batch from START by INCREMENT up to "
+                        "--global-batch-size over RAMPUP_SAMPLES samples (megatron-core's "
+                        "num_microbatches_calculator); needs --train-samples")
+    g.add_argument("--train-iters", type=_COUNT, default=None,
+                   help="iterations to train (exclusive with --train-samples; one is required)")
+    g.add_argument("--train-samples", type=_COUNT, default=None,
+                   help="samples to train (exclusive with --train-iters; one is required)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=_POSITIVE, default=1e-3)
+    g.add_argument("--lr", type=_POSITIVE, default=None, help="required")
     g.add_argument("--min-lr", type=number_in(0), default=0.0)
+    g.add_argument("--decoupled-lr", type=_POSITIVE, default=None,
+                   help="learning rate of the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=number_in(0), default=None,
+                   help="minimum learning rate of the input embedding and output layer")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
-                                                "inverse-square-root"), default="cosine")
+                                                "inverse-square-root", "WSD"), default="cosine")
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine",
+                                                    "minus_sqrt"), default="exponential",
+                   help="decay of WSD's annealing phase")
+    g.add_argument("--lr-wsd-decay-iters", type=_COUNT, default=None,
+                   help="iterations of WSD's annealing phase (with --train-iters)")
+    g.add_argument("--lr-wsd-decay-samples", type=_COUNT, default=None,
+                   help="samples of WSD's annealing phase (with --train-samples)")
     g.add_argument("--lr-warmup-iters", type=_NONNEG, default=0)
     g.add_argument("--lr-warmup-fraction", type=number_in(0, 1), default=None,
-                   help="warm-up as a fraction of --lr-decay-iters (instead of "
-                        "--lr-warmup-iters)")
+                   help="warm-up as a fraction of the decay iterations or samples (instead of "
+                        "--lr-warmup-iters / --lr-warmup-samples)")
     g.add_argument("--lr-decay-iters", type=_COUNT, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-samples", type=_NONNEG, default=0,
+                   help="warm-up samples (with --train-samples)")
+    g.add_argument("--lr-decay-samples", type=_COUNT, default=None,
+                   help="default: --train-samples")
     g.add_argument("--weight-decay", type=number_in(0), default=0.01)
     g.add_argument("--clip-grad", type=number_in(0), default=1.0)
     g.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
@@ -219,6 +252,31 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=_COUNT, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    _add_runtime_args(p)
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's garbage-collection, memory and profiling flags (its "training" and
+    "profiling" groups), as its training.py uses them."""
+    g = p.add_argument_group("garbage collection, memory, profiling")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="gc.disable(); collect every --manual-gc-interval iterations")
+    g.add_argument("--manual-gc-interval", type=_NONNEG, default=0,
+                   help="with --manual-gc: iterations between gc.collect() (0: never)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval", help="with --manual-gc: no collection around "
+                                               "evaluations")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="torch.cuda.empty_cache() after the optimizer step (1) and after "
+                        "evaluation (2); no effect on the CPU")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end)")
+    g.add_argument("--profile-step-start", type=_NONNEG, default=10)
+    g.add_argument("--profile-step-end", type=_NONNEG, default=12)
+    g.add_argument("--profile-ranks", type=_NONNEG, nargs="+", default=[0])
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="torch.profiler, trace written into --tensorboard-dir (without it "
+                        "--profile is nsys's, which has no effect on the CPU)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -237,6 +295,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="BertWordPiece*: append <extra_id_0> ... <extra_id_{N-1}> to the vocab")
     g.add_argument("--vocab-size", type=_COUNT, default=None, help="for NullTokenizer")
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=_NONNEG, default=2, help="data loader workers")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files instead of memory-mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="no attention mask in the batches (the causal mask is implied)")
     g.add_argument("--mock-data", action="store_true",
                    help="random tokens instead of --data-path (smoke tests)")
 
@@ -309,28 +373,118 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                                "checkpoint; by default the two must agree (as in Megatron-LM)")
 
 
-def build_parser(description: str = "Pretrain a model with megatron-2bw") -> argparse.ArgumentParser:
+def _add_ddp_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's data-parallel flags (megatron/training/arguments.py at core_v0.16.1: its
+    distributed and mixed-precision groups), from which ``build.ddp_config`` makes megatron-core's
+    DistributedDataParallelConfig as Megatron-LM's ``get_model`` does. (--use-distributed-optimizer
+    is with the training flags.) The rules: :func:`_validate_ddp`."""
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="launch the data-parallel gradient reductions bucket by bucket during "
+                        "the last microbatch's backward pass")
+    g.add_argument("--align-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --overlap-grad-reduce, pipeline stages other than the first "
+                        "launch their reductions after their last backward pass (Megatron-LM's "
+                        "config.grad_sync_func); --no-align-grad-reduce: during it")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="distributed optimizer: all-gather the updated parameters bucket by "
+                        "bucket in the next forward pass (needs --overlap-grad-reduce)")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="refused: Megatron-LM runs it with interleaved pipelines only")
+    g.add_argument("--align-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted for Megatron-LM's command lines; off without virtual pipeline "
+                        "stages (as Megatron-LM sets it), so always off here")
+    g.add_argument("--ddp-num-buckets", type=_COUNT, default=None,
+                   help="split the gradient buffer into this many buckets")
+    g.add_argument("--ddp-bucket-size", type=_COUNT, default=None,
+                   help="parameters per gradient bucket; default with --overlap-grad-reduce: "
+                        "max(40M, 1M x data-parallel size), one bucket without it")
+    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true")
+    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average in the data-parallel collective (ReduceOp.AVG; NCCL only)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="--bf16: accumulate and reduce gradients in bf16 (fp32 by default)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32 (implied by --bf16 unless "
+                        "--grad-reduce-in-bf16)")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="megatron-core's check for unexpectedly large gradients before the "
+                        "data-parallel collective")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=_COUNT, default=None,
+                   help="refused for now (Megatron-LM: every N iterations check that all "
+                        "data-parallel replicas hold the same weights)")
+    g.add_argument("--num-distributed-optimizer-instances", type=_COUNT, default=1)
+    g.add_argument("--use-torch-fsdp2", action="store_true", help="refused (see the error)")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="refused (see the error)")
+
+
+def build_parser(description: str = "Pretrain a model with megatron-2bw",
+                 extra_args_provider=None) -> argparse.ArgumentParser:
+    """Our flags, then ``extra_args_provider(parser)``'s (a model's own, as in Megatron-LM's
+    parse_args), then every other flag of Megatron-LM's parser (megatron_lm_flags.py)."""
+    from megatron_2bw.megatron_lm_flags import add_megatron_lm_flags
+
     parser = _Parser(description=description, allow_abbrev=False)
     _add_model_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_data_args(parser)
     _add_logging_and_checkpoint_args(parser)
+    _add_ddp_args(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    add_megatron_lm_flags(parser)  # last: only the flags defined nowhere above
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without it)."""
-    args = (parser or build_parser()).parse_args(argv)
+    from megatron_2bw.megatron_lm_flags import check_megatron_lm_flags
+    from megatron_2bw.runtime.cpu import select_device
+
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return validate_args(args, world_size)
+    args = validate_args(args, world_size)
+    args.flag_notes = check_megatron_lm_flags(args, getattr(parser, "_megatron_lm_flags", []),
+                                              on_cuda=select_device(args.cpu) == "cuda")
+    return args
 
 
 def _require(condition: bool, flag: str, message: str) -> None:
     if not condition:
         raise FlagError(flag, message)
+
+
+_REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads",
+             "--max-position-embeddings", "--seq-length", "--lr")
+
+
+def _validate_required(args: argparse.Namespace) -> None:
+    """Megatron-LM's required flags (its validate_args at core_v0.16.1: required_args, and
+    --seq-length, which it asserts unless --encoder-seq-length stands in; --lr defaults to None, which leaves the
+    schedule without a peak learning rate)."""
+    for flag in _REQUIRED:
+        _require(getattr(args, flag[2:].replace("-", "_")) is not None, flag,
+                 "required (as in Megatron-LM)")
+    _require(args.context_parallel_size == 1, "--context-parallel-size",
+             "context parallelism needs transformer-engine attention on CUDA, which "
+             "megatron-2bw's schedules do not set up (only 1)")
+    if args.decoupled_min_lr is not None:
+        _require(args.decoupled_lr is not None, "--decoupled-min-lr", "needs --decoupled-lr")
+        _require(args.decoupled_min_lr <= args.decoupled_lr, "--decoupled-min-lr",
+                 f"must lie in [0, --decoupled-lr={args.decoupled_lr}], got "
+                 f"{args.decoupled_min_lr}")
+    if args.profile and args.use_pytorch_profiler:
+        _require(args.tensorboard_dir is not None, "--use-pytorch-profiler",
+                 "needs --tensorboard-dir (the trace is written there, as in Megatron-LM)")
+    if args.profile:
+        _require(args.profile_step_start < args.profile_step_end, "--profile-step-end",
+                 f"must exceed --profile-step-start {args.profile_step_start}, got "
+                 f"{args.profile_step_end}")
 
 
 def _validate_layout(args: argparse.Namespace) -> None:
@@ -358,32 +512,126 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = B // (b * dp)
     m = args.num_microbatches
     if args.pipeline_schedule == "2bw":
-        _require(not args.use_distributed_optimizer, "--use-distributed-optimizer",
-                 "not supported with --pipeline-schedule 2bw (its parameter all-gather writes "
-                 "the shared parameter buffer, which 2BW's two weight versions cannot share)")
         _require(m >= pp, "--global-batch-size",
                  f"2bw needs microbatches per batch m = {B} / ({b} x {dp}) = {m} >= pipeline "
                  f"depth {pp}; raise --global-batch-size to at least {b * dp * pp}")
+    if args.rampup_batch_size is not None:
+        _validate_rampup(args)
 
 
-def _validate_training(args: argparse.Namespace) -> None:
+def _validate_rampup(args: argparse.Namespace) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES as megatron-core's
+    RampupBatchsizeNumMicroBatchesCalculator needs it: START < global batch, the difference a
+    multiple of INCREMENT, START and INCREMENT multiples of micro batch x DP (every batch of the
+    ramp is then whole microbatches); under 2bw the first (smallest) batch has m >= depth."""
+    start, increment, _ = args.rampup_batch_size
+    b, dp, pp = args.micro_batch_size, args.data_parallel_size, args.pipeline_model_parallel_size
+    B = args.global_batch_size
+    _require(args.train_samples is not None, "--rampup-batch-size",
+             "needs --train-samples (Megatron-LM: no batch-size ramp-up for iteration-based "
+             "training)")
+    _require(start < B, "--rampup-batch-size",
+             f"START {start} must be below --global-batch-size {B}")
+    _require((B - start) % increment == 0, "--rampup-batch-size",
+             f"--global-batch-size {B} - START {start} = {B - start} is not divisible by "
+             f"INCREMENT {increment}")
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        _require(value % (b * dp) == 0, "--rampup-batch-size",
+                 f"{name} {value} is not divisible by micro batch ({b}) x data-parallel size "
+                 f"({dp}) = {b * dp}")
+    if args.pipeline_schedule == "2bw":
+        m = start // (b * dp)
+        _require(m >= pp, "--rampup-batch-size",
+                 f"2bw needs microbatches per batch m >= pipeline depth {pp} at every step of "
+                 f"the ramp: START {start} / ({b} x {dp}) = {m}; raise START to at least "
+                 f"{b * dp * pp}")
+
+
+def _validate_training_length(args: argparse.Namespace) -> None:
+    """Exactly one of --train-iters / --train-samples, with the learning-rate flags of its unit
+    (``validate_args`` in Megatron-LM's megatron/training/arguments.py at core_v0.16.1;
+    --lr-warmup-fraction goes with either). With --train-samples, ``train_iters`` is derived
+    as Megatron-LM's ``update_train_iters`` derives it (training.py): the ramp's batches, then
+    whole batches of --global-batch-size (a partial last batch is dropped)."""
+    iters, samples = args.train_iters, args.train_samples
+    _require(iters is not None or samples is not None, "--train-iters",
+             "one of --train-iters and --train-samples is required")
+    unit, other = ("--train-iters", "--train-samples") if iters is not None else \
+        ("--train-samples", "--train-iters")
+    _require(iters is None or samples is None, "--train-samples",
+             "--train-iters and --train-samples are exclusive")
+    wrong_unit = {  # flag given -> the unit it needs
+        "--lr-decay-samples": args.lr_decay_samples is not None,
+        "--lr-warmup-samples": args.lr_warmup_samples != 0,
+        "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
+    } if iters is not None else {
+        "--lr-decay-iters": args.lr_decay_iters is not None,
+        "--lr-warmup-iters": args.lr_warmup_iters != 0,
+        "--lr-wsd-decay-iters": args.lr_wsd_decay_iters is not None,
+    }
+    for flag, given in wrong_unit.items():
+        _require(not given, flag, f"not with {unit} (use the {unit.split('-')[-1]} flag; "
+                 f"this one goes with {other})")
+    if args.lr_warmup_fraction is not None:
+        warmup = "--lr-warmup-iters" if iters is not None else "--lr-warmup-samples"
+        _require(args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
+                 "--lr-warmup-fraction", f"give --lr-warmup-fraction or {warmup}, not both")
+    if args.lr_decay_style == "WSD":
+        wsd = "--lr-wsd-decay-iters" if iters is not None else "--lr-wsd-decay-samples"
+        _require(args.lr_wsd_decay_iters is not None or args.lr_wsd_decay_samples is not None,
+                 wsd, "required with --lr-decay-style WSD (the annealing phase's length)")
+    if samples is not None:
+        _require(samples <= MAX_TRAIN_SAMPLES, "--train-samples",
+                 f"{samples} samples exceed {MAX_TRAIN_SAMPLES:.2e} (the data indices are "
+                 "built up front)")
+        args.train_iters = _iterations_for_samples(args)
+        _require(args.train_iters >= 1, "--train-samples",
+                 f"{samples} samples do not fill one batch of {args.global_batch_size}")
     _require(args.train_iters * args.global_batch_size <= MAX_TRAIN_SAMPLES, "--train-iters",
              f"{args.train_iters} iterations of {args.global_batch_size} samples exceed "
              f"{MAX_TRAIN_SAMPLES:.2e} samples (the data indices are built up front)")
+
+
+def _iterations_for_samples(args: argparse.Namespace) -> int:
+    """Megatron-LM's ``update_train_iters``: count the ramp's iterations with megatron-core's
+    calculator (while consumed <= ramp-up samples and <= --train-samples), then add whole
+    batches of --global-batch-size."""
+    if args.rampup_batch_size is None:
+        return args.train_samples // args.global_batch_size
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator)
+
+    start, increment, rampup_samples = args.rampup_batch_size
+    ramp = RampupBatchsizeNumMicroBatchesCalculator(
+        args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        decrease_batch_size_if_needed=False, rank=-1, start_global_batch_size=start,
+        batch_size_increment=increment, ramup_samples=rampup_samples)
+    iterations = consumed = 0
+    while consumed <= rampup_samples and consumed <= args.train_samples:
+        ramp.update(consumed, consistency_check=False)
+        consumed += ramp.get_current_global_batch_size()
+        iterations += 1
+    return iterations + max(args.train_samples - consumed, 0) // args.global_batch_size
+
+
+def _validate_training(args: argparse.Namespace) -> None:
+    _validate_training_length(args)
     _require(not (args.bf16 and args.fp16), "--bf16", "--bf16 and --fp16 are exclusive")
     _require(args.min_lr <= args.lr, "--min-lr",
              f"must lie in [0, --lr={args.lr}], got {args.min_lr}")
     _require(args.seed < 2 ** 31, "--seed", f"must be < 2**31 (numpy's seeds), got {args.seed}")
     _require(args.min_loss_scale <= args.initial_loss_scale, "--min-loss-scale",
              f"{args.min_loss_scale:g} exceeds --initial-loss-scale {args.initial_loss_scale:g}")
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_fraction is not None:
-        _require(args.lr_warmup_iters == 0, "--lr-warmup-fraction",
-                 "give --lr-warmup-fraction or --lr-warmup-iters, not both")
-    _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
-             f"{args.lr_warmup_iters} warm-up iterations exceed {args.lr_decay_iters} decay "
-             "iterations")
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.train_samples is None:
+        args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+        _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
+                 f"{args.lr_warmup_iters} warm-up iterations exceed {args.lr_decay_iters} "
+                 "decay iterations")
+    else:
+        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+        _require(args.lr_warmup_samples <= args.lr_decay_samples, "--lr-warmup-samples",
+                 f"{args.lr_warmup_samples} warm-up samples exceed {args.lr_decay_samples} "
+                 "decay samples")
     _require(args.seq_length <= args.max_position_embeddings, "--seq-length",
              f"{args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if args.recompute_granularity == "full":
@@ -467,13 +715,65 @@ def _validate_model_features(args: argparse.Namespace) -> None:
                  "(WrappedTorchNorm), which refuses sequence parallelism")
 
 
+def _validate_ddp(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the data-parallel flags (``validate_args`` in
+    megatron/training/arguments.py at core_v0.16.1), the settings it derives from them
+    (align_param_gather off without virtual pipeline stages; accumulate_allreduce_grads_in_fp32
+    on with --bf16 unless --grad-reduce-in-bf16), and ours: what 2BW and the CPU cannot run."""
+    for flag, why in (("use_torch_fsdp2", "torch FSDP2 shards the model, which megatron-2bw's "
+                       "pipeline schedules and 2BW's weight versions do not handle; use "
+                       "--use-distributed-optimizer"),
+                      ("use_megatron_fsdp", "megatron FSDP shards the parameters, which "
+                       "megatron-2bw's pipeline schedules and 2BW's weight versions do not "
+                       "handle; use --use-distributed-optimizer")):
+        _require(not getattr(args, flag), "--" + flag.replace("_", "-"), "not supported: " + why)
+    _require(args.num_distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances",
+             "only 1 is supported (megatron-2bw builds megatron-core's process groups without "
+             "the inter-instance groups of a partial distributed optimizer)")
+    _require(args.check_weight_hash_across_dp_replicas_interval is None,
+             "--check-weight-hash-across-dp-replicas-interval",
+             "not implemented yet in megatron-2bw's training loop")
+    _require(args.ddp_num_buckets is None or args.ddp_bucket_size is None, "--ddp-num-buckets",
+             "give --ddp-num-buckets or --ddp-bucket-size, not both")
+    if args.use_distributed_optimizer:
+        _require(args.optimizer == "adam", "--use-distributed-optimizer",
+                 f"megatron-core's distributed optimizer runs Adam only, not --optimizer "
+                 f"{args.optimizer}")
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather",
+                 "only supported with --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce, "--overlap-param-gather",
+                 "needs --overlap-grad-reduce")
+    if args.overlap_param_gather_with_optimizer_step:
+        _require(False, "--overlap-param-gather-with-optimizer-step",
+                 "only supported with interleaved pipeline parallelism (virtual pipeline "
+                 "stages, as in Megatron-LM), which megatron-2bw's schedules do not run")
+    if args.ddp_average_in_collective:
+        from megatron_2bw.runtime.cpu import select_device
+
+        _require(select_device(args.cpu) == "cuda", "--ddp-average-in-collective",
+                 "needs CUDA (NCCL's ReduceOp.AVG; gloo has no AVG reduction)")
+    if args.pipeline_schedule == "2bw":
+        _require(not args.use_distributed_optimizer, "--use-distributed-optimizer",
+                 "not supported with --pipeline-schedule 2bw: its parameter all-gather writes "
+                 "megatron-core's one parameter buffer, which 2BW's two weight versions cannot "
+                 "share (--overlap-grad-reduce without it works)")
+    args.align_param_gather = False  # Megatron-LM: no virtual pipeline stages
+    if args.bf16 and args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = False
+    elif args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check every flag against the others; fill derived fields (data_parallel_size,
     num_microbatches, ...). Raises FlagError naming the first bad flag."""
     args.world_size = world_size
+    _validate_required(args)
     _validate_layout(args)
     _validate_model_features(args)
     _validate_batch(args)
+    _validate_ddp(args)
     _validate_training(args)
     _validate_data(args)
     return args

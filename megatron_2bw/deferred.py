@@ -55,6 +55,22 @@ Collectives per iteration t, in the order each rank issues them, per process gro
         embedding one.
     pipeline group: only the schedule's point-to-point exchanges (schedules/p2p.py).
 
+With --overlap-grad-reduce (the step is then not deferred) the data-parallel bucket
+reductions are launched asynchronously during batch t's last backward pass, by megatron-core's
+DDP from the gradient-accumulator hooks of each bucket's last parameter (the first stage, or
+every stage with --no-align-grad-reduce), or all at once right after that backward pass
+(``config.grad_sync_func``: the other stages, as Megatron's 1F1B does), and the step action's
+``finish_grad_sync`` waits for them. A bucket is launched when its last gradient is accumulated,
+and the backward pass of one stage's model produces the gradients in the same order on every
+replica (the same graph, the same autograd topological order), so the buckets are launched in
+the same order on every rank of the data-parallel group. On the CPU the autograd engine runs
+the hooks on the thread that called backward() (the main thread; strict mode checks it); on
+CUDA it runs them on its device thread while the main thread waits inside backward(), so still
+no other collective of this process is issued concurrently, and the order is that of the graph.
+With the distributed optimizer and --overlap-param-gather the parameter all-gathers move from
+the step into the next forward pass (DDP's forward pre-hooks, bucket by bucket in the order of
+the forward, again the same on every replica); evaluation and checkpoints complete them first.
+
 Why the order is the same on every rank of each group: the members of a group run the same
 per-batch sequence (begin(t) ... apply(t) < begin(t+1): at most one step is pending), and
 each issues exactly the same collectives of that group per iteration, whether its step is

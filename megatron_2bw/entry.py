@@ -47,6 +47,9 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
+        if _is_rank_zero():
+            for note in args.flag_notes:  # Megatron-LM flags without effect here
+                print(note, flush=True)
         _check_model_type_flags(args)
         _check_output_paths(args)
         checkpointing.check_paths(args)
@@ -213,7 +216,7 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def gpt_layer_spec(args: argparse.Namespace):
+def gpt_layer_spec(args: argparse.Namespace, config=None):
     """transformer-engine's layer spec when :func:`use_transformer_engine` says so, the local
     spec otherwise, with the arguments Megatron-LM's gpt_builders.py passes them
     (``_get_transformer_layer_spec``: qk_layernorm to both, normalization to the local one; TE's
@@ -225,8 +228,14 @@ def gpt_layer_spec(args: argparse.Namespace):
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
                                                     normalization=args.normalization)
+    if config is not None and config.layernorm_zero_centered_gamma \
+            and not gpt_layer_specs.HAVE_APEX:  # apex's FusedLayerNorm has it
+        from megatron_2bw.training.norms import with_zero_centered_norms
+
+        return with_zero_centered_norms(spec, config)
+    return spec
 
 
 def _check_sequence_parallel_norm(args: argparse.Namespace, use_te: bool,
@@ -242,10 +251,13 @@ def _check_sequence_parallel_norm(args: argparse.Namespace, use_te: bool,
 
 
 def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Samples each split must provide: every training batch, and --eval-iters batches per
-    evaluation (evaluations reuse the same batches) and for the test split."""
+    """Samples each split must provide: --train-samples, or every batch of --train-iters (as
+    Megatron-LM's train_valid_test_num_samples), and --eval-iters batches per evaluation
+    (evaluations reuse the same batches) and for the test split."""
     eval_samples = args.eval_iters * args.global_batch_size
-    return args.train_iters * args.global_batch_size, eval_samples, eval_samples
+    train_samples = getattr(args, "train_samples", None) or \
+        args.train_iters * args.global_batch_size
+    return train_samples, eval_samples, eval_samples
 
 
 def _iterators(args: argparse.Namespace, state, vocab_size: int, train, valid, test):
@@ -263,7 +275,7 @@ def _iterators(args: argparse.Namespace, state, vocab_size: int, train, valid, t
         if dataset is None:
             return None
         batches = make_data_iterator(dataset, args.micro_batch_size, dp_rank, dp_size,
-                                     consumed_samples=consumed)
+                                     consumed_samples=consumed, num_workers=args.num_workers)
         return _in_vocabulary(batches, vocab_size, split)
 
     return DataIterators(
@@ -303,7 +315,9 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
     else:
         train, valid, test = gpt.build_gpt_datasets(
             args.data_path, args.split, args.seq_length, args.seed, tokenizer,
-            _sample_counts(args), cache_dir=args.data_cache_path)
+            _sample_counts(args), cache_dir=args.data_cache_path,
+            mmap_bin_files=args.mmap_bin_files,
+            create_attention_mask=args.create_attention_mask_in_dataloader)
     return _iterators(args, state, _vocabulary(args, tokenizer), train, valid, test)
 
 
@@ -321,6 +335,10 @@ def bert_layer_spec(args: argparse.Namespace):
     _check_sequence_parallel_norm(args, use_te, bert_layer_specs.HAVE_APEX)
     if use_te:
         return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    if args.layernorm_zero_centered_gamma and not bert_layer_specs.HAVE_APEX:
+        raise FlagError("--apply-layernorm-1p", "needs transformer_engine's or apex's norms for "
+                        "BERT: its LM head builds megatron-core's torch LayerNorm, which "
+                        "refuses zero_centered_gamma")
     if bert_layer_specs.HAVE_APEX and args.normalization != "LayerNorm":
         raise FlagError("--normalization", f"{args.normalization} needs transformer_engine's "
                         "layers for BERT: the local BERT spec's apex FusedLayerNorm is "

@@ -10,6 +10,14 @@ own training logs (``training_log()`` in megatron/training/training.py, core_v0.
     validation loss at iteration 50 | lm loss value: 4.812E+00 | lm loss PPL: 1.23E+02 |
     training 2bw schedule on 2 cpu processes: TP=1 PP=2 DP=1, 4 microbatches per batch
 
+Megatron-LM's logs have no such header line; it prints its arguments at start-up instead
+(``_print_args`` in megatron/training/arguments.py), one ``  name .... value`` line each
+between ``---- arguments ----`` and ``---- end of arguments ----``. Their layout and batch
+(``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``data_parallel_size``,
+``world_size``, ``global_batch_size``, ``micro_batch_size``) make the run's header there,
+with Megatron's own schedule (``megatron``) unless a ``pipeline_schedule`` argument says
+otherwise.
+
 The fields up to "number of nan iterations" are Megatron-LM's; the rest are ours. Lines are
 split at ``|`` into ``name: value`` fields, so fields may move or be added without breaking the
 parser; a line without the fields a record needs is skipped. On Megatron-LM's line (no
@@ -30,7 +38,8 @@ import re
 from dataclasses import dataclass, field
 
 __all__ = ["IterationRecord", "ValidationRecord", "RunHeader", "ParsedLog", "parse_iteration",
-           "parse_validation", "parse_header", "parse_log", "rank_memory_line"]
+           "parse_validation", "parse_header", "header_from_arguments", "parse_log",
+           "rank_memory_line"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class ValidationRecord:
 
 @dataclass(frozen=True)
 class RunHeader:
-    """The loop's first line: schedule and layout."""
+    """Schedule and layout: the loop's first line, or Megatron-LM's arguments block."""
 
     schedule: str
     world_size: int
@@ -81,6 +90,8 @@ class ParsedLog:
     header: RunHeader | None = None
     rank_memory_mib: dict[int, float] = field(default_factory=dict)
     """rank -> peak memory (MiB), from :func:`rank_memory_line` lines."""
+    arguments: dict[str, str] = field(default_factory=dict)
+    """Megatron-LM's printed arguments, name -> value as printed (empty when none)."""
 
     def valid(self, split: str = "validation") -> list[ValidationRecord]:
         return [v for v in self.validations if v.split == split]
@@ -92,6 +103,9 @@ _HEADER = re.compile(r"training (\S+) schedule on (\d+) (\S+) process(?:es)?: "
                      r"TP=(\d+) PP=(\d+) DP=(\d+), (\d+) microbatch")
 _RANK_MEMORY = re.compile(r"^\s*rank (\d+) peak memory \(MiB\): ([-+0-9.eE]+)\s*$")
 _DURATION = re.compile(r"^\s*(\d+)h(\d+)m(\d+)s")
+_ARGUMENTS_BEGIN = re.compile(r"^-+ arguments -+\s*$")
+_ARGUMENTS_END = re.compile(r"^-+ end of arguments -+\s*$")
+_ARGUMENT = re.compile(r"^\s+(\w+) \.+ (.*?)\s*$")  # "  name ....... value"
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)", re.I)
 
 
@@ -174,15 +188,41 @@ def parse_header(line: str) -> RunHeader | None:
     return RunHeader(schedule, int(world), device, int(tp), int(pp), int(dp), int(m))
 
 
+def header_from_arguments(arguments: dict[str, str]) -> RunHeader | None:
+    """The run's header from Megatron-LM's arguments block (None without the layout in it):
+    microbatches per batch = global batch / (micro batch x data-parallel size), the final
+    global batch under --rampup-batch-size."""
+    names = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "data_parallel_size", "global_batch_size", "micro_batch_size")
+    values = [_integer(arguments.get(name)) for name in names]
+    if None in values:
+        return None
+    world, tp, pp, dp, global_batch, micro_batch = values
+    device = "cpu" if arguments.get("cpu") == "True" else "cuda"  # Megatron-LM: GPUs only
+    return RunHeader(arguments.get("pipeline_schedule", "megatron"), world, device, tp, pp, dp,
+                     global_batch // (micro_batch * dp))
+
+
 def rank_memory_line(rank: int, mib: float) -> str:
     """The line a launcher prints for one process's peak memory (read by :func:`parse_log`)."""
     return f" rank {rank} peak memory (MiB): {mib:.0f}"
 
 
 def parse_log(text: str) -> ParsedLog:
-    """Every record in a log (torchrun's interleaved output of all ranks is fine)."""
+    """Every record in a log (torchrun's interleaved output of all ranks is fine); without our
+    header line, the header comes from Megatron-LM's arguments block where it has one."""
     log = ParsedLog()
+    in_arguments = False
     for line in text.splitlines():
+        if in_arguments:
+            argument = _ARGUMENT.match(line)
+            if argument:
+                log.arguments[argument.group(1)] = argument.group(2)
+                continue
+            in_arguments = not _ARGUMENTS_END.match(line)
+        if _ARGUMENTS_BEGIN.match(line):
+            in_arguments = True
+            continue
         if "|" in line:
             record = parse_iteration(line)
             if record is not None:
@@ -197,4 +237,6 @@ def parse_log(text: str) -> ParsedLog:
             log.rank_memory_mib[int(memory.group(1))] = float(memory.group(2))
         elif log.header is None:
             log.header = parse_header(line)
+    if log.header is None:
+        log.header = header_from_arguments(log.arguments)
     return log

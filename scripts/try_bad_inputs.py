@@ -64,8 +64,8 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # ---- command building blocks ----------------------------------------------------------------
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--cpu",
-         "--eval-iters", "0"]
+         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+         "--train-iters", "2", "--lr", "1e-3", "--cpu", "--eval-iters", "0"]
 MOCK = [*SMALL, "--mock-data"]
 DATA = [*SMALL, "--data-path", "{data}", "--tokenizer-model", "{tok}",
         "--data-cache-path", "{tmp}/index-cache"]
@@ -73,7 +73,8 @@ BERT_DATA = [*SMALL, "--data-path", "{bert_data}", "--tokenizer-type", "Sentence
              "--tokenizer-model", "{tok}", "--data-cache-path", "{tmp}/index-cache"]
 # a 2-stage 2BW run over 2 processes, as tests/test_faults.py runs it
 FAULT = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "16",
+         "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
+         "--micro-batch-size", "4", "--global-batch-size", "16",
          "--mock-data", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
          "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "1"]
 

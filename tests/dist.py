@@ -137,7 +137,8 @@ def tiny_training_flags(*, seq_length: int, train_iters: int) -> list[str]:
     learning rate, a log line per iteration and a validation at the end, on CPU processes."""
     return [
         "--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", str(seq_length), "--make-vocab-size-divisible-by", "16",
+        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+        "--make-vocab-size-divisible-by", "16",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--micro-batch-size", "4", "--global-batch-size", "16",
         "--train-iters", str(train_iters), "--lr", "5e-3", "--lr-warmup-iters", "2",

@@ -12,6 +12,11 @@ where g(W) is the gradient of the mean microbatch loss of batch t over all data-
 replicas' microbatches. The data (``microbatch``) is a pure function of (seed, batch, replica,
 microbatch) shared with the pipeline worker (tests/schedule_worker.py).
 
+A batch size that changes from batch to batch (``microbatches`` a list m_0, m_1, ...: a
+--rampup-batch-size run, tests/test_batch_rampup.py) reads one stream per replica instead
+(``stream_microbatch``): batch t holds the m_t microbatches after those of batches < t, and
+g is the mean over its own m_t microbatches. ``lrs`` gives each step its learning rate.
+
     python tests/reference.py SPEC.json     # writes SPEC["init"] and SPEC["out"]/<job>.pt
 
 (tests/schedule_worker.py runs the same jobs in a forked process before the pipeline runs.)
@@ -27,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Model", "MODEL", "microbatch", "no_weight_decay", "reference_run", "run_jobs"]
+__all__ = ["Model", "MODEL", "microbatch", "stream_microbatch", "no_weight_decay",
+           "reference_run", "run_jobs"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,12 @@ def microbatch(model: Model, batch: int, replica: int, j: int) -> dict:
             "position_ids": torch.arange(s).expand(b, s).contiguous()}
 
 
+def stream_microbatch(model: Model, replica: int, index: int) -> dict:
+    """The ``index``-th microbatch (from 0) of replica ``replica``'s data stream, for runs
+    whose batch size changes: ``microbatch`` of "batch" ``index``, its microbatch 0."""
+    return microbatch(model, index, replica, 0)
+
+
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """megatron-core's default grouping (``get_standard_config_overrides``): biases and 1-D
     parameters get wd_mult 0."""
@@ -103,16 +115,18 @@ def _loss(gpt, data: dict) -> torch.Tensor:
 
 
 def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
-               model: Model) -> tuple[dict, list[float]]:
+               model: Model, data=None) -> tuple[dict, list[float]]:
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
-    time; and each replica's mean microbatch loss."""
+    time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
+    ``microbatch(model, batch, r, j)``."""
+    data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
     losses = []
     for r in range(replicas):
         total = 0.0
         for j in range(microbatches):
-            loss = _loss(gpt, microbatch(model, batch, r, j))
+            loss = _loss(gpt, data(r, j))
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
         losses.append(total / microbatches)
@@ -129,10 +143,18 @@ def clip_grads(grads: dict, max_norm: float) -> float:
     return total
 
 
-def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, iterations: int,
-                  tie: bool, model: Model = MODEL) -> dict:
+def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
+                  iterations: int, tie: bool, model: Model = MODEL,
+                  lrs: list[float] | None = None) -> dict:
     """Train the full model from `init` with `rule` ("sync" or "2bw"); returns the final weights
-    (names as in a PP=1 GPTModel), per-iteration losses [t][replica] and grad norms."""
+    (names as in a PP=1 GPTModel), per-iteration losses [t][replica] and grad norms.
+    `microbatches` as a list: batch t has microbatches[t] per replica, read from the streams
+    (``stream_microbatch``). `lrs`: step t's learning rate (instead of `model`'s warm-up)."""
+    sizes = microbatches if isinstance(microbatches, list) else None
+    if sizes is not None and len(sizes) != iterations:
+        raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
+    if lrs is not None and len(lrs) != iterations:
+        raise ValueError(f"{len(lrs)} learning rates for {iterations} iterations")
     gpt = _gpt(model, tie)
     params = dict(gpt.named_parameters())
     with torch.no_grad():
@@ -154,7 +176,13 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, it
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(read[n])
-        grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
+        if sizes is None:
+            grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
+        else:
+            first = sum(sizes[:t])  # batch t's first microbatch in each replica's stream
+            grads, batch_losses = _gradients(
+                gpt, params, t, replicas, sizes[t], model,
+                data=lambda r, j: stream_microbatch(model, r, first + j))
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(current[n])
@@ -164,6 +192,8 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int, it
         warmup = model.lr_warmup_iters
         for group in optimizer.param_groups:
             group["lr"] = model.lr * min(t, warmup) / warmup if warmup else model.lr
+            if lrs is not None:
+                group["lr"] = lrs[t]
         optimizer.step()
         losses.append(batch_losses)
         previous = current

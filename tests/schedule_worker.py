@@ -10,7 +10,8 @@ The spec: {"out": dir, "init": path, "timeout_minutes": float,
 The launcher imports torch and megatron-core once, then forks: first one process for the
 single-process reference jobs (they also write the initial weights), then, per group, `world`
 processes over gloo. It waits for every process of a group on its own (no process is ended
-because a peer failed; only the group's deadline kills) and writes each group's exit codes and
+because a peer failed; the group's deadline kills, or a group whose live processes are all
+stopped by a signal) and writes each group's exit codes and
 wall time to <out>/launch.json; each process writes its output to <out>/<group>/rank<r>.log.
 
 Each process runs the group's runs one after another in the same process group: (re)initialize
@@ -238,7 +239,7 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         succeeded, _, _ = optimizer.step()
         if not succeeded:
             raise RuntimeError(f"{name}: optimizer step {iteration} was skipped")
-        scheduler.step(increment=1)
+        scheduler.step(increment=args.global_batch_size)  # counts samples
         if loss_dicts:
             losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
                            for key in loss_dicts[0]})
@@ -279,6 +280,15 @@ def _child(rank: int, world: int, port: int, log: str, target, *target_args) -> 
     os._exit(0)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (state T in /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> dict:
     """Fork `world` processes running `target`; wait for each (killing all at the deadline)."""
     import multiprocessing
@@ -291,18 +301,16 @@ def fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> 
              for rank in range(world)]
     for p in procs:
         p.start()
-    deadline, timed_out = started + timeout_s, False
+    deadline = started + timeout_s
+    while any(p.is_alive() for p in procs) and time.perf_counter() < deadline:
+        if all(_stopped(p.pid) for p in procs if p.is_alive()):
+            break  # only SIGSTOPped processes are left: none of them can go on
+        time.sleep(0.2)
+    timed_out = time.perf_counter() >= deadline
     for p in procs:
-        p.join(max(0.0, deadline - time.perf_counter()))
         if p.is_alive():
-            timed_out = True
-            break
-    if timed_out:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
+            p.kill()
+        p.join()
     return {"exit_codes": [p.exitcode for p in procs], "timed_out": timed_out,
             "seconds": time.perf_counter() - started}
 

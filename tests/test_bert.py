@@ -223,7 +223,8 @@ def test_gpt_tokenizer_type_is_refused(sentence_data, capsys):
     import pretrain_bert_2bw
 
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_bert_2bw.main(["--data-path", sentence_data.data_prefix,
+        pretrain_bert_2bw.main([*dist.tiny_training_flags(seq_length=64, train_iters=2),
+                                "--data-path", sentence_data.data_prefix,
                                 "--tokenizer-model", sentence_data.tokenizer_model,
                                 "--tokenizer-type", "GPTSentencePieceTokenizer"])
     assert exit_info.value.code == 2
@@ -236,16 +237,20 @@ def test_bert_flags():
     import pretrain_bert_2bw
     from megatron_2bw.arguments import FlagError, parse_args
 
-    args = parse_args(["--mock-data"], world_size=1, parser=pretrain_bert_2bw.parser())
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "64", "--max-position-embeddings", "64", "--lr", "1e-3"]
+    args = parse_args([*model, "--mock-data", "--train-iters", "1"], world_size=1,
+                      parser=pretrain_bert_2bw.parser())
     assert (args.bert_binary_head, args.mask_prob, args.short_seq_prob) == (True, 0.15, 0.1)
     assert args.tokenizer_type == "SentencePieceTokenizer"
-    args = parse_args(["--mock-data", "--bert-no-binary-head"], world_size=1,
+    args = parse_args([*model, "--mock-data", "--train-iters", "1", "--bert-no-binary-head"],
+                      world_size=1,
                       parser=pretrain_bert_2bw.parser())
     assert not args.bert_binary_head
     with pytest.raises(FlagError,
                        match=r"--mask-prob: expected a finite number in \(0, 1\), got .1."):
-        parse_args(["--mock-data", "--mask-prob", "1"], world_size=1,
-                   parser=pretrain_bert_2bw.parser())
+        parse_args([*model, "--mock-data", "--train-iters", "1", "--mask-prob", "1"],
+                   world_size=1, parser=pretrain_bert_2bw.parser())
 
 
 def test_document_level_data_is_refused(sentence_data, tmp_path):

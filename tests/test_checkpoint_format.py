@@ -37,7 +37,8 @@ GLOBAL_BATCH = 16
 TRAIN_ITERS = 4
 LR, MIN_LR, WARMUP, WEIGHT_DECAY = 1e-3, 1e-4, 1, 0.01
 FLAGS = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", str(GLOBAL_BATCH),
+         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "4",
+         "--global-batch-size", str(GLOBAL_BATCH),
          "--mock-data", "--eval-iters", "0", "--log-interval", "1",
          "--pipeline-schedule", "megatron",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(TRAIN_ITERS),
@@ -232,9 +233,10 @@ def _scheduler(lr: float):
 
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     return OptimizerParamScheduler(sgd, init_lr=0.0, max_lr=lr, min_lr=MIN_LR,
-                                   lr_warmup_steps=WARMUP, lr_decay_steps=TRAIN_ITERS,
+                                   lr_warmup_steps=WARMUP * GLOBAL_BATCH,
+                                   lr_decay_steps=TRAIN_ITERS * GLOBAL_BATCH,
                                    lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
-                                   end_wd=WEIGHT_DECAY, wd_incr_steps=TRAIN_ITERS,
+                                   end_wd=WEIGHT_DECAY, wd_incr_steps=TRAIN_ITERS * GLOBAL_BATCH,
                                    wd_incr_style="constant")
 
 
@@ -248,9 +250,9 @@ def test_scheduler_flags_choose_the_side(flag, max_lr):
     from megatron_2bw.arguments import parse_args
     from megatron_2bw.training import checkpointing
 
-    args = parse_args(["--mock-data", *([flag] if flag else [])], world_size=1)
+    args = parse_args([*FLAGS, "--lr", "2e-3", *([flag] if flag else [])], world_size=1)
     scheduler = _scheduler(2e-3)
-    saved = checkpointing._scheduler_in_iterations(megatron_scheduler_state(2), GLOBAL_BATCH)
+    saved = megatron_scheduler_state(2)  # samples, the unit of ours and Megatron-LM's
     if flag is None:
         with pytest.raises(checkpointing.CheckpointError, match=r"--lr 0.002 \(checkpoint: "
                                                                 r"0.001\);"):
@@ -258,6 +260,6 @@ def test_scheduler_flags_choose_the_side(flag, max_lr):
         return
     checkpointing._check_scheduler("ckpt", saved, scheduler, args)
     checkpointing._load_scheduler(scheduler, saved, args)
-    assert scheduler.num_steps == 2
-    scheduler.step(increment=1)
+    assert scheduler.num_steps == 2 * GLOBAL_BATCH
+    scheduler.step(increment=GLOBAL_BATCH)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(cosine_lr(3, max_lr))

@@ -21,7 +21,8 @@ from tests import dist as launch
 
 SCRIPT = "pretrain_gpt_2bw.py"
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--cpu"]
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--train-iters", "2", "--lr", "1e-3", "--cpu"]
 
 
 def assert_one_error_line(result: launch.Launch, flag: str, *fragments: str) -> str:
@@ -133,7 +134,7 @@ def test_numeric_flag_out_of_range(flag, bad, good, interval):
     value; the same flag with a valid value parses."""
     from megatron_2bw.arguments import FlagError
 
-    base = ["--mock-data", "--save", "/tmp/unused"]
+    base = [*TINY, "--mock-data", "--save", "/tmp/unused"]
     parse_args([*base, f"{flag}={good}"], world_size=1)
     with pytest.raises(FlagError) as error:
         parse_args([*base, f"{flag}={bad}"], world_size=1)
@@ -355,22 +356,23 @@ def test_lr_warmup_fraction_is_megatron_lms():
     from megatron_2bw.arguments import FlagError
     from megatron_2bw.training.build import build_scheduler
 
-    args = parse_args(["--mock-data", "--train-iters", "8", "--lr", "1e-3", "--min-lr", "0",
-                       "--lr-decay-style", "linear", "--lr-warmup-fraction", "0.25"],
+    args = parse_args([*TINY, "--mock-data", "--train-iters", "8", "--lr", "1e-3",
+                       "--min-lr", "0", "--lr-decay-style", "linear",
+                       "--lr-warmup-fraction", "0.25"],
                       world_size=1)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     scheduler = build_scheduler(args, optimizer)
     rates = []
     for _ in range(8):
-        scheduler.step(1)
+        scheduler.step(args.global_batch_size)  # it counts samples, as Megatron-LM's
         rates.append(optimizer.param_groups[0]["lr"])
     warmup = 0.25 * 8  # two iterations up, then linear decay to 0 at iteration 8
     expected = [1e-3 * step / warmup if step <= warmup else
                 1e-3 * (1 - (step - warmup) / (8 - warmup)) for step in range(1, 9)]
     assert rates == pytest.approx(expected, abs=1e-12)
     with pytest.raises(FlagError, match="--lr-warmup-fraction: give"):
-        parse_args(["--mock-data", "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"],
-                   world_size=1)
+        parse_args([*TINY, "--mock-data", "--train-iters", "8", "--lr-warmup-fraction", "0.1",
+                    "--lr-warmup-iters", "3"], world_size=1)
 
 
 def test_a_transformer_engine_attention_backend_on_the_cpu_is_one_line():

@@ -5,6 +5,7 @@ tools/convergence.py, on hand-written log lines and synthetic records; no traini
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -203,3 +204,95 @@ def test_rounds_take_the_median_round_and_the_largest_memory():
     assert s.peak_memory_mib == {0: 502.0, 1: 650.0} and s.measured_lines == 15
     # two rounds: the faster of the middle two
     assert compare.median_over_rounds(rounds[1:]).ms_per_iteration == 1600.0
+
+
+# ---- compare --from-logs on Megatron-LM's own logs ---------------------------------------------
+
+def _megatron_lm_arguments(**values) -> list[str]:
+    """Megatron-LM's start-up block, as _print_args prints it (megatron/training/arguments.py
+    lines 1288-1299 at core_v0.16.1): a title line, '  name <48 - len(name) dots> value' sorted
+    by lower-cased line, an end line."""
+    lines = ["  {} {} {}".format(name, "." * (48 - len(name)), value)
+             for name, value in values.items()]
+    return (["------------------------ arguments ------------------------",
+             *sorted(lines, key=lambda x: x.lower()),
+             "-------------------- end of arguments ---------------------"])
+
+
+def _megatron_lm_iteration(iteration: int, train_iters: int, ms: float, tflops: float,
+                           batch: int, loss: float) -> str:
+    """One training_log line (megatron/training/training.py lines 2033-2083 at core_v0.16.1,
+    with --log-throughput and a grad norm; no params norm or num zeros)."""
+    line = " [2026-01-01 10:00:00.000000]"
+    line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    line += " consumed samples: {:12d} |".format(iteration * batch)
+    line += " elapsed time per iteration (ms): {:.1f} |".format(ms)
+    line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+    line += f" learning rate: {1.5e-4:.6E} |"
+    line += f" global batch size: {batch:5d} |"
+    line += " {}: {:.6E} |".format("lm loss", loss)
+    line += f" loss scale: {1.0:.1f} |"
+    line += f" grad norm: {0.75:.3f} |"
+    line += " number of skipped iterations: {:3d} |".format(0)
+    line += " number of nan iterations: {:3d} |".format(0)
+    return line
+
+
+# lines at iterations 5..40 of a 64-sample batch; warm-up 10 leaves 15..35 (40 is the drain)
+MLM_MS = [4000.0, 2100.0, 2000.0, 1600.0, 2500.0, 1900.0, 2050.0, 9000.0]
+MLM_TFLOPS = [10.0, 95.0, 100.0, 125.0, 80.0, 105.0, 97.5, 20.0]
+
+
+def _megatron_lm_log(path: Path, with_arguments: bool) -> Path:
+    arguments = _megatron_lm_arguments(
+        world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+        data_parallel_size=2, global_batch_size=64, micro_batch_size=4, seq_length=1024,
+        lr=0.00015, data_path="['my-corpus_text_document']") if with_arguments else []
+    lines = [_megatron_lm_iteration(5 * (i + 1), 40, ms, tflops, 64, 7.0 - 0.1 * i)
+             for i, (ms, tflops) in enumerate(zip(MLM_MS, MLM_TFLOPS))]
+    path.write_text("\n".join([
+        "using world size: 8, data-parallel size: 2, context-parallel size: 1, ...",
+        *arguments, "> building GPT2BPETokenizer tokenizer ...", *lines[:3],
+        " validation loss at iteration 15 | lm loss value: 6.800000E+00 | "
+        "lm loss PPL: 8.979E+02 | ", *lines[3:]]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("with_arguments", [True, False])
+def test_from_logs_reads_megatron_lm_logs(tmp_path, capsys, with_arguments):
+    """Medians by hand over iterations 15..35: ms 2000, 1600, 2500, 1900, 2050 -> 2000 ms, so
+    64 samples / 2.0 s = 32 samples/s; TFLOP/s 100, 125, 80, 105, 97.5 -> 100. The arguments
+    block gives TP 2 x PP 2 x DP 2 and 64 / (4 x 2) = 8 microbatches on Megatron's own
+    schedule; without it those are n/a."""
+    compare = _tool("compare")
+    log = _megatron_lm_log(tmp_path / "mlm.log", with_arguments)
+    out = tmp_path / "summary.json"
+    assert compare.main(["--from-logs", f"Megatron-LM={log}", "--warmup", "10",
+                         "--out", str(tmp_path), "--json", str(out)]) == 0
+    (summary,) = json.loads(out.read_text())
+    assert summary["measured_lines"] == 5 and summary["ms_per_iteration"] == 2000.0
+    assert summary["samples_per_s"] == pytest.approx(32.0)
+    assert summary["tflops_per_device"] == pytest.approx(100.0)
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("Megatron-LM"))
+    if with_arguments:
+        assert (summary["schedule"], summary["tp"], summary["pp"], summary["dp"],
+                summary["microbatches"]) == ("megatron", 2, 2, 2, 8)
+        assert row.split()[1:4] == ["megatron", "2x2x2", "8"]
+    else:
+        assert (summary["schedule"], summary["tp"], summary["pp"], summary["dp"],
+                summary["microbatches"]) == ("n/a", None, None, None, None)
+        assert row.split()[1:4] == ["n/a", "n/a", "n/a"]
+
+
+def test_megatron_lm_arguments_block_is_parsed():
+    text = "\n".join([*_megatron_lm_arguments(
+        world_size=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+        data_parallel_size=1, global_batch_size=32, micro_batch_size=2, rampup_batch_size=None),
+        _megatron_lm_iteration(1, 10, 500.0, 1.0, 32, 7.5)])
+    log = parse_log(text)
+    assert log.arguments["rampup_batch_size"] == "None"
+    assert log.arguments["pipeline_model_parallel_size"] == "4"
+    assert log.header == RunHeader("megatron", 4, "cuda", 1, 4, 1, 16)  # 32 / (2 x 1)
+    assert [r.iteration for r in log.iterations] == [1]
+    assert log.iterations[0].samples_per_s == pytest.approx(64.0)  # 32 / 0.5 s

@@ -303,12 +303,22 @@ def test_prefix_with_extension_gets_a_hint(gpt_prefix):
         (["{p}"], "99,1,x", "--split"),
         (["{p}"], "0,0", "--split"),
         (["{p}"], "1..2", "--split"),
+        (["{p}"], "'99,x'", "--split"),
     ],
 )
 def test_bad_flags_raise_data_error(data_path, split, flag, gpt_prefix, tokenizer):
     paths = [item.format(p=gpt_prefix) for item in data_path]
     with pytest.raises(DataError, match=f"^{flag}: "):
         build_gpt_datasets(paths, split, SEQ, 1, tokenizer, (8, 0, 0))
+
+
+def test_a_quoted_split_cuts_as_megatron_lm_reads_it():
+    """Megatron-LM's launch scripts pass `--split '99,1,0'` with the quotes in the value;
+    megatron-core reads the numbers only, so the documents are cut 99 / 1 / 0 of 100."""
+    from megatron_2bw.data.gpt import check_split, split_document_ranges
+
+    check_split("'99,1,0'")
+    assert split_document_ranges("'99,1,0'", 100) == [(0, 99), (99, 100), None]
 
 
 def test_bad_tokenizer_raises_data_error(tmp_path):

@@ -25,7 +25,8 @@ from megatron_2bw.runtime import cpu, distributed
 from tests import dist as launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--mock-data"]
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--train-iters", "1", "--lr", "1e-3", "--mock-data"]
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ NAN, INF = math.nan, math.inf
 LOSS, GRAD, SKIPS = 1, 2, 3  # guard's flag indices
 
 TINY = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "16",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
+        "--micro-batch-size", "4", "--global-batch-size", "16",
         "--mock-data", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
         "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "1"]
 

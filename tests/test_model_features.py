@@ -31,8 +31,9 @@ from megatron_2bw.logparse import parse_log
 from tests import dist as launch
 
 TINY = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "16",
-        "--mock-data", "--eval-iters", "0", "--log-interval", "1"]
+        "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
+        "--micro-batch-size", "4", "--global-batch-size", "16",
+        "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--train-iters", "1"]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
          "--num-query-groups", "2", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
@@ -66,6 +67,7 @@ def build_worker(rank: int, world_size: int) -> dict:
     results = {name: _built(parse_args([*TINY, *flags], world_size=1))
                for name, flags in FLAG_SETS.items()}
     results["bert-qk-layernorm"] = _bert_spec_error(parse_args([*TINY, "--qk-layernorm"], 1))
+    results["layernorm-1p"] = _zero_centered_against_torch_norms()
     distributed.destroy()
     return results
 
@@ -98,6 +100,46 @@ def _built(args) -> dict:
         "interpolation": None if rope is None else rope.seq_len_interpolation_factor,
         "loss": float(losses.mean()),
     }
+
+
+def _zero_centered_against_torch_norms() -> dict:
+    """--apply-layernorm-1p on the local spec, against megatron-core's torch norms: a model
+    whose norm weights are w gives the logits of the plain model whose weights are 1 + w."""
+    import torch
+
+    import pretrain_gpt_2bw
+    from megatron_2bw.training import build
+
+    results = {}
+    for normalization in ("LayerNorm", "RMSNorm"):
+        flags = [*TINY, "--qk-layernorm", "--normalization", normalization]
+        models = {}
+        for name, extra in (("plain", []), ("1p", ["--apply-layernorm-1p"])):
+            args = parse_args([*flags, *extra], world_size=1)
+            config = build.transformer_config(args, "cpu")
+            models[name] = pretrain_gpt_2bw.model_provider(
+                config, pre_process=True, post_process=True, args=args, vocab_size=VOCAB).eval()
+        norm_weights = [n for n, p in models["1p"].named_parameters()
+                        if "norm" in n and n.endswith("weight")]
+        state = models["plain"].state_dict()
+        for name in norm_weights:
+            state[name] = torch.randn_like(state[name]) * 0.1 + 1  # gamma away from 1
+        models["plain"].load_state_dict(state)
+        starts_at_zero = all(float(models["1p"].state_dict()[n].abs().max()) == 0
+                             for n in norm_weights)
+        models["1p"].load_state_dict({n: t - 1 if n in norm_weights else t
+                                      for n, t in state.items()})
+        tokens = torch.randint(0, VOCAB, (2, 16))
+        positions = torch.arange(16).expand(2, 16)
+        with torch.no_grad():
+            logits = {n: m(tokens, positions, None) for n, m in models.items()}
+        results[normalization] = {
+            "norm_weights": len(norm_weights), "starts_at_zero": starts_at_zero,
+            "norm_types": sorted({type(m).__name__ for n, m in models["1p"].named_modules()
+                                  if n.endswith("norm")} - {"IdentityOp"}),
+            "max_abs_diff": float((logits["1p"] - logits["plain"]).abs().max()),
+            "scale": float(logits["plain"].abs().max())}
+    return results
 
 
 def _bert_spec_error(args) -> str:
@@ -204,6 +246,15 @@ def test_other_feature_flags_reach_the_model(built):
     gelu = built["openai-gelu"]
     assert gelu["activation"] == "openai_gelu" and gelu["softmax_in_fp32"] is True
     assert math.isfinite(gelu["loss"])
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_apply_layernorm_1p_equals_the_plain_norms_with_weight_plus_one(built, normalization):
+    result = built["layernorm-1p"][normalization]
+    # per layer: input, pre-MLP, query and key norms; and the final norm
+    assert result["norm_weights"] == 4 * LAYERS + 1
+    assert result["norm_types"] == ["ZeroCenteredNorm"] and result["starts_at_zero"]
+    assert result["max_abs_diff"] <= 1e-5 * result["scale"], result
 
 
 def test_bert_refuses_qk_layernorm(built):

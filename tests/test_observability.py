@@ -98,7 +98,8 @@ def _lr(step: int) -> float:
 
 def _flags(tmp, schedule: str, *extra: str) -> list[str]:
     return ["pretrain_gpt_2bw.py", "--cpu", "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "4",
+            "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--micro-batch-size", "4",
             "--global-batch-size", str(BATCH), "--mock-data", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--seed", "1234", "--train-iters", str(TRAIN_ITERS),
             "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP),

@@ -300,13 +300,14 @@ def test_flag_line_passes_validate_args(tmp_path):
     paths = write_plan(plan, tmp_path)
     layout = plan.best.layout
     flags = shlex.split(paths["flags"].read_text())
-    args = parse_for_validation(flags + ["--mock-data"], model, world_size=layout.world)
+    length = ["--mock-data", "--train-iters", "1"]  # the flags file leaves the length out
+    args = parse_for_validation(flags + length, model, world_size=layout.world)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.data_parallel_size) == (layout.t, layout.d, layout.w)
     assert args.num_microbatches == layout.m and args.pipeline_schedule == layout.schedule
     # The same flags for another world size are refused by our validator.
     with pytest.raises(FlagError):
-        parse_for_validation(flags + ["--mock-data"], model, world_size=layout.world + 1)
+        parse_for_validation(flags + length, model, world_size=layout.world + 1)
     document = json.loads(paths["plan"].read_text())
     assert document["choice"]["layout"]["t"] == layout.t
     assert len(document["alternatives"]) == min(20, len(plan.ranked))
@@ -321,7 +322,8 @@ def test_flags_carry_no_clipping_and_the_in_place_step():
     default = launch_flags(layout, model, "bf16")
     assert "--clip-grad" not in default and "--no-deferred-step" not in default
     flags = launch_flags(layout, model, "bf16", clip_grad=False, deferred_step=False)
-    args = parse_for_validation(flags + ["--mock-data"], model, world_size=2)
+    args = parse_for_validation(flags + ["--mock-data", "--train-iters", "1"], model,
+                                world_size=2)
     assert args.clip_grad == 0 and args.no_deferred_step
     flush = launch_flags(dataclasses.replace(layout, schedule="flush"), model, "bf16",
                          deferred_step=False)
@@ -377,7 +379,7 @@ def test_bert_flags_validate_with_the_bert_parser(tmp_path):
     plan = search(PlanRequest(model, preset("dgx-a100", nodes=1), global_batch_size=256))
     paths = write_plan(plan, tmp_path)
     assert "pretrain_bert_2bw.py" in paths["torchrun"].read_text()
-    flags = shlex.split(paths["flags"].read_text()) + ["--mock-data"]
+    flags = shlex.split(paths["flags"].read_text()) + ["--mock-data", "--train-iters", "1"]
     args = parse_for_validation(flags, model, world_size=plan.best.layout.world)
     assert args.num_microbatches == plan.best.layout.m
 

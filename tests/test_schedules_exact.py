@@ -392,7 +392,7 @@ def test_stalled_peer_ends_its_neighbour_with_one_line(launch, tmp_path):
     """Stage 1 of a 2-stage 2BW run freezes (SIGSTOP) at its 6th exchange. Stage 0 waits for it
     at most --distributed-timeout-minutes (0.1 here, 6 s), then ends by itself, non-zero, with
     one error line naming the peer (rank 1, stage 1) and the transfers it waited for. The
-    launcher kills the frozen process at the group's deadline."""
+    launcher kills the frozen process once it is the only one left."""
     case = Case("2bw", d=2, m=2, w=1, iters=3)
     spec = {"out": str(tmp_path), "init": str(launch.out / "init.pt"), "timeout_minutes": 0.1,
             "groups": {"stall": {"world": 2, "timeout_s": 40,

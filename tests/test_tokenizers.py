@@ -159,7 +159,8 @@ def test_training_flags_name_the_missing_file(gpt2_files, tmp_path):
     from megatron_2bw.arguments import FlagError, parse_args
 
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--micro-batch-size", "4", "--data-path", "x",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
+            "--train-iters", "2", "--micro-batch-size", "4", "--data-path", "x",
             "--tokenizer-type", "GPT2BPETokenizer"]
     vocab = ["--vocab-file", str(gpt2_files / "vocab.json")]
     with pytest.raises(FlagError, match="^--merge-file: required with --tokenizer-type"):
@@ -203,7 +204,8 @@ def test_preprocess_writes_reference_ids(gpt2_dataset):
 def test_training_runs_with_gpt2_bpe(gpt2_files, gpt2_dataset, tmp_path):
     result = launch.python([
         "pretrain_gpt_2bw.py", "--cpu", "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "4",
+        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--lr", "1e-3", "--micro-batch-size", "4",
         "--global-batch-size", "16", "--train-iters", "2", "--eval-iters", "0",
         "--log-interval", "1", "--split", "1,0,0", "--data-path", gpt2_dataset,
         "--data-cache-path", str(tmp_path / "cache"),

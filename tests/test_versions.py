@@ -118,7 +118,8 @@ def test_entry_script_fails_with_one_error_line():
     """)
     result = launch.python(["-c", code, "--cpu", "--mock-data", "--num-layers", "2",
                             "--hidden-size", "32", "--num-attention-heads", "4",
-                            "--seq-length", "16", "--micro-batch-size", "2",
+                            "--seq-length", "16", "--max-position-embeddings", "16",
+                            "--micro-batch-size", "2", "--lr", "1e-3",
                             "--train-iters", "1"], timeout=120)
     assert result.returncode == 2, result.tail()
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]

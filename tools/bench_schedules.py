@@ -269,7 +269,8 @@ def worker(argv: list[str]) -> int:
 def _model_flags(a: argparse.Namespace) -> list[str]:
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
             "--num-attention-heads", str(a.num_attention_heads),
-            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+            "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
+            "--micro-batch-size", str(a.micro_batch_size),
             "--global-batch-size", str(a.micro_batch_size * a.microbatches),
             "--vocab-size", str(a.vocab_size), "--mock-data", "--cpu",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",

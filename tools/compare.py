@@ -3,6 +3,11 @@ model and global batch trained with several (schedule, layout) entries, side by 
 
     python tools/compare.py                       # tiny GPT, 2 CPU processes, 5 entries
     python tools/compare.py --from-logs "2BW=runs/a.log" "GPipe=runs/b.log"   # logs of GPU runs
+    python tools/compare.py --from-logs "Megatron-LM=runs/mlm.log" "2BW=runs/a.log"
+
+--from-logs reads our logs and Megatron-LM's own (its ``training_log`` lines): schedule and
+layout come from our header line, else from Megatron-LM's printed arguments (its own schedule,
+``megatron``), else they show as n/a.
 
 Default entries, each on ``--nproc`` processes:
 
@@ -76,9 +81,14 @@ class Entry:
 
     label: str
     schedule: str
-    tp: int = 1
-    pp: int = 1
+    tp: int | None = 1
+    pp: int | None = 1
+    """None (with schedule "n/a"): a log that does not say (Megatron-LM's, without its
+    arguments block)."""
 
+
+UNKNOWN = "n/a"
+"""The schedule of a log that does not say which it ran."""
 
 DEFAULT_ENTRIES = (
     Entry("Tensor MP", "megatron", tp=2, pp=1),
@@ -124,9 +134,10 @@ class Summary:
 
     label: str
     schedule: str
-    tp: int
-    pp: int
-    dp: int
+    tp: int | None
+    pp: int | None
+    dp: int | None
+    """None: not known (see Entry)."""
     microbatches: int | None
     measured_lines: int
     ms_per_iteration: float
@@ -168,10 +179,13 @@ def summarize(entry: Entry, log: ParsedLog, warmup: int, nproc: int | None = Non
         memory = {last_rank: max(r.peak_memory_mib for r in log.iterations
                                  if r.peak_memory_mib is not None)}
     header = log.header
-    world = header.world_size if header else (nproc or entry.tp * entry.pp)
+    dp = None
+    if entry.tp is not None and entry.pp is not None:
+        world = header.world_size if header else (nproc or entry.tp * entry.pp)
+        dp = world // (entry.tp * entry.pp)
     return Summary(
         label=entry.label, schedule=entry.schedule, tp=entry.tp, pp=entry.pp,
-        dp=world // (entry.tp * entry.pp), microbatches=header.microbatches if header else None,
+        dp=dp, microbatches=header.microbatches if header else None,
         measured_lines=len(measured),
         ms_per_iteration=_median(r.ms_per_iteration for r in measured),
         samples_per_s=_median(r.samples_per_s for r in measured),
@@ -223,13 +237,14 @@ def format_table(summaries: list[Summary], reference: str | None) -> str:
               f"{'stash':>7} {'ver':>3}" + (f" {'speed-up':>8}" if reference else ""))
     rows = [header, "-" * len(header)]
     for s in summaries:
-        layout = f"{s.tp}x{s.pp}x{s.dp}"
+        layout = "n/a" if s.tp is None else f"{s.tp}x{s.pp}x{s.dp}"
         memory = "/".join(f"{s.peak_memory_mib[r]:.0f}" if r in s.peak_memory_mib else "-"
                           for r in ranks) or "-"
         tflops = "-" if s.tflops_per_device is None else f"{s.tflops_per_device:.4f}"
         stash = "/".join(map(str, s.stash)) if s.stash else "-"
+        microbatches = s.microbatches or ("n/a" if s.schedule == UNKNOWN else "-")
         rows.append(
-            f"{s.label:<18} {s.schedule:<8} {layout:>8} {s.microbatches or '-':>3} "
+            f"{s.label:<18} {s.schedule:<8} {layout:>8} {microbatches:>3} "
             f"{s.ms_per_iteration:9.1f} {s.samples_per_s:9.2f} {tflops:>11} "
             f"{memory:>{max(len(mem_head), 14)}} {stash:>7} {s.versions or '-':>3}"
             + (f" {ratio[s.label]:7.2f}x" if reference else ""))
@@ -306,7 +321,8 @@ def _model_flags(a: argparse.Namespace, data: bool = True) -> list[str]:
     corpus (no corpus is built, for validating a command line)."""
     flags = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
              "--num-attention-heads", str(a.num_attention_heads),
-             "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
+             "--micro-batch-size", str(a.micro_batch_size),
              "--global-batch-size", str(a.global_batch_size),
              "--train-iters", str(a.iters), "--log-interval", str(a.log_interval),
              "--eval-iters", "0", "--lr", "1e-4", "--lr-decay-style", "constant",
@@ -419,8 +435,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a configuration (repeat the flag); default: the five above")
     p.add_argument("--from-logs", nargs="+", type=parse_log_source, default=None,
                    metavar="LABEL=PATH",
-                   help="summarise existing training logs instead of running (schedule and "
-                        "layout are read from each log's first line)")
+                   help="summarise existing training logs instead of running (ours or "
+                        "Megatron-LM's; schedule and layout are read from our header line, "
+                        "else from Megatron-LM's arguments block, else shown as n/a)")
     p.add_argument("--reference", default=None,
                    help="label whose speed-up over each entry the table shows (default: the "
                         "2bw entry)")
@@ -463,17 +480,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _summaries_from_logs(a: argparse.Namespace) -> list[Summary]:
-    """One summary per --from-logs LABEL=PATH; a log that cannot be read, has no header line
-    or too few iteration lines raises ToolError naming --from-logs and the file."""
+    """One summary per --from-logs LABEL=PATH, ours or Megatron-LM's (the header from our
+    line or its arguments block; n/a without either); a log that cannot be read or has too
+    few iteration lines raises ToolError naming --from-logs and the file."""
     summaries = []
     for label, path in a.from_logs:
         with reading("--from-logs", path):
             log = parse_log(Path(path).read_text())
-        if log.header is None:
-            raise ToolError("--from-logs", f"{path} has no 'training ... schedule' line (not "
-                                           "a megatron-2bw training log?)")
+        if not log.iterations and log.header is None:
+            raise ToolError("--from-logs", f"{path} has no training log line ('iteration N/M "
+                                           "| ...', ours or Megatron-LM's)")
         h = log.header
-        entry = Entry(label, h.schedule, h.tp, h.pp)
+        entry = Entry(label, h.schedule, h.tp, h.pp) if h else Entry(label, UNKNOWN, None, None)
         summaries.append(_summarize(entry, log, a.warmup, "--from-logs", path))
     return summaries
 

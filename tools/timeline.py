@@ -16,8 +16,9 @@ clock; see ``megatron_2bw.trace``). The 4-stage 2BW run on 4 CPU processes:
     python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 \
         --png runs/timeline/2bw_d4.png --chrome-trace runs/timeline/2bw_d4.json --batches 2:5 -- \
         --pipeline-schedule 2bw --pipeline-model-parallel-size 4 --num-layers 4 \
-        --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 \
-        --global-batch-size 8 --train-iters 6 --log-interval 6 --eval-iters 0
+        --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 \
+        --train-iters 6 --lr 1e-4 --log-interval 6 --eval-iters 0
 
 A collective over all ranks lines the stages up and would hide 2BW's continuous pipeline:
 the training loop checks for a stop signal with one at every log line (hence

@@ -63,8 +63,11 @@ def _as_float(text: str) -> float | None:
 
 
 def check_split(split: str) -> None:
-    """Raise DataError unless `split` is 1 to 3 comma-separated weights with a positive sum."""
-    if not _SPLIT.match(split) or sum(float(w) for w in split.split(",")) <= 0:
+    """Raise DataError unless `split` is 1 to 3 comma-separated weights with a positive sum.
+    Quotes around it are allowed: megatron-core reads only the numbers, and Megatron-LM's own
+    launch scripts pass `--split '99,1,0'` with the quotes inside a bash array."""
+    weights = split.strip().strip("'\"")
+    if not _SPLIT.match(weights) or sum(float(w) for w in weights.split(",")) <= 0:
         raise DataError("--split", f"expected up to three weights like '969,30,1', got {split!r}")
 
 
@@ -136,6 +139,7 @@ def build_gpt_datasets(
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
     create_attention_mask: bool = True,
+    mmap_bin_files: bool = True,
 ) -> tuple:
     """Build the train, valid and test GPT datasets (see the module docstring).
 
@@ -154,6 +158,7 @@ def build_gpt_datasets(
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
     )
     for prefix in config.blend[0]:
         check_splits_have_tokens(prefix, split, num_samples, seq_length)

@@ -26,16 +26,25 @@ __all__ = ["launch_flags", "entry_script", "flag_line", "torchrun_script", "sbat
            "write_plan", "plan_to_json", "parse_for_validation"]
 
 _DATA_ARGS = '${DATA_ARGS:---data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL"}'
+# the training length (Megatron-LM requires --train-iters or --train-samples; the plan does
+# not choose one): TRAIN_ARGS="--train-samples N" replaces it
+_TRAIN_ARGS = '${TRAIN_ARGS:---train-iters 200}'
 
 
 def entry_script(model: ModelSpec) -> str:
     return f"pretrain_{model.kind}_2bw.py"
 
 
+# the peak learning rate (Megatron-LM requires --lr; the plan does not choose it): that of
+# scripts/models.sh; a later --lr on the script's command line replaces it
+_PEAK_LR = {"gpt": "1.5e-4", "bert": "1e-4"}
+
+
 def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool = False,
                  distributed_optimizer: bool = False, clip_grad: bool = True,
                  deferred_step: bool = True) -> list[str]:
-    """The layout and model as our entry scripts' flags (Megatron-LM's names), data excluded."""
+    """The layout and model as our entry scripts' flags (Megatron-LM's names), data and
+    training length excluded."""
     flags = [
         "--tensor-model-parallel-size", str(layout.t),
         "--pipeline-model-parallel-size", str(layout.d),
@@ -47,6 +56,7 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         "--max-position-embeddings", str(model.seq_length),
         "--micro-batch-size", str(layout.b),
         "--global-batch-size", str(layout.global_batch),
+        "--lr", _PEAK_LR[model.kind],
     ]
     if model.ffn_hidden_size and model.ffn_hidden_size != 4 * model.hidden_size:
         flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
@@ -100,8 +110,8 @@ def torchrun_script(candidate: Candidate, plan: Plan) -> str:
     return "\n".join([
         "#!/bin/bash",
         *_header(candidate, plan),
-        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [NNODES=.. NODE_RANK=.. MASTER_ADDR=..] "
-        "bash launch.sh [more flags]",
+        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [TRAIN_ARGS='--train-iters N'] [NNODES=.. "
+        "NODE_RANK=.. MASTER_ADDR=..] bash launch.sh [more flags]",
         "set -euo pipefail",
         f'NNODES="${{NNODES:-{cluster.nodes}}}"',
         'NODE_RANK="${NODE_RANK:-0}"',
@@ -113,7 +123,7 @@ def torchrun_script(candidate: Candidate, plan: Plan) -> str:
         '    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \\',
         f"    {entry_script(model)} \\",
         f"    {flags} \\",
-        f"    {_DATA_ARGS} \"$@\"",
+        f"    {_TRAIN_ARGS} {_DATA_ARGS} \"$@\"",
         ""])
 
 
@@ -124,7 +134,8 @@ def sbatch_script(candidate: Candidate, plan: Plan) -> str:
     return "\n".join([
         "#!/bin/bash",
         *_header(candidate, plan),
-        "# usage: DATA_PATH=... TOKENIZER_MODEL=... sbatch plan.sbatch [more flags]",
+        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [TRAIN_ARGS='--train-iters N'] sbatch "
+        "plan.sbatch [more flags]",
         "#SBATCH --job-name=megatron-2bw",
         f"#SBATCH --nodes={cluster.nodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -140,7 +151,7 @@ def sbatch_script(candidate: Candidate, plan: Plan) -> str:
         '    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" \\',
         f"    {entry_script(model)} \\",
         f"    {flags} \\",
-        f"    {_DATA_ARGS} \"$@\"",
+        f"    {_TRAIN_ARGS} {_DATA_ARGS} \"$@\"",
         ""])
 
 

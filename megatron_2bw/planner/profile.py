@@ -198,7 +198,7 @@ def _training_args(model: ModelSpec, precision: str, cpu: bool):
             "--num-attention-heads", str(model.num_attention_heads),
             "--seq-length", str(model.seq_length), "--max-position-embeddings",
             str(model.seq_length), "--mock-data", "--vocab-size", str(model.vocab_size),
-            "--micro-batch-size", "1"]
+            "--micro-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
     if model.ffn_hidden_size:
         argv += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
     if not model.dropout:

@@ -11,7 +11,10 @@ Steps are dispatched through a table:
     F: point weights at the microbatch's version; x = inbox (stage > 0) or data;
        y = forward(x); stash (x, y); outbox y (all but the last stage)
     B: point weights at the microbatch's version; g = inbox (last stage: the loss);
-       backward(stash.pop(mb), g); outbox dx (all but the first stage)
+       backward(stash.pop(mb), g); outbox dx (all but the first stage). All but the batch's
+       last backward run under ``config.no_sync_func``; with --overlap-grad-reduce the last
+       one launches the bucket reductions from DDP's hooks, or (``config.grad_sync_func``,
+       stages after the first, as Megatron's 1F1B) right after it (order: deferred.py)
     S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
        2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
        deferred 2BW step, begin it (the first action reading the new version applies it)
@@ -19,6 +22,15 @@ Steps are dispatched through a table:
 A 2BW call leaves its look-ahead forwards in flight (stashed, and their activations already
 received by the next stage); ``prepare_drain()`` makes the next call leave the pipeline empty
 (before an evaluation, a checkpoint or the end of training).
+
+The number of microbatches m may change from one call to the next (--rampup-batch-size). The
+other schedules fill and drain in every call and just take the new m. Under 2BW a call whose
+m differs from the last one's must find the pipeline empty (the loop drains before it): the
+look-ahead forwards of batch t+1 run in call t with call t's m (their global numbers
+(t+1)*m + j and their loss scale 1/m), so they cannot belong to a batch of another size.
+Draining keeps the weight semantics: batch t reads version max(t-1, 0) whichever call runs
+its forwards, so W(t+1) = W(t) - lr * grad f(W(t-1)) holds across the change, with grad f the
+mean over batch t's own m_t microbatches.
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ class PipelineRunner:
         self.schedule = schedule
         self.batches_done = 0  # training calls made: the next call runs batch `batches_done`
         self.pipeline_empty = True  # no call yet, or the last one drained: the next one fills
+        self.in_flight_m: int | None = None  # m of the call that left microbatches in flight
         self.drain_next = False
         self.stash: dict[int, tuple] = {}  # microbatch -> (input, output) until its backward
         self.inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not used yet
@@ -177,6 +190,11 @@ class PipelineRunner:
     # ---- training call -------------------------------------------------------------------
     def _train_call(self, call: _Call) -> list:
         m, batch = call.num_microbatches, self.batches_done
+        if self.schedule == "2bw" and not self.pipeline_empty and m != self.in_flight_m:
+            raise RuntimeError(f"{self.schedule}: this call has {m} microbatches but the last "
+                               f"one left look-ahead forwards of {self.in_flight_m}-microbatch "
+                               "batches in flight; call prepare_drain() before the last call "
+                               "of a batch size")
         if self.versions is not None:
             self.versions.after_step()
         drain = self.drain_next
@@ -185,6 +203,7 @@ class PipelineRunner:
         self._execute(program, call, self._run)
         self.batches_done += 1
         self.pipeline_empty = drain
+        self.in_flight_m = None if drain else m
         self.drain_next = False
         return call.losses
 
@@ -262,11 +281,18 @@ class PipelineRunner:
         k, m = action.microbatch, call.num_microbatches
         output_grad = None if self.is_last else self.inbox.pop(("grad", k))
         input_tensor, output = self.stash.pop(k)
+        config = call.config
         last_of_batch = k % m == m - 1
-        no_sync = call.config.no_sync_func or contextlib.nullcontext
-        with contextlib.nullcontext() if last_of_batch else no_sync():
+        # Megatron's 1F1B: with a grad_sync_func (--overlap-grad-reduce, aligned), only the
+        # first stage launches its bucket reductions from the last backward's hooks; the others
+        # launch them all once that backward is done.
+        reduce_in_backward = last_of_batch and (config.grad_sync_func is None or self.stage == 0)
+        no_sync = config.no_sync_func or contextlib.nullcontext
+        with contextlib.nullcontext() if reduce_in_backward else no_sync():
             input_grad = backward_step(input_tensor, output, output_grad,
-                                       ModelType.encoder_or_decoder, call.config)
+                                       ModelType.encoder_or_decoder, config)
+        if last_of_batch and not reduce_in_backward:
+            config.grad_sync_func(call.model.parameters())
         if self.stage > 0:
             self.outbox["grad", k] = input_grad
 

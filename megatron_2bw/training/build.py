@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 __all__ = ["transformer_config", "build_model", "build_optimizer", "build_scheduler",
-           "attach_config_hooks", "params_dtype"]
+           "attach_config_hooks", "params_dtype", "scheduler_steps", "ddp_config",
+           "forward_pre_hook_paused"]
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -69,8 +70,15 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=True,
+        layernorm_zero_centered_gamma=getattr(args, "layernorm_zero_centered_gamma", False),
+        cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         **_activation(args, on_gpu),
     )
+    if on_gpu:  # Megatron-LM's GPU-only flags, given: copied as Megatron-LM copies them
+        from megatron_2bw.megatron_lm_flags import cuda_config_fields
+
+        fields.update(cuda_config_fields(args))
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -103,7 +111,7 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     ``provider(config, pre_process, post_process)`` returns the bare megatron-core model.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
 
     from megatron_2bw.runtime.distributed import training_device
 
@@ -117,13 +125,46 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     device = training_device()
     if device.type == "cuda":
         model.cuda(device)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
-    wrapped = DistributedDataParallel(config, ddp_config, model)
+    wrapped = DistributedDataParallel(config, ddp_config(args, model), model)
     wrapped.broadcast_params()  # DP replicas start from identical weights
     return [wrapped]
+
+
+def ddp_config(args: argparse.Namespace, model: torch.nn.Module):
+    """megatron-core's DistributedDataParallelConfig as Megatron-LM's ``get_model`` builds it
+    (megatron/training/training.py at core_v0.16.1): every config field named like a flag,
+    then grad_reduce_in_fp32 from --accumulate-allreduce-grads-in-fp32, the bucket size from
+    --ddp-num-buckets (this stage's parameters / N) or --ddp-bucket-size, defaulting to
+    max(40M, 1M x data-parallel size) with --overlap-grad-reduce and to one bucket without it.
+
+    Unlike Megatron-LM, check_for_nan_in_grad stays off: the run guard checks the loss and the
+    gradient norm every iteration and ends every rank with one line (megatron-core's check
+    would raise on one rank inside backward instead)."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(
+        DistributedDataParallelConfig) if hasattr(args, f.name)}
+    fields.update(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        check_for_nan_in_grad=False,
+        check_for_large_grads=args.check_for_large_grads,
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+        reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
+        average_in_collective=args.ddp_average_in_collective,
+        bucket_size=args.ddp_bucket_size,
+    )
+    if args.ddp_num_buckets is not None:
+        fields["bucket_size"] = sum(p.numel() for p in model.parameters()) // args.ddp_num_buckets
+    config = DistributedDataParallelConfig(**fields)
+    if config.bucket_size is None:
+        config.bucket_size = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
+            with_context_parallel=True))
+    if not config.overlap_grad_reduce:
+        config.bucket_size = None
+    return config
 
 
 @contextlib.contextmanager
@@ -168,7 +209,13 @@ def build_optimizer(args: argparse.Namespace, model: list):
         min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis,
+        # the input embedding and output layer's own schedule (megatron-core's
+        # get_standard_config_overrides: params with is_embedding_or_output_parameter)
+        decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None),
         use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
     )
     return _unchained(get_megatron_optimizer(config, model))
 
@@ -208,15 +255,29 @@ def _attention_backend(args: argparse.Namespace, on_gpu: bool):
     return AttnBackend[name]
 
 
-def warmup_iterations(args: argparse.Namespace) -> float:
-    """--lr-warmup-iters, or Megatron-LM's --lr-warmup-fraction of the decay iterations."""
-    fraction = getattr(args, "lr_warmup_fraction", None)
-    return args.lr_warmup_iters if fraction is None else fraction * args.lr_decay_iters
+def scheduler_steps(args: argparse.Namespace) -> dict:
+    """The schedule's lengths in samples, as Megatron-LM's ``get_optimizer_param_scheduler``
+    (megatron/training/training.py at core_v0.16.1) computes them: iteration flags times
+    --global-batch-size with --train-iters, the sample flags as given with --train-samples;
+    a --lr-warmup-fraction of the decay length with either."""
+    B = args.global_batch_size
+    if args.train_samples is None:
+        decay, total = args.lr_decay_iters * B, args.train_iters * B
+        warmup = args.lr_warmup_iters * B
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * B
+    else:
+        decay, total = args.lr_decay_samples, args.train_samples
+        warmup, wsd = args.lr_warmup_samples, args.lr_wsd_decay_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return dict(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=total,
+                wsd_decay_steps=wsd)
 
 
 def build_scheduler(args: argparse.Namespace, optimizer):
-    """Linear warm-up from 0 to --lr over --lr-warmup-iters, then --lr-decay-style down to
-    --min-lr at --lr-decay-iters; stepped once per iteration."""
+    """Linear warm-up from 0 to --lr, then --lr-decay-style down to --min-lr; counted in
+    samples and stepped by each iteration's global batch (its current size under
+    --rampup-batch-size), as in Megatron-LM, so its checkpointed state is Megatron-LM's."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
@@ -224,21 +285,51 @@ def build_scheduler(args: argparse.Namespace, optimizer):
         init_lr=0.0,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=warmup_iterations(args),
-        lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
         wd_incr_style="constant",
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        **scheduler_steps(args),
     )
 
 
-def attach_config_hooks(config, model: list, optimizer) -> None:
+def attach_config_hooks(config, model: list, optimizer, align_grad_reduce: bool = True) -> None:
     """The hooks megatron-core's schedules read from the config, set as Megatron-LM's
-    training loop sets them (loss scaling, no_sync, grad finalization)."""
+    ``train`` sets them (megatron/training/training.py at core_v0.16.1) from the chunk's
+    DistributedDataParallelConfig and --align-grad-reduce: loss scaling, grad finalization,
+    and the DDP hooks. ``no_sync_func`` holds back the bucket reductions of all
+    but the last microbatch; with --overlap-grad-reduce and --align-grad-reduce,
+    ``grad_sync_func`` (``start_grad_sync``) launches them after the last backward pass on
+    every pipeline stage but the first (which launches them during it); with
+    --overlap-param-gather and --align-param-gather, ``param_sync_func`` would launch the
+    parameter all-gathers, but align_param_gather is off without virtual pipeline stages, so
+    the DDP forward pre-hooks launch them."""
     from megatron.core.distributed import finalize_model_grads
 
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
+    ddp = model[0].ddp_config
+    if ddp.overlap_grad_reduce and align_grad_reduce:
+        config.grad_sync_func = model[0].start_grad_sync
+    if ddp.overlap_param_gather and ddp.align_param_gather:
+        config.param_sync_func = model[0].start_param_sync
     config.finalize_model_grads_func = finalize_model_grads
+
+
+@contextlib.contextmanager
+def forward_pre_hook_paused(model: list):
+    """Around an evaluation or a checkpoint save (Megatron-LM's ``disable_forward_pre_hook`` /
+    ``enable_forward_pre_hook``, its ``should_disable_forward_pre_hook`` case: the distributed
+    optimizer with --overlap-param-gather, where the DDP chunks all-gather the updated
+    parameters from forward pre-hooks): the last step's all-gather is completed synchronously,
+    on every data-parallel rank at the same point of the loop, and the hooks are off until the
+    block ends. A no-op for chunks without those hooks."""
+    paused = [chunk for chunk in model if getattr(chunk, "use_forward_hook", False)]
+    for chunk in paused:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in paused:
+            chunk.enable_forward_pre_hook()

@@ -153,49 +153,30 @@ def _describe(layout: dict) -> str:
 def _content_metadata(args: argparse.Namespace) -> dict:
     """Megatron-LM's ``_build_sharded_state_dict_metadata`` for torch_dist, which selects how
     the model and optimizer shard their state. The distributed optimizer keeps its state in
-    the fully reshardable 'fully_sharded_model_space' form (Megatron-LM reads the form back
-    from the checkpoint)."""
+    Megatron-LM's default 'dp_reshardable' form (Megatron-LM reads the form back from the
+    checkpoint). megatron-core 0.16's 'fully_sharded_model_space' is deprecated and refuses to
+    save (flattened_range)."""
     from megatron.core import parallel_state as ps
 
     metadata = {}
     if args.use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = "fully_sharded_model_space"
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     metadata["singleton_local_shards"] = False
     metadata["chained_optim_avoid_prefix"] = True
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     return metadata
 
 
-# Our scheduler counts iterations; Megatron-LM's counts samples (its training.py
-# get_optimizer_param_scheduler multiplies by the global batch size, train_step steps it by
-# the batch's samples). Checkpoints hold Megatron-LM's unit.
-_SCHEDULER_STEP_KEYS = ("lr_warmup_steps", "lr_decay_steps", "num_steps", "wd_incr_steps")
-
-
-def _scheduler_in_samples(scheduler, global_batch_size: int) -> dict:
-    """Our scheduler's state as Megatron-LM's would hold it."""
-    state = scheduler.state_dict()
-    for key in _SCHEDULER_STEP_KEYS:
-        state[key] = state[key] * global_batch_size
-    return state
-
-
-def _scheduler_in_iterations(saved: dict, global_batch_size: int) -> dict:
-    """A checkpoint's scheduler state in our unit (fractional where Megatron-LM's batch size
-    ramped up: the learning rate depends only on the ratios of these counts)."""
-    state = dict(saved)
-    for key in _SCHEDULER_STEP_KEYS:
-        whole, rest = divmod(state[key], global_batch_size)
-        state[key] = int(whole) if rest == 0 else state[key] / global_batch_size
-    return state
-
-
 # scheduler state key -> the flag that sets it (build.build_scheduler)
+# (its steps count samples, as Megatron-LM's: build.scheduler_steps)
 _SCHEDULER_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr",
-                    "lr_warmup_steps": "--lr-warmup-iters", "lr_decay_steps": "--lr-decay-iters",
+                    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples",
+                    "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples",
                     "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay",
-                    "end_wd": "--weight-decay", "wd_incr_steps": "--train-iters",
-                    "wd_incr_style": "weight-decay increment style"}
+                    "end_wd": "--weight-decay", "wd_incr_steps": "--train-iters/--train-samples",
+                    "wd_incr_style": "weight-decay increment style",
+                    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
+                    "lr_wsd_decay_style": "--lr-wsd-decay-style"}
 
 
 def _differs(saved, ours) -> bool:
@@ -208,7 +189,7 @@ def _differs(saved, ours) -> bool:
 def _check_scheduler(path: str, saved: dict, scheduler, args: argparse.Namespace) -> None:
     """Megatron-LM's default on resume (OptimizerParamScheduler._check_and_set): every
     schedule setting in the checkpoint equals the flags', unless one of the two flags says
-    which side wins. ``saved`` is in iterations. Raises one CheckpointError listing all."""
+    which side wins. Raises one CheckpointError listing all."""
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     ours = scheduler.state_dict()
@@ -227,16 +208,21 @@ def _load_optimizer(optimizer, saved: dict, args: argparse.Namespace) -> None:
     reads (``max_lr``, ``min_lr``), which --override-opt_param-scheduler keeps from the flags.
     (Megatron-LM at core_v0.16.1 loaded the checkpoint's there, so the override missed --lr,
     NVIDIA/Megatron-LM#1138; its later load_checkpoint re-applies the flags' bounds.)"""
+    from megatron_2bw.training import adam_steps
+
     flag_bounds = [{k: g[k] for k in ("max_lr", "min_lr") if k in g}
                    for g in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    with torch.no_grad():  # the distributed optimizer copies its fp32 shards in place, and
+        # with fp32 weights those are views of the weights (leaves that require grad)
+        optimizer.load_state_dict(saved)
+    adam_steps.restore(optimizer, saved)  # torch Adam's per-parameter step (megatron-core gap)
     if args.override_opt_param_scheduler:
         for group, bounds in zip(optimizer.param_groups, flag_bounds):
             group.update(bounds)
 
 
 def _load_scheduler(scheduler, saved: dict, args: argparse.Namespace) -> None:
-    """megatron-core's load with Megatron-LM's two flags (``saved`` in iterations)."""
+    """megatron-core's load with Megatron-LM's two flags."""
     scheduler.override_opt_param_scheduler = args.override_opt_param_scheduler
     scheduler.use_checkpoint_opt_param_scheduler = not args.override_opt_param_scheduler
     scheduler.load_state_dict(saved)
@@ -272,8 +258,7 @@ def _state_to_save(model, optimizer, scheduler, state: TrainState, args: argpars
     if not args.no_save_optim:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False,
                                                             metadata=metadata)
-        sharded["opt_param_scheduler"] = _scheduler_in_samples(scheduler,
-                                                               args.global_batch_size)
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         sharded["rng_state"] = _rng_state()
     sharded["num_floating_point_operations_so_far"] = state.num_floating_point_operations_so_far
@@ -511,9 +496,7 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     load_optim = not args.no_load_optim and "opt_param_scheduler" in common
     saved_scheduler = None
     if load_optim:
-        saved_scheduler = common["opt_param_scheduler"]
-        if "checkpoint_version" in common:  # Megatron-LM's state: samples
-            saved_scheduler = _scheduler_in_iterations(saved_scheduler, args.global_batch_size)
+        saved_scheduler = common["opt_param_scheduler"]  # in samples, ours and Megatron-LM's
         _check_scheduler(path, saved_scheduler, scheduler, args)
     load_rng = not args.no_load_rng and _rng_keyed_alike(path, common, warn) and not getattr(
         common.get("args"), "no_save_rng", False)
@@ -555,10 +538,13 @@ def _state_to_load(model, optimizer, common: dict, with_rng: bool,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from megatron_2bw.training import adam_steps
+
     metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     sharded = {"model": model[0].module.sharded_state_dict(metadata=metadata)}
     if optimizer is not None:
+        adam_steps.allocate(optimizer)  # an unstepped torch Adam has no state to load into
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True,
                                                             metadata=metadata)
     if with_rng:

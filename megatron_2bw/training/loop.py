@@ -5,7 +5,9 @@ dataset provider and a ``forward_step_func``. The pipeline schedule comes from
 ``megatron.core.pipeline_parallel.get_forward_backward_func()``, which
 :func:`megatron_2bw.install` points at the schedule chosen with ``--pipeline-schedule``.
 A schedule that keeps microbatches in flight across iterations (2BW) exposes ``drain()``;
-the loop drains before evaluating, checkpointing and finishing.
+the loop drains before evaluating, checkpointing and finishing, and before an iteration whose
+number of microbatches differs from the last (--rampup-batch-size: megatron-core's
+num_microbatches_calculator gives each iteration's batch from the consumed samples).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_2bw.runtime import distributed
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
 from megatron_2bw.training.guard import Divergence, RunGuard, Verdict
+from megatron_2bw.training.housekeeping import Housekeeping
 
 __all__ = ["DataIterators", "pretrain", "Trainer"]
 
@@ -75,7 +78,8 @@ class Trainer:
         self.model = build.build_model(args, self.config, model_provider)
         self.optimizer = build.build_optimizer(args, self.model)
         self.scheduler = build.build_scheduler(args, self.optimizer)
-        build.attach_config_hooks(self.config, self.model, self.optimizer)
+        build.attach_config_hooks(self.config, self.model, self.optimizer,
+                                  align_grad_reduce=args.align_grad_reduce)
         self.forward_backward = get_forward_backward_func()
         attach = getattr(self.forward_backward, "attach_optimizer", None)
         if attach is not None:
@@ -91,7 +95,10 @@ class Trainer:
                               "step is deferred (the step runs inside the next iteration)")
         self.flops_per_iteration = logs.transformer_flops_per_iteration(args, vocab_size)
         self.state = self._maybe_load()
+        _start_batch_size_ramp(args, self.info.rank, self.state.consumed_train_samples)
         self.data = data_provider(args, self.state)
+        self.housekeeping = Housekeeping(args, self.info.rank, self.info.device,
+                                         self.logger.print)
 
     # ---- checkpoints -------------------------------------------------------------------
     def _maybe_load(self) -> TrainState:
@@ -124,9 +131,10 @@ class Trainer:
         iteration, flops = self._flops_counted_at
         self.state.num_floating_point_operations_so_far = (
             flops + (self.state.iteration - iteration) * self.flops_per_iteration)
-        path = checkpointing.save_checkpoint(
-            self.args.save, self.model, self.optimizer, self.scheduler, self.state, self.args,
-            extra=extra, keep=self.args.ckpt_keep)
+        with build.forward_pre_hook_paused(self.model):  # saves the all-gathered weights
+            path = checkpointing.save_checkpoint(
+                self.args.save, self.model, self.optimizer, self.scheduler, self.state,
+                self.args, extra=extra, keep=self.args.ckpt_keep)
         self.logger.print(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
     def _drain(self) -> None:
@@ -142,29 +150,39 @@ class Trainer:
             prepare()
 
     # ---- one iteration -----------------------------------------------------------------
-    def _schedule_kwargs(self, forward_only: bool) -> dict:
+    def _schedule_kwargs(self, forward_only: bool, num_microbatches: int) -> dict:
         a = self.args
         return dict(forward_step_func=self.forward_step_func, model=self.model,
-                    num_microbatches=a.num_microbatches, seq_length=a.seq_length,
+                    num_microbatches=num_microbatches, seq_length=a.seq_length,
                     micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length,
                     forward_only=forward_only)
 
     def train_step(self) -> tuple[float | None, float | None, float | None, bool]:
-        """One global batch: forward/backward over all microbatches, then the optimizer step.
-        Returns (loss, grad norm, zeros in the gradients (--log-num-zeros-in-grad), success);
-        timed as Megatron-LM's train_step times it ('forward-backward', 'optimizer')."""
+        """One global batch of the current size (megatron-core's calculator at the consumed
+        samples): forward/backward over its microbatches, then the optimizer step; the
+        scheduler and the consumed samples advance by the batch's samples. Returns (loss, grad
+        norm, zeros in the gradients (--log-num-zeros-in-grad), success); timed as
+        Megatron-LM's train_step times it ('forward-backward', 'optimizer')."""
+        from megatron.core.num_microbatches_calculator import (
+            get_current_global_batch_size, get_num_microbatches, update_num_microbatches)
+
+        update_num_microbatches(self.state.consumed_train_samples, consistency_check=True)
+        batch_size = get_current_global_batch_size()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self._timed("forward-backward", self._schedule_times_itself()):
-            loss_dicts = self.forward_backward(data_iterator=self.data.train,
-                                               **self._schedule_kwargs(forward_only=False))
+            loss_dicts = self.forward_backward(
+                data_iterator=self.data.train,
+                **self._schedule_kwargs(False, get_num_microbatches()))
+        self.housekeeping.after_forward_backward()
         with self._timed("optimizer"):
             succeeded, grad_norm, num_zeros = self.optimizer.step()
+        self.housekeeping.after_optimizer_step()
         if succeeded:
-            self.scheduler.step(increment=1)
+            self.scheduler.step(increment=batch_size)
         self.state.iteration += 1
-        self.state.consumed_train_samples += self.args.global_batch_size
+        self.state.consumed_train_samples += batch_size
         loss = _mean_loss_over_data_parallel(loss_dicts, self.loss_key)
         return loss, grad_norm, num_zeros, succeeded
 
@@ -193,10 +211,12 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         iterator, losses = make_iterator(), []
-        with logs.timers_detached(self.config):
+        with self.housekeeping.evaluating(), logs.timers_detached(self.config), \
+                build.forward_pre_hook_paused(self.model):
             for _ in range(self.args.eval_iters):
-                loss_dicts = self.forward_backward(data_iterator=iterator,
-                                                   **self._schedule_kwargs(forward_only=True))
+                loss_dicts = self.forward_backward(  # full batches, as Megatron-LM evaluates
+                    data_iterator=iterator,
+                    **self._schedule_kwargs(True, self.args.num_microbatches))
                 losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key))
         for chunk in self.model:
             chunk.train()
@@ -212,9 +232,11 @@ class Trainer:
         --tensorboard-log-interval, and every --log-interval the line and the timers. Every rank
         calls it (the parameter norm and the timers are collectives). Returns the interval's
         mean loss when a line was due (None on ranks without the loss)."""
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         a, iteration = self.args, self.state.iteration
+        batch_size = get_current_global_batch_size()  # the batch just run (set before it ran)
         self.interval.add(loss, succeeded)
         line_due, scalars_due = self._due(a.log_interval), self._due(a.tensorboard_log_interval)
         if not (line_due or scalars_due):
@@ -224,7 +246,7 @@ class Trainer:
         loss_scale = float(self.optimizer.get_loss_scale())
         if scalars_due:
             self.logger.step(logs.StepStats(
-                iteration, self.state.consumed_train_samples, lr, a.global_batch_size,
+                iteration, self.state.consumed_train_samples, lr, batch_size,
                 {self.loss_key: loss}, loss_scale, self.info.world_size, grad_norm, num_zeros,
                 params_norm))
         if not line_due:
@@ -236,8 +258,9 @@ class Trainer:
                 iteration=iteration, train_iters=a.train_iters, seconds_per_iteration=seconds,
                 lr=lr, loss=interval.mean_loss, grad_norm=grad_norm,
                 consumed_samples=self.state.consumed_train_samples,
-                global_batch_size=a.global_batch_size, seq_length=a.seq_length,
-                flops_per_iteration=self.flops_per_iteration, world_size=self.info.world_size,
+                global_batch_size=batch_size, seq_length=a.seq_length,
+                flops_per_iteration=self.flops_per_iteration * batch_size / a.global_batch_size,
+                world_size=self.info.world_size,
                 peak_mem_mib=logs.peak_memory_mib(self.info.device), skipped=interval.skipped,
                 loss_key=self.loss_key, loss_scale=loss_scale, num_zeros=num_zeros,
                 params_norm=params_norm, nan_iterations=interval.nan,
@@ -276,6 +299,24 @@ class Trainer:
         return (iteration >= a.train_iters or evaluates or saves
                 or self._due(a.exit_interval, iteration))
 
+    def _batch_grows_after(self, iteration: int) -> bool:
+        """Whether the iteration after ``iteration`` (the next to run) has another number of
+        microbatches. 2BW then drains in ``iteration``: its look-ahead forwards would belong to
+        a batch of another size (numbered and loss-scaled with this call's m). A drain keeps
+        the update rule: batch t reads version max(t-1, 0) whether its forwards ran in this
+        call or the next (schedules.twobw)."""
+        from megatron.core.num_microbatches_calculator import (
+            get_current_global_batch_size, get_num_microbatches, update_num_microbatches)
+
+        assert iteration == self.state.iteration + 1
+        consumed = self.state.consumed_train_samples
+        update_num_microbatches(consumed, consistency_check=False)
+        m, after = get_num_microbatches(), consumed + get_current_global_batch_size()
+        update_num_microbatches(after, consistency_check=False)
+        grows = get_num_microbatches() != m
+        update_num_microbatches(consumed, consistency_check=False)
+        return grows
+
     def train(self) -> dict:
         """Train to --train-iters; return the last training and validation losses.
 
@@ -291,12 +332,14 @@ class Trainer:
         self.logger.print(f" training {a.pipeline_schedule} schedule on {self.info.world_size} "
                           f"{self.info.device} processes: TP={a.tensor_model_parallel_size} "
                           f"PP={a.pipeline_model_parallel_size} DP={a.data_parallel_size}, "
-                          f"{a.num_microbatches} microbatches per batch")
+                          f"{a.num_microbatches} microbatches per batch"
+                          f"{' after the ramp-up' if a.rampup_batch_size else ''}")
         while self.state.iteration < a.train_iters:
             upcoming = self.state.iteration + 1
-            if stop_signal or self._pauses_after(upcoming):
+            if stop_signal or self._pauses_after(upcoming) or self._batch_grows_after(upcoming):
                 self._prepare_drain()
             loss, grad_norm, num_zeros, succeeded = self.train_step()
+            self.housekeeping.after_iteration(self.state.iteration)
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
             interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
@@ -339,6 +382,18 @@ class Trainer:
         return stop_signal
 
 
+def _start_batch_size_ramp(args: argparse.Namespace, rank: int, consumed_samples: int) -> None:
+    """megatron-core's process-wide num_microbatches_calculator for these flags (constant, or
+    --rampup-batch-size), set at the consumed samples (a resumed run continues mid-ramp)."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    calculator.destroy_num_microbatches_calculator()
+    calculator.init_num_microbatches_calculator(
+        rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size)
+    calculator.update_num_microbatches(consumed_samples, consistency_check=True)
+
+
 def pretrain(args: argparse.Namespace, model_provider: Callable, data_provider: Callable,
              forward_step_func: Callable, vocab_size: int) -> dict:
     """Build everything for this process, train, and tear the process groups down."""
@@ -346,5 +401,6 @@ def pretrain(args: argparse.Namespace, model_provider: Callable, data_provider: 
     try:
         return trainer.train()
     finally:
+        trainer.housekeeping.close()
         trainer.logger.close()
         distributed.destroy()

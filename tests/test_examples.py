@@ -1,0 +1,114 @@
+"""Megatron-LM's example launch scripts, shrunk (scripts/examples/), run through bash on 2 CPU
+processes as a user runs them: each exits 0 and its training loss falls.
+
+The data (tokenizer files and indexed datasets) comes from scripts/examples/prepare_data.py,
+built once for the module. Each run appends two flags to the example's own (the scripts append
+what follows their positional paths): ``--lr 1e-2`` (``--decoupled-lr`` too for Llama-3) and,
+under fp16, ``--initial-loss-scale 4096``. The examples keep the full-size models' settings,
+and at --lr 6e-5..1.5e-4, or with fp16's first ~20 steps skipped while the loss scale falls
+from 2^32, 8 iterations leave the loss where it started.
+
+The loss references are derived, not recorded: every example starts from small weights
+(--init-method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform
+and its loss is ln(512) (prepare_data.py's 512-piece vocabularies, a multiple of 128 so not
+padded) to within 2%. 8 iterations at lr 1e-2 with the examples' cosine/linear decay to
+min-lr take the loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw
+6.2% and flush 9.8%); weights that never change (every step skipped, a stale version never
+swapped in) leave it within 1%. So the mean of the last two logged losses must be at least 4%
+below the first.
+
+The strict NCCL mode of the other multi-process tests reaches these runs too (bash and
+torchrun pass the environment on): each run's collectives are in its records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_2bw.logparse import parse_log
+from tests import dist as launch
+
+EXAMPLES = launch.REPO / "scripts" / "examples"
+VOCAB = 512  # prepare_data.VOCAB_SIZE
+MIN_RELATIVE_DROP = 0.04
+FASTER = ["--lr", "1e-2"]
+FP16_FASTER = [*FASTER, "--initial-loss-scale", "4096"]
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("example_data")
+    done = launch.python([str(EXAMPLES / "prepare_data.py"), str(root)], timeout=120)
+    assert done.returncode == 0, done.tail()
+    return root
+
+
+def _strict_runs(port: int) -> set[int]:
+    """The ranks that recorded collectives of the launch on ``port`` (strict mode's records;
+    the run key starts with MASTER_PORT)."""
+    ranks = set()
+    for path in Path(os.environ["MEGATRON_2BW_STRICT_DIR"]).glob("comm-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["run"].startswith(f"{port}-"):
+                ranks.add(record["rank"])
+    return ranks
+
+
+def _run_example(script: str, args: list[str], schedule: str, **env: str) -> launch.Launch:
+    """``bash scripts/examples/<script> args`` from the repository root, on a free port, with
+    the test environment (one thread per process, strict mode) and this venv's torchrun."""
+    port = launch.free_port()
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    done = launch._run(["bash", str(EXAMPLES / script), *args], launch.subprocess_env(
+        MASTER_PORT=str(port), SCHEDULE=schedule, PATH=path, **env), timeout=150)
+    assert done.returncode == 0, done.tail(60)
+    if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":
+        assert _strict_runs(port) == {0, 1}, "strict mode did not reach the bash launch"
+    return done
+
+
+def _assert_loss_falls(done: launch.Launch, iterations: int) -> None:
+    log = parse_log(done.output)
+    losses = [r.loss for r in log.iterations]
+    assert [r.iteration for r in log.iterations] == list(range(1, iterations + 1)), done.tail()
+    assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.02), losses
+    last_two = (losses[-1] + losses[-2]) / 2
+    assert last_two <= (1 - MIN_RELATIVE_DROP) * losses[0], losses
+
+
+@pytest.mark.parametrize("schedule", ["2bw"])
+def test_gpt3_175b_shrunk(example_data, tmp_path, schedule):
+    done = _run_example("train_gpt3_175b_distributed.sh", [
+        str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
+        str(example_data / "gpt2-vocab.json"), str(example_data / "gpt2-merges.txt"),
+        str(example_data / "gpt3" / "my-gpt3_text_document"), *FP16_FASTER], schedule)
+    _assert_loss_falls(done, 8)
+    assert any(r.global_batch_size == 4 for r in parse_log(done.output).iterations), \
+        "--rampup-batch-size 4 2 16 starts at 4 samples per batch"
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_bert_340m_shrunk(example_data, tmp_path, schedule):
+    done = _run_example("train_bert_340m_distributed.sh", [
+        str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
+        str(example_data / "bert-vocab.txt"), str(example_data / "bert" / "my-bert_text_sentence"),
+        *FP16_FASTER], schedule)
+    _assert_loss_falls(done, 8)
+    assert f"training {schedule} schedule on 2 cpu processes: TP=1 PP=2 DP=1" in done.output
+
+
+@pytest.mark.parametrize("schedule", ["flush"])  # 2bw refuses its --use-distributed-optimizer
+def test_llama3_8b_shrunk(example_data, tmp_path, schedule):
+    done = _run_example("train_llama3_8b_h100_fp8.sh", [
+        str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
+        str(example_data / "llama3-tokenizer"), str(example_data / "llama3" / "my-llama3_text_document"),
+        *FASTER, "--decoupled-lr", "1e-2"], schedule, DATA_CACHE_PATH=str(tmp_path / "cache"))
+    _assert_loss_falls(done, 8)  # --train-samples 64 at 8 per batch
