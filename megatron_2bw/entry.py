@@ -127,6 +127,9 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
     except Divergence as error:  # every rank reads the same verdict: all end with this line
         fail(error, code=1)
     except RuntimeError as error:
+        if _DATA_WORKER_GONE in str(error):  # torchrun ending the group signals the workers too
+            fail(f"a data loader worker of this rank ended, so this rank stops: "
+                 f"{_first_line(error)}", code=1)
         if not _lost_peer(error):
             raise
         if getattr(error, "reported_by_stage", None) is not None:
@@ -138,6 +141,10 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
 # Messages of gloo's and NCCL's transports when the process at the other end is gone.
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "NCCL communicator was aborted", "remote process exited")
+
+
+# torch's DataLoader (--num-workers > 0) when one of its worker processes dies.
+_DATA_WORKER_GONE = "DataLoader worker"
 
 
 def _lost_peer(error: BaseException) -> bool:
