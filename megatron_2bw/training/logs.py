@@ -320,8 +320,12 @@ class Logger:
             self.wandb = _wandb_run(self.flags)
 
     def print(self, text: str) -> None:
+        """One write per message, newline included: on an unbuffered stream shared with other
+        ranks (torchrun's console, a test's pipe), print()'s separate write of the newline lets
+        another process's output land inside the line."""
         if self.enabled:
-            print(text, flush=True)
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
 
     def scalars(self, values: dict, iteration: int, consumed_samples: int | None = None) -> None:
         """Each value at ``iteration``; with ``consumed_samples`` also as '<tag> vs samples'
