@@ -753,11 +753,6 @@ def _validate_ddp(args: argparse.Namespace) -> None:
 
         _require(select_device(args.cpu) == "cuda", "--ddp-average-in-collective",
                  "needs CUDA (NCCL's ReduceOp.AVG; gloo has no AVG reduction)")
-    if args.pipeline_schedule == "2bw":
-        _require(not args.use_distributed_optimizer, "--use-distributed-optimizer",
-                 "not supported with --pipeline-schedule 2bw: its parameter all-gather writes "
-                 "megatron-core's one parameter buffer, which 2BW's two weight versions cannot "
-                 "share (--overlap-grad-reduce without it works)")
     args.align_param_gather = False  # Megatron-LM: no virtual pipeline stages
     if args.bf16 and args.grad_reduce_in_bf16:
         args.accumulate_allreduce_grads_in_fp32 = False

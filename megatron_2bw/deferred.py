@@ -162,14 +162,28 @@ def _tied_embedding(chunk):
     return model.shared_embedding_or_output_weight()
 
 
+_MAIN_GROUPS = (("float16_groups", "fp32_from_float16_groups"),
+                ("model_float16_groups", "shard_fp32_from_float16_groups"),
+                ("model_fp32_groups", "shard_fp32_groups"))
+"""(model parameters, the parameters the optimizer steps for them): the mixed-precision
+optimizer's fp32 master copies, the distributed optimizer's shards of its fp32 master copies
+and of fp32 parameters (views of megatron-core's parameter buffer)."""
+
+
 def _main_param(optimizer, param):
-    """The parameter the optimizer steps for the model parameter ``param`` (its fp32 master
-    copy under bf16, itself in fp32)."""
-    for model_group, main_group in zip(getattr(optimizer, "float16_groups", ()),
-                                       getattr(optimizer, "fp32_from_float16_groups", ())):
-        for model_param, main_param in zip(model_group, main_group):
-            if model_param is param:
-                return main_param
+    """The parameter the optimizer steps for the model parameter ``param``: its fp32 master
+    copy under bf16, this rank's shard with the distributed optimizer, itself otherwise.
+
+    With the distributed optimizer a shared word embedding has a DDP bucket of its own on both
+    stages (megatron-core's ``_does_param_require_new_bucket``), so each data-parallel rank owns
+    the same range of it on the first and the last stage, and the embedding group's all-reduce
+    of the two shards' gradients is that of the full gradients, restricted to the range."""
+    for model_name, main_name in _MAIN_GROUPS:
+        for model_group, main_group in zip(getattr(optimizer, model_name, ()),
+                                           getattr(optimizer, main_name, ())):
+            for model_param, main_param in zip(model_group, main_group):
+                if model_param is param:
+                    return main_param
     return param
 
 

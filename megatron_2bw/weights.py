@@ -13,9 +13,14 @@ Invariants:
   * Two storages per parameter ("slots"); a version lives in one slot; ``use(v)`` points every
     parameter's ``.data`` at ``v``'s slot. Forward, recomputation and backward of a microbatch
     all run after ``use(version)`` (megatron's linear layers read ``p.data`` in backward).
-  * ``fork(v_new)`` retires every version older than the newest, copies the newest into the
-    freed slot and points the parameters there: the optimizer then writes ``v_new`` without
-    touching storage an in-flight microbatch reads.
+  * The new version is always made in slot 0, the "home" slot: the parameters' own storage at
+    construction, which megatron-core's buffers alias (with the distributed optimizer, each
+    DDP bucket's ``param_data``, the optimizer's fp32 shard views of it and the parameter
+    all-gather into it). ``fork(v_new)`` retires every version older than the newest, copies
+    the newest (always in slot 0) out to slot 1 and points the parameters at slot 0: the
+    optimizer then writes ``v_new`` there, through the parameters or through views of the
+    buffers, without touching storage an in-flight microbatch reads (those of the newest
+    version now read slot 1).
   * An optimizer that updates a Parameter in place bumps its autograd version counter, which
     in-flight backward passes would take for a modification of what they saved. The counters
     are reset to their pre-step values (``after_step``): the storage those passes saved was not
@@ -29,6 +34,9 @@ from typing import Iterable
 import torch
 
 __all__ = ["WeightVersions"]
+
+HOME = 0
+"""The slot every new version is made in: the parameters' storage at construction."""
 
 
 class WeightVersions:
@@ -60,20 +68,21 @@ class WeightVersions:
             self.pointed_slot = slot
 
     def fork(self, new_version: int) -> None:
-        """Make room for ``new_version``: keep only the newest version, copy it into the other
-        slot, and point the parameters there for the optimizer step to overwrite."""
+        """Make room for ``new_version`` in the home slot: keep only the newest version, move it
+        (a copy) to slot 1, and point the parameters at slot 0 for the optimizer step to
+        overwrite."""
         newest = self.newest
         if new_version != newest + 1:
             raise ValueError(f"fork({new_version}) after version {newest}: versions must be "
                              "made in order")
+        if self.slot_of[newest] != HOME:
+            raise RuntimeError(f"weight version {newest} is not in the home slot")
         self.use(newest)
-        free = 1 - self.pointed_slot
-        self.spare_tensors()
+        moved_out = self.spare_tensors()
         with torch.no_grad():
-            for dst, src in zip(self.slots[free], self.slots[self.slot_of[newest]]):
+            for dst, src in zip(moved_out, self.slots[HOME]):
                 dst.copy_(src)
-        self.slot_of = {newest: self.slot_of[newest], new_version: free}
-        self.use(new_version)
+        self.slot_of = {newest: 1 - HOME, new_version: HOME}
         self._counters = [p._version for p in self.params]
 
     def after_step(self) -> None:
@@ -93,15 +102,25 @@ class WeightVersions:
         return older, self.slots[self.slot_of[older]]
 
     def spare_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the slot the parameters do not point at (allocated on first use)."""
-        spare = 1 - self.pointed_slot
+        """The tensors of slot 1, the one that is not home (allocated on first use)."""
+        spare = 1 - HOME
         if self.slots[spare] is None:
             self.slots[spare] = [torch.empty_like(p.data) for p in self.params]
         return self.slots[spare]
 
     def loaded(self, newest: int, older: int | None) -> None:
-        """A checkpoint was read: the parameters hold ``newest``, the spare slot ``older``."""
-        self.slots[self.pointed_slot] = [p.data for p in self.params]
-        self.slot_of = {newest: self.pointed_slot}
+        """A checkpoint was read into the home slot (``newest``) and the spare one
+        (``older``)."""
+        if self.pointed_slot == HOME:  # the load may have given the parameters new storage
+            self.slots[HOME] = [p.data for p in self.params]
+        self.use_home()
+        self.slot_of = {newest: HOME}
         if older is not None:
-            self.slot_of[older] = 1 - self.pointed_slot
+            self.slot_of[older] = 1 - HOME
+
+    def use_home(self) -> None:
+        """Point the parameters at the home slot, whatever version it holds."""
+        if self.pointed_slot != HOME:
+            for p, data in zip(self.params, self.slots[HOME]):
+                p.data = data
+            self.pointed_slot = HOME

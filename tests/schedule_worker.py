@@ -77,6 +77,7 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
                   "--recompute-num-layers", 1]
     if not run.get("tie", True):
         flags.append("--untie-embeddings-and-output-weights")
+    flags += run.get("flags", [])
     return [str(f) for f in flags]
 
 
@@ -201,7 +202,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     losses = [record["lm loss"] for record in train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
         defer=run.get("deferred", True))]
-    seconds = time.perf_counter() - started
+    with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
+        seconds = time.perf_counter() - started
 
     params = {}
     for name, p in model[0].module.named_parameters():

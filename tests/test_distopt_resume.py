@@ -1,11 +1,13 @@
 """Resuming a --use-distributed-optimizer checkpoint on 2 CPU processes (DP=2, torch's Adam: no
 Apex or transformer-engine), in megatron-core's 'dp_reshardable' form.
 
-1. torchrun: an uninterrupted run of 5 iterations saves at iteration 2; a run resumed from that
-   checkpoint logs the losses of iterations 3..5 of the uninterrupted one to 1e-6. Iteration 3
-   reads the loaded weights; 4 and 5 follow Adam steps taken with the loaded moments and step
-   count (torch's Adam's bias corrections ``1 - beta ** step``: a step count shared by all
-   parameters, megatron-core's load, is off from the first step on).
+1. torchrun, --pipeline-schedule 2bw: an uninterrupted run of 5 iterations saves at iteration
+   2; a run resumed from that checkpoint logs the losses of iterations 3..5 of the
+   uninterrupted one to 1e-6. Iteration 3 reads the older weight version (2BW: batch t reads
+   W(t-1), saved beside the optimizer's shards, which are views of the newest version in
+   megatron-core's parameter buffer); 4 and 5 follow Adam steps taken with the loaded moments
+   and step count (torch's Adam's bias corrections ``1 - beta ** step``: a step count shared by
+   all parameters, megatron-core's load, is off from the first step on).
 2. Spawned workers: after 3 steps, a save, and a load into a freshly built model and
    optimizer (one that has not stepped), every parameter shard's Adam state equals what the
    trained optimizer held: step 3 (the steps taken) in a tensor of its own, exp_avg,
@@ -28,7 +30,8 @@ ITERS, SAVED_AT = 5, 2
 
 def _losses(flags: list[str]) -> dict[int, float]:
     result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", str(ITERS),
-                              "--use-distributed-optimizer", "--eval-iters", "0", *flags], 2,
+                              "--use-distributed-optimizer", "--eval-iters", "0",
+                              "--pipeline-schedule", "2bw", *flags], 2,
                              timeout=120)
     assert result.returncode == 0, result.tail(60)
     return {r.iteration: r.loss for r in parse_log(result.output).iterations}

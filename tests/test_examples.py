@@ -105,7 +105,7 @@ def test_bert_340m_shrunk(example_data, tmp_path, schedule):
     assert f"training {schedule} schedule on 2 cpu processes: TP=1 PP=2 DP=1" in done.output
 
 
-@pytest.mark.parametrize("schedule", ["flush"])  # 2bw refuses its --use-distributed-optimizer
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_llama3_8b_shrunk(example_data, tmp_path, schedule):
     done = _run_example("train_llama3_8b_h100_fp8.sh", [
         str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),

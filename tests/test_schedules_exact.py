@@ -18,6 +18,8 @@ parameters, ||W - W_ref|| / ||W_ref||.
        d=2 m=2 w=2 off TP1 tied       d=2 m=4 w=2 on  TP1 tied
        d=4 m=4 w=1 on  TP1 tied       d=4 m=8 w=1 off TP1 tied
        d=2 m=2 w=1 on  TP2 tied       d=4 m=4 w=2 off TP1 tied (8 processes)
+   and d=2 m=2 w=2 with the distributed optimizer (its shards are views of megatron-core's
+   parameter buffer, which the all-gather writes), deferred, and with both overlaps.
 3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
@@ -80,6 +82,8 @@ class Case:
     are on unless tie=False), or where the loop calls it."""
     warmup: int = 0
     """LR warm-up iterations: each step has its own lr, which a deferred step must keep."""
+    flags: tuple[str, ...] = ()
+    """More Megatron-LM flags of the run (the reference is the same)."""
 
     @property
     def model(self) -> dict:
@@ -90,7 +94,8 @@ class Case:
         return (f"{self.schedule}-d{self.d}-m{self.m}-w{self.w}-tp{self.tp}"
                 f"{'-recompute' if self.recompute else ''}{'' if self.tie else '-untied'}"
                 f"{'' if self.deferred else '-sync-step'}"
-                f"{f'-warmup{self.warmup}' if self.warmup else ''}-i{self.iters}")
+                f"{f'-warmup{self.warmup}' if self.warmup else ''}"
+                f"{''.join(self.flags).replace('--', '-')}-i{self.iters}")
 
     @property
     def world(self) -> int:
@@ -104,7 +109,7 @@ class Case:
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
-                "deferred": self.deferred, "model": self.model}
+                "deferred": self.deferred, "model": self.model, "flags": list(self.flags)}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -118,6 +123,11 @@ TWOBW_CASES = [
     Case("2bw", d=4, m=8, w=1, iters=6),
     Case("2bw", d=2, m=2, w=1, iters=6, recompute=True, tp=2),
     Case("2bw", d=4, m=4, w=2, iters=6),
+    # the optimizer writes its shard into megatron-core's parameter buffer, all-gathers into it
+    Case("2bw", d=2, m=2, w=2, iters=6, flags=("--use-distributed-optimizer",)),
+    Case("2bw", d=2, m=2, w=2, iters=6, deferred=False,
+         flags=("--use-distributed-optimizer", "--overlap-grad-reduce",
+                "--overlap-param-gather", "--ddp-bucket-size", "2000")),
 ]
 FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
 FAILURES = {  # group -> (run, stage whose send fails, which send of that process)
