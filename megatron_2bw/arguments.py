@@ -730,9 +730,6 @@ def _validate_ddp(args: argparse.Namespace) -> None:
     _require(args.num_distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances",
              "only 1 is supported (megatron-2bw builds megatron-core's process groups without "
              "the inter-instance groups of a partial distributed optimizer)")
-    _require(args.check_weight_hash_across_dp_replicas_interval is None,
-             "--check-weight-hash-across-dp-replicas-interval",
-             "not implemented yet in megatron-2bw's training loop")
     _require(args.ddp_num_buckets is None or args.ddp_bucket_size is None, "--ddp-num-buckets",
              "give --ddp-num-buckets or --ddp-bucket-size, not both")
     if args.use_distributed_optimizer:

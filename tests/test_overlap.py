@@ -4,13 +4,15 @@
 1. flush, DP=2: the distributed optimizer with both overlaps, buckets of 2000 parameters (several
    buckets), an evaluation and a checkpoint save mid-run, logs the losses (training and validation)
    of the plain run (no distributed optimizer, no overlap; that path is checked against
-   single-process references in test_schedules_exact.py) to 1e-6.
+   single-process references in test_schedules_exact.py) to 1e-6, and
+   --check-weight-hash-across-dp-replicas-interval 2 reports matching replicas.
 2. Inside spawned DP=2 processes (megatron_2bw.training.build, the flush executor): the chunk
    has several buckets; from the second batch on, when the step's grad finalization starts,
    every bucket's reduction has already been launched (from the last backward's hooks); the
    optimizer step leaves the other rank's shard stale on each rank (the all-gather is left to
    the next forward), and ``build.forward_pre_hook_paused`` (evaluation, checkpoints) gathers
-   it: the weights then agree across ranks, and the hooks are back on afterwards. Then 2bw with
+   it: the weights then agree across ranks, and the hooks are back on afterwards. The replica
+   hash check names the stale parameters before the pause and none after it. Then 2bw with
    --overlap-grad-reduce (several buckets; the step taken in place, not deferred) ends with the
    weights and losses of 2bw without it, to 1e-6.
    The same on 4 processes, PP=2 x DP=2 (the later stage reduces through grad_sync_func).
@@ -59,9 +61,13 @@ def test_flush_distributed_optimizer_with_overlaps_matches_plain_run(tmp_path):
     paused = ["--eval-interval", "2", "--eval-iters", "1", "--save", str(tmp_path / "ckpt"),
               "--save-interval", "2", "--pipeline-schedule", "flush"]
     plain, plain_valid, _ = _losses(paused[:4] + paused[-2:])
-    overlapped, overlapped_valid, _ = _losses(paused + OVERLAP)
+    overlapped, overlapped_valid, output = _losses(
+        paused + OVERLAP + ["--check-weight-hash-across-dp-replicas-interval", "2"])
     _same(overlapped, plain, range(1, 5))
     _same(overlapped_valid, plain_valid, [2, 4])
+    for iteration in (2, 4):
+        assert (f"weight hashes match across data-parallel replicas after iteration "
+                f"{iteration}") in output
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
 
 
@@ -127,6 +133,7 @@ def _train(name: str, built) -> list[dict]:
 
 def _overlap_worker(rank: int, world: int) -> dict:
     from megatron_2bw.training import build
+    from megatron_2bw.training.housekeeping import replica_mismatches
 
     built = _build(world, "flush", OVERLAP)
     config, model = built[1], built[2]
@@ -139,12 +146,15 @@ def _overlap_worker(rank: int, world: int) -> dict:
     config.finalize_model_grads_func = finalize_recording
     _train("flush-overlap", built)
     before = _digest(model)
+    stale = replica_mismatches(model, "cpu")
     with build.forward_pre_hook_paused(model):
         hooks_while_paused = len(chunk.remove_forward_pre_hook_handles)
         after = _digest(model)
+        gathered = replica_mismatches(model, "cpu")
     result = {"buckets": len(chunk.bucket_groups), "launched": launched,
               "before": before, "after": after, "hooks_while_paused": hooks_while_paused,
               "hooks_after": len(chunk.remove_forward_pre_hook_handles),
+              "stale": stale, "gathered": gathered,
               "grad_sync_func": config.grad_sync_func is not None,
               "bucket_size": chunk.ddp_config.bucket_size}
     for name, flags in (("2bw", []), ("2bw-overlap", ["--overlap-grad-reduce",
@@ -171,6 +181,9 @@ def test_overlap_launches_reductions_in_backward_and_gathers_before_pauses(tmp_p
         assert r["hooks_while_paused"] == 0 and r["hooks_after"] > 0
     assert results[0]["before"] != results[1]["before"], "the step gathered the weights itself"
     assert results[0]["after"] == results[1]["after"], "pausing the hooks did not gather"
+    # --check-weight-hash-across-dp-replicas-interval's comparison agrees with the digests
+    assert all(r["stale"].endswith("on data-parallel ranks [0, 1]") for r in results), results
+    assert all(r["gathered"] == "" for r in results), [r["gathered"] for r in results]
     _check_2bw_overlap_matches_plain(results)
 
 
@@ -214,8 +227,6 @@ BASE = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-he
     (["--ddp-num-buckets", "2", "--ddp-bucket-size", "100"], "--ddp-num-buckets", "not both"),
     (["--ddp-average-in-collective"], "--ddp-average-in-collective", "gloo"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size", ">= 1"),
-    (["--check-weight-hash-across-dp-replicas-interval", "5"],
-     "--check-weight-hash-across-dp-replicas-interval", "not implemented"),
 ])
 def test_refusals_are_one_flag_line(flags, flag, words):
     with pytest.raises(FlagError) as error:

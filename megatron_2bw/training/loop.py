@@ -340,6 +340,7 @@ class Trainer:
                 self._prepare_drain()
             loss, grad_norm, num_zeros, succeeded = self.train_step()
             self.housekeeping.after_iteration(self.state.iteration)
+            self.housekeeping.check_replicas(self.model, self.state.iteration)
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
             interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
