@@ -13,6 +13,7 @@ import os
 import re
 from typing import Sequence
 
+from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
 
@@ -23,7 +24,8 @@ MAX_TRAIN_SAMPLES = 2 ** 40
 """More training samples than this (beyond any real run) are refused: the dataset indices
 for all of them are built before the first iteration."""
 
-SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
+SCHEDULES = (*schedules.SCHEDULES, "megatron")
+"""--pipeline-schedule: ours (megatron_2bw.schedules) and megatron-core's own 1F1B."""
 
 
 class FlagError(ValueError):
@@ -176,8 +178,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=_COUNT, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_COUNT, default=1)
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
-                   help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; naive: inter-layer "
-                        "model parallelism without pipelining; megatron: Megatron's own 1F1B")
+                   help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; pipedream: "
+                        "PipeDream-1F1B with weight stashing (each stage updates after its own "
+                        "backwards of a batch); naive: inter-layer model parallelism without "
+                        "pipelining; megatron: Megatron's own 1F1B")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "
@@ -511,10 +515,11 @@ def _validate_batch(args: argparse.Namespace) -> None:
              f"{B} is not divisible by micro batch ({b}) x data-parallel size ({dp}) = {b * dp}")
     args.num_microbatches = B // (b * dp)
     m = args.num_microbatches
-    if args.pipeline_schedule == "2bw":
+    if schedules.keeps_versions(args.pipeline_schedule):
         _require(m >= pp, "--global-batch-size",
-                 f"2bw needs microbatches per batch m = {B} / ({b} x {dp}) = {m} >= pipeline "
-                 f"depth {pp}; raise --global-batch-size to at least {b * dp * pp}")
+                 f"{args.pipeline_schedule} needs microbatches per batch m = {B} / ({b} x {dp}) "
+                 f"= {m} >= pipeline depth {pp}; raise --global-batch-size to at least "
+                 f"{b * dp * pp}")
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 
@@ -539,10 +544,11 @@ def _validate_rampup(args: argparse.Namespace) -> None:
         _require(value % (b * dp) == 0, "--rampup-batch-size",
                  f"{name} {value} is not divisible by micro batch ({b}) x data-parallel size "
                  f"({dp}) = {b * dp}")
-    if args.pipeline_schedule == "2bw":
+    if schedules.keeps_versions(args.pipeline_schedule):
         m = start // (b * dp)
         _require(m >= pp, "--rampup-batch-size",
-                 f"2bw needs microbatches per batch m >= pipeline depth {pp} at every step of "
+                 f"{args.pipeline_schedule} needs microbatches per batch m >= pipeline depth "
+                 f"{pp} at every step of "
                  f"the ramp: START {start} / ({b} x {dp}) = {m}; raise START to at least "
                  f"{b * dp * pp}")
 

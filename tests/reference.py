@@ -7,9 +7,17 @@ clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it
 
     synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
     2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
+    PipeDream (weight stashing, d stages, m >= d microbatches per batch):
+        W_i(t+1) = AdamW(W_i(t), sum_j g_i,j) where microbatch j of batch t reads, on stage i,
+        W_i(max(t-1, 0)) for j < w_i = min(d-i-1, m) (its forward ran before stage i's step
+        after batch t-1: one of the 1F1B warm-up look-ahead forwards) and W_i(t) otherwise
 
 where g(W) is the gradient of the mean microbatch loss of batch t over all data-parallel
-replicas' microbatches. The data (``microbatch``) is a pure function of (seed, batch, replica,
+replicas' microbatches, and stage i of d holds layers [i L/d, (i+1) L/d), the embedding on
+stage 0 and the final norm and output layer on stage d-1. A tied output layer is a copy of the
+word embedding on the last stage (as in Megatron's pipeline): under PipeDream the two copies are
+read at different versions, so the reference keeps them apart, sums their gradients (Megatron's
+embedding all-reduce) and counts the sum once in the clipping norm. The data (``microbatch``) is a pure function of (seed, batch, replica,
 microbatch) shared with the pipeline worker (tests/schedule_worker.py).
 
 A batch size that changes from batch to batch (``microbatches`` a list m_0, m_1, ...: a
@@ -115,10 +123,11 @@ def _loss(gpt, data: dict) -> torch.Tensor:
 
 
 def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
-               model: Model, data=None) -> tuple[dict, list[float]]:
+               model: Model, data=None, weights_of=None) -> tuple[dict, list[float]]:
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
     time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
-    ``microbatch(model, batch, r, j)``."""
+    ``microbatch(model, batch, r, j)``; ``weights_of(j)``, when given, loads the weights
+    microbatch j reads before it runs."""
     data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
@@ -126,6 +135,8 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
     for r in range(replicas):
         total = 0.0
         for j in range(microbatches):
+            if weights_of is not None:
+                weights_of(j)
             loss = _loss(gpt, data(r, j))
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
@@ -143,23 +154,41 @@ def clip_grads(grads: dict, max_norm: float) -> float:
     return total
 
 
+def _stage_of(name: str, depth: int, num_layers: int) -> int:
+    """The pipeline stage of a PP=1 GPTModel parameter (see the module docstring)."""
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2]) // (num_layers // depth)
+    return depth - 1  # decoder.final_layernorm, output_layer
+
+
+def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: int) -> int:
+    """The version microbatch j of batch t reads of parameter `name` under PipeDream."""
+    warmup = min(depth - _stage_of(name, depth, num_layers) - 1, m)
+    return max(t - 1, 0) if j < warmup else t
+
+
 def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
                   iterations: int, tie: bool, model: Model = MODEL,
-                  lrs: list[float] | None = None) -> dict:
-    """Train the full model from `init` with `rule` ("sync" or "2bw"); returns the final weights
-    (names as in a PP=1 GPTModel), per-iteration losses [t][replica] and grad norms.
-    `microbatches` as a list: batch t has microbatches[t] per replica, read from the streams
-    (``stream_microbatch``). `lrs`: step t's learning rate (instead of `model`'s warm-up)."""
+                  lrs: list[float] | None = None, depth: int = 1) -> dict:
+    """Train the full model from `init` with `rule` ("sync", "2bw" or "pipedream" over `depth`
+    stages); returns the final weights (names as in a PP=1 GPTModel), per-iteration losses
+    [t][replica] and grad norms. `microbatches` as a list: batch t has microbatches[t] per
+    replica, read from the streams (``stream_microbatch``). `lrs`: step t's learning rate
+    (instead of `model`'s warm-up)."""
     sizes = microbatches if isinstance(microbatches, list) else None
     if sizes is not None and len(sizes) != iterations:
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
     if lrs is not None and len(lrs) != iterations:
         raise ValueError(f"{len(lrs)} learning rates for {iterations} iterations")
-    gpt = _gpt(model, tie)
+    split_tie = tie and rule == "pipedream"  # the two copies are read at different versions
+    gpt = _gpt(model, tie and not split_tie)
     params = dict(gpt.named_parameters())
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(init[name])
+            p.copy_(init["embedding.word_embeddings.weight" if split_tie and
+                         name == "output_layer.weight" else name])
     groups = [
         {"params": [p for n, p in params.items() if not no_weight_decay(n, p)],
          "weight_decay": model.weight_decay},
@@ -176,7 +205,17 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(read[n])
-        if sizes is None:
+
+        @torch.no_grad()
+        def pipedream_weights(j: int, t=t, current=current, previous=previous) -> None:
+            for n, p in params.items():
+                version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j)
+                p.copy_(current[n] if version == t else previous[n])
+
+        if rule == "pipedream":
+            grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model,
+                                             weights_of=pipedream_weights)
+        elif sizes is None:
             grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
         else:
             first = sum(sizes[:t])  # batch t's first microbatch in each replica's stream
@@ -186,7 +225,12 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(current[n])
+        if split_tie:  # Megatron's embedding all-reduce; the norm counts the sum once
+            summed = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
+            grads["embedding.word_embeddings.weight"] = summed
         norms.append(clip_grads(grads, model.clip_grad))
+        if split_tie:
+            grads["output_layer.weight"] = summed.clone()
         for n, p in params.items():
             p.grad = grads[n]
         warmup = model.lr_warmup_iters
@@ -197,7 +241,11 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         optimizer.step()
         losses.append(batch_losses)
         previous = current
-    return {"weights": snapshot(), "losses": losses, "grad_norms": norms}
+    weights = snapshot()
+    if split_tie:
+        copy = weights.pop("output_layer.weight")
+        assert torch.equal(copy, weights["embedding.word_embeddings.weight"]), "tied copies apart"
+    return {"weights": weights, "losses": losses, "grad_norms": norms}
 
 
 def _initial_weights(model: Model) -> dict:

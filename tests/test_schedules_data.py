@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.schedules import (SCHEDULES, Action, Kind, P2P, ScheduleError, call_actions,
-                                    communication, format_actions, parse_action, parse_actions,
-                                    pipeline_actions, stage_actions, validate)
+                                    communication, format_actions, keeps_versions, parse_action,
+                                    parse_actions, pipeline_actions, stage_actions, validate)
 from megatron_2bw.schedules.simulate import Costs, simulate, format_timeline
 
 F, B = 1.0, 2.0
@@ -34,7 +34,7 @@ def grid(min_m_is_d: bool = False):
 
 def cases(num_batches: int = 3):
     for name in SCHEDULES:
-        for d, m in grid(min_m_is_d=name == "2bw"):
+        for d, m in grid(min_m_is_d=keeps_versions(name)):
             yield name, d, m, num_batches
 
 
@@ -57,7 +57,8 @@ def test_every_schedule_validates_on_the_grid():
     for name, d, m, n in cases():
         lists = pipeline_actions(name, d, m, n)  # validates
         spec = SCHEDULES[name]
-        validate(lists, m, n, version_of=spec.version_of, max_versions=spec.max_versions)
+        validate(lists, m, n, version_of=lambda i, k: spec.version_of(d, m, i, k),
+                 max_versions=spec.max_versions)
         for actions in lists:
             assert len(actions) == 2 * n * m + n
 
@@ -92,7 +93,7 @@ def test_per_call_lists():
                 backwards = [a.microbatch for a in actions if a.kind is Kind.BACKWARD]
                 assert backwards == list(range(t * m, t * m + m))
                 forwards = [a.microbatch for a in actions if a.kind is Kind.FORWARD]
-                lag = d - stage - 1 if name == "2bw" else 0
+                lag = d - stage - 1 if keeps_versions(name) else 0
                 first = 0 if t == 0 else t * m + lag
                 last = min(t * m + m + lag, n * m)
                 assert forwards == list(range(first, last)), (name, d, m, stage, t)
@@ -158,7 +159,7 @@ def test_messages_crossing_a_call_boundary():
                             if c.send and c.send.peer == peer}
                     received = {(c.recv.tensor, c.recv.microbatch) for c in comms[peer]
                                 if c.recv and c.recv.peer == other}
-                    forward_link = name == "2bw" and peer == i + 1
+                    forward_link = keeps_versions(name) and peer == i + 1
                     lag = d - peer - 1
                     assert sent - received == ({("activation", (t + 1) * m + lag)}
                                                if forward_link and t < n - 1 else set())
@@ -215,16 +216,42 @@ def test_2bw_pipeline_wide_step_costs_the_gradient_walk_back():
 
 def test_memory_declared_by_each_schedule():
     """Peak stashed activations: m for GPipe; min(d-i, m) at stage i for Flush (d-i when m>=d);
-    d-i for 2BW; 1 for naive. Weight versions alive: 2 for 2BW (from the second batch on), 1
-    otherwise. The simulator measures them; each schedule declares them."""
+    d-i for 2BW and PipeDream; 1 for naive. Weight versions alive: 2 for 2BW (from the second
+    batch on) and for PipeDream but on its last stage, 1 otherwise. The simulator measures them; each schedule declares them."""
     for name, d, m, n in cases():
         result = simulate(pipeline_actions(name, d, m, n), COSTS)
         spec = SCHEDULES[name]
         assert result.peak_stash == tuple(spec.stash(d, m, i) for i in range(d))
         expected = {"gpipe": [m] * d, "flush": [min(d - i, m) for i in range(d)],
-                    "2bw": [d - i for i in range(d)], "naive": [1] * d}[name]
+                    "2bw": [d - i for i in range(d)], "pipedream": [d - i for i in range(d)],
+                    "naive": [1] * d}[name]
         assert list(result.peak_stash) == expected
-        assert result.max_versions == (spec.max_versions,) * d
+        versions = [spec.max_versions] * d
+        if name == "pipedream":  # the last stage has no look-ahead forward: synchronous
+            versions[-1] = 1
+        assert list(result.max_versions) == versions
+
+
+def test_pipedream_forwards_read_the_newest_version_and_stash_it():
+    """PipeDream's rule, from the action order alone: without drains, every forward reads the
+    newest version its stage has made before it, and its backward the same (stashed) one; the
+    stages of one microbatch read different versions (no vertical sync); 2 versions at most."""
+    for d, m in ((2, 2), (4, 4), (4, 8), (3, 5)):
+        lists = pipeline_actions("pipedream", d, m, num_batches=4)
+        for stage, actions in enumerate(lists):
+            newest, read = 0, {}
+            for a in actions:
+                if a.kind is Kind.STEP:
+                    newest = a.version
+                elif a.kind is Kind.FORWARD:
+                    assert a.version == newest, (d, m, stage, str(a))
+                    read[a.microbatch] = a.version
+                else:
+                    assert a.version == read[a.microbatch], (d, m, stage, str(a))
+        first_stage = {a.microbatch: a.version for a in lists[0] if a.kind is Kind.FORWARD}
+        last_stage = {a.microbatch: a.version for a in lists[-1] if a.kind is Kind.FORWARD}
+        assert first_stage[m] == 0 and last_stage[m] == 1  # batch 1's first microbatch
+        assert simulate(lists, COSTS).max_versions == (2,) * (d - 1) + (1,)
 
 
 def test_naive_makespan():
@@ -308,8 +335,8 @@ def test_channel_order_is_checked():
 
 def test_wrong_versions_and_steps_are_caught():
     lists = pipeline_actions("flush", 2, 2, 2)
-    with pytest.raises(ScheduleError, match="batch 1 reads version 0"):
-        validate(lists, 2, 2, version_of=lambda b: max(b - 1, 0))
+    with pytest.raises(ScheduleError, match="microbatch 2 reads version 0 on this stage"):
+        validate(lists, 2, 2, version_of=lambda i, k: max(k // 2 - 1, 0))
     early_step = [a for a in lists[0] if a.kind is not Kind.STEP]
     early_step.insert(3, Action(Kind.STEP, None, 0, 1))
     early_step.append(Action(Kind.STEP, None, 1, 2))

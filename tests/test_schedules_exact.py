@@ -20,6 +20,11 @@ parameters, ||W - W_ref|| / ||W_ref||.
        d=2 m=2 w=1 on  TP2 tied       d=4 m=4 w=2 off TP1 tied (8 processes)
    and d=2 m=2 w=2 with the distributed optimizer (its shards are views of megatron-core's
    parameter buffer, which the all-gather writes), deferred, and with both overlaps.
+2b. pipedream (weight stashing): after 6 iterations equal to the per-stage rule of
+   tests/reference.py (microbatch j of batch t reads W_i(t-1) on stage i for j < d-i-1, W_i(t)
+   otherwise; each stage steps after its own backwards), and far from 2BW's result. Grid:
+       d=2 m=2 w=1 tied       d=2 m=4 w=2 untied
+       d=4 m=4 w=1 recompute  d=4 m=8 w=1 step at the loop
 3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
@@ -102,9 +107,15 @@ class Case:
         return self.d * self.w * self.tp
 
     def reference(self, rule: str | None = None) -> str:
-        rule = rule or ("2bw" if self.schedule == "2bw" else "sync")
-        return (f"{rule}-w{self.w}-m{self.m}-i{self.iters}{'' if self.tie else '-untied'}"
+        rule = rule or self.rule
+        return (f"{rule}{f'-d{self.d}' if rule == 'pipedream' else ''}-w{self.w}-m{self.m}"
+                f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}")
+
+    @property
+    def rule(self) -> str:
+        """The update rule of tests/reference.py the schedule follows."""
+        return self.schedule if self.schedule in ("2bw", "pipedream") else "sync"
 
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
@@ -129,6 +140,12 @@ TWOBW_CASES = [
          flags=("--use-distributed-optimizer", "--overlap-grad-reduce",
                 "--overlap-param-gather", "--ddp-bucket-size", "2000")),
 ]
+PIPEDREAM_CASES = [
+    Case("pipedream", d=2, m=2, w=1, iters=6),
+    Case("pipedream", d=2, m=4, w=2, iters=6, tie=False),
+    Case("pipedream", d=4, m=4, w=1, iters=6, recompute=True),
+    Case("pipedream", d=4, m=8, w=1, iters=6, deferred=False),
+]
 FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
 FAILURES = {  # group -> (run, stage whose send fails, which send of that process)
     "send-fails": (Case("2bw", d=4, m=4, w=1, iters=3), 1, 3),
@@ -139,7 +156,7 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
 def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
-    for label, cases in (("sync", SYNC_CASES), ("2bw", TWOBW_CASES)):
+    for label, cases in (("sync", SYNC_CASES), ("2bw", TWOBW_CASES + PIPEDREAM_CASES)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
@@ -156,11 +173,12 @@ def _groups() -> dict:
 
 def _reference_jobs() -> dict:
     jobs = {}
-    for case in SYNC_CASES + TWOBW_CASES + FOUR_STAGE_CASES:
-        for rule in ("sync", "2bw"):
+    for case in SYNC_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES:
+        for rule in {"sync", "2bw", case.rule}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
-                "iterations": case.iters, "tie": case.tie, "model": case.model}
+                "iterations": case.iters, "tie": case.tie, "model": case.model,
+                "depth": case.d}
     return jobs
 
 
@@ -289,7 +307,7 @@ def _check_against_reference(launch: Launch, case: Case) -> float:
     error = relative_error(weights, ref["weights"])
     assert error <= TOLERANCE, (f"{case.name}: relative error {error:.3g} > {TOLERANCE} against "
                                 f"{case.reference()}; {_worst_tensor(weights, ref['weights'])}")
-    other = "sync" if case.schedule == "2bw" else "2bw"
+    other = "sync" if case.rule == "2bw" else "2bw"
     distance = relative_error(weights, _reference(launch.out, case.reference(other))["weights"])
     assert distance > DISTINCT, f"{case.name}: {distance:.3g} from the {other} reference"
     assert sorted(losses) == list(range(case.w))
@@ -333,6 +351,16 @@ def test_2bw_matches_delayed_update_reference(launch, case):
     expected = "deferred" if case.deferred else \
         "at the loop's optimizer.step() (--no-deferred-step)"
     assert modes == {expected}, f"{case.name}: optimizer step {modes}"
+    _check_against_reference(launch, case)
+
+
+# ---- 2b. PipeDream with weight stashing -----------------------------------------------------
+
+@pytest.mark.parametrize("case", PIPEDREAM_CASES, ids=lambda case: case.name)
+def test_pipedream_matches_per_stage_update_reference(launch, case):
+    """Each stage's step after its own backwards of a batch; the look-ahead forwards of the
+    batch read the stage's previous version (tests/reference.py's "pipedream" rule)."""
+    launch.finished(f"2bw-world{case.world}")
     _check_against_reference(launch, case)
 
 

@@ -1,5 +1,6 @@
-"""Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW
-and naive model parallelism, one Megatron call (one batch) at a time or for a whole training.
+"""Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW,
+PipeDream with weight stashing and naive model parallelism, one Megatron call (one batch) at a
+time or for a whole training.
 
     call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
     pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
@@ -22,11 +23,13 @@ from .comm import Exchange, Step, Transfer, actions_of, fuse, transfers_of, unba
 from .flush import flush
 from .gpipe import gpipe
 from .naive import naive
+from .pipedream import pipedream, pipedream_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
 from .twobw import twobw, twobw_version
 
 __all__ = [
     "Action", "Kind", "P2P", "Comms", "ScheduleError", "ScheduleSpec", "SCHEDULES",
+    "keeps_versions",
     "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
     "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
     "Costs", "SimResult", "Span", "simulate", "format_timeline",
@@ -42,8 +45,9 @@ class ScheduleSpec:
     name: str
     generate: Callable[..., list[Action]]
     """(depth, microbatches, stage, batch, *, fill, drain) -> the stage's actions in that call."""
-    version_of: Callable[[int], int]
-    """Weight version batch b reads."""
+    version_of: Callable[[int, int, int, int], int]
+    """(depth, microbatches, stage, microbatch) -> the weight version the (global) microbatch
+    reads on that stage."""
     max_versions: int
     """Weight versions a stage holds at most (the newest and those stashed microbatches read)."""
     stash: Callable[[int, int, int], int]
@@ -51,13 +55,31 @@ class ScheduleSpec:
     yet backwarded) on that stage."""
 
 
+def _batch_reads(version_of_batch: Callable[[int], int]) -> Callable[[int, int, int, int], int]:
+    """A rule under which every microbatch of batch b reads ``version_of_batch(b)``."""
+    return lambda d, m, i, k: version_of_batch(k // m)
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec("gpipe", gpipe, lambda b: b, 1, lambda d, m, i: m),
-    "flush": ScheduleSpec("flush", flush, lambda b: b, 1, lambda d, m, i: min(d - i, m)),
     # 2BW: Section 3.1 "at most two weight versions"; the 1F1B stash is d - i (m >= d).
-    "2bw": ScheduleSpec("2bw", twobw, twobw_version, 2, lambda d, m, i: d - i),
-    "naive": ScheduleSpec("naive", naive, lambda b: b, 1, lambda d, m, i: 1),
+    "2bw": ScheduleSpec("2bw", twobw, _batch_reads(twobw_version), 2, lambda d, m, i: d - i),
+    "flush": ScheduleSpec("flush", flush, _batch_reads(lambda b: b), 1,
+                          lambda d, m, i: min(d - i, m)),
+    "gpipe": ScheduleSpec("gpipe", gpipe, _batch_reads(lambda b: b), 1, lambda d, m, i: m),
+    # PipeDream with weight stashing, m >= d: the newest version and the one the look-ahead
+    # forwards of the batch read; the same 1F1B stash as 2BW.
+    "pipedream": ScheduleSpec("pipedream", pipedream, pipedream_version, 2,
+                              lambda d, m, i: d - i),
+    "naive": ScheduleSpec("naive", naive, _batch_reads(lambda b: b), 1, lambda d, m, i: 1),
 }
+"""Our schedules (``--pipeline-schedule``; "megatron" is megatron-core's own). Those holding
+more than one weight version never flush: a call leaves microbatches in flight."""
+
+
+def keeps_versions(schedule: str) -> bool:
+    """Whether `schedule` holds several weight versions and leaves microbatches in flight
+    between calls (2bw, pipedream): the executor keeps a version store and the loop drains."""
+    return schedule in SCHEDULES and SCHEDULES[schedule].max_versions > 1
 
 
 def _spec(schedule: str, depth: int, microbatches: int) -> ScheduleSpec:
@@ -107,8 +129,9 @@ def pipeline_actions(schedule: str, depth: int, microbatches: int, num_batches: 
 def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: int,
                       num_batches: int) -> None:
     """`validate` with the schedule's version rule and weight-version bound."""
-    spec = _spec(schedule, len(lists), microbatches)
-    validate(lists, microbatches, num_batches, version_of=spec.version_of,
+    depth, spec = len(lists), _spec(schedule, len(lists), microbatches)
+    validate(lists, microbatches, num_batches,
+             version_of=lambda stage, k: spec.version_of(depth, microbatches, stage, k),
              max_versions=spec.max_versions)
 
 

@@ -167,10 +167,11 @@ def format_grid(schedule: Sequence[Sequence[Action]],
 
 
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batches: int, *,
-             version_of: Callable[[int], int] | None = None,
+             version_of: Callable[[int, int], int] | None = None,
              max_versions: int | None = None) -> None:
     """Raise `ScheduleError` unless on every stage: each microbatch of the `num_batches` batches
-    has exactly one F and then one B, with the same version (`version_of(batch)` if given); a
+    has exactly one F and then one B, with the same version (`version_of(stage, microbatch)`
+    if given); a
     forward reads a version already made; the step after batch b comes after all of b's
     backwards, one per batch in order; and at most `max_versions` weight versions are alive
     (the newest plus those read by stashed microbatches). Across stages: each stage receives
@@ -191,8 +192,9 @@ def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batche
                 if a.batch != a.microbatch // microbatches:
                     fail(j, f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
                             f"{a.microbatch // microbatches} with m={microbatches}")
-                if version_of is not None and a.version != version_of(a.batch):
-                    fail(j, f"batch {a.batch} reads version {version_of(a.batch)}")
+                if version_of is not None and a.version != version_of(stage, a.microbatch):
+                    fail(j, f"microbatch {a.microbatch} reads version "
+                            f"{version_of(stage, a.microbatch)} on this stage")
             if a.kind is Kind.FORWARD:
                 if a.microbatch in stashed or a.microbatch in done:
                     fail(j, "second forward of this microbatch")

@@ -3,7 +3,9 @@
 
 One executor for every schedule: it runs the stage's program for the call
 (:func:`megatron_2bw.schedules.call_program`: the action list with its fused send/receive
-groups), the weight versions of 2BW live in :class:`~megatron_2bw.weights.WeightVersions`.
+groups), the weight versions of 2BW and PipeDream (the schedules that keep several,
+``schedules.keeps_versions``) live in :class:`~megatron_2bw.weights.WeightVersions`; what
+is said of 2BW below holds for both.
 Steps are dispatched through a table:
 
     {..}: one batch_isend_irecv group: send what earlier actions left in the outbox, receive
@@ -46,7 +48,7 @@ import torch
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
-                                    forward_program)
+                                    forward_program, keeps_versions)
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.weights import WeightVersions
 
@@ -155,9 +157,9 @@ class PipelineRunner:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.depth = ps.get_pipeline_model_parallel_world_size()
         self.is_last = ps.is_pipeline_last_stage()
-        if self.schedule == "2bw" and self.versions is None:
+        if keeps_versions(self.schedule) and self.versions is None:
             self.bind(chunk)
-        if self.schedule == "2bw" and self.step_mode is None:
+        if keeps_versions(self.schedule) and self.step_mode is None:
             self._choose_step_mode(chunk, config)
         seq = seq_length // ps.get_context_parallel_world_size()
         if config.sequence_parallel:
@@ -180,17 +182,18 @@ class PipelineRunner:
         else:
             self.step_mode = f"at the loop's optimizer.step() ({reason})"
         if dist.get_rank() == 0:
-            print(f" 2bw optimizer step on stage {self.stage}: {self.step_mode}", flush=True)
+            print(f" {self.schedule} optimizer step on stage {self.stage}: {self.step_mode}",
+                  flush=True)
 
     def bind(self, chunk) -> None:
         """Create the 2BW weight versions of ``chunk``'s parameters (version 0 = current)."""
-        if self.schedule == "2bw" and self.versions is None:
+        if keeps_versions(self.schedule) and self.versions is None:
             self.versions = WeightVersions(chunk.parameters())
 
     # ---- training call -------------------------------------------------------------------
     def _train_call(self, call: _Call) -> list:
         m, batch = call.num_microbatches, self.batches_done
-        if self.schedule == "2bw" and not self.pipeline_empty and m != self.in_flight_m:
+        if keeps_versions(self.schedule) and not self.pipeline_empty and m != self.in_flight_m:
             raise RuntimeError(f"{self.schedule}: this call has {m} microbatches but the last "
                                f"one left look-ahead forwards of {self.in_flight_m}-microbatch "
                                "batches in flight; call prepare_drain() before the last call "
@@ -335,7 +338,7 @@ class PipelineRunner:
     def checkpoint_extra(self, model: list, sharded: dict) -> None:
         """Add what a resumed 2BW run needs to continue exactly: the older weight version
         (batch ``batches_done`` still reads it) and the version numbers."""
-        if self.schedule != "2bw":
+        if not keeps_versions(self.schedule):
             return
         chunk = _single_chunk(model)
         self.bind(chunk)
@@ -351,7 +354,7 @@ class PipelineRunner:
         spare slot. A checkpoint written by another schedule has one version only."""
         from megatron.core import dist_checkpointing
 
-        if self.schedule != "2bw":
+        if not keeps_versions(self.schedule):
             return
         chunk = _single_chunk(model)
         self.bind(chunk)
@@ -362,7 +365,7 @@ class PipelineRunner:
                                                           self.versions.spare_tensors())
 
     def checkpoint_loaded(self, model: list, loaded: dict) -> None:
-        if self.schedule != "2bw":
+        if not keeps_versions(self.schedule):
             return
         info = loaded.get("twobw_versions")
         if info is None:  # one version: batch k reads "version k-1", the same weights

@@ -21,19 +21,20 @@ def one_f_one_b(depth: int, microbatches: int, stage: int, batch: int, *, fill: 
     With `fill` the list starts with the warm-up forwards of the batch (pipeline empty before);
     without, they ran in the previous call. With `drain` no forward beyond `batch` runs (the
     cool-down); without, the forwards run `lag` microbatches into the next batch.
-    `version_of(b)` is the weight version batch b reads.
+    `version_of(k)` is the weight version (global) microbatch k reads, in its forward and its
+    backward.
     """
     lag = min(depth - stage - 1, microbatches)  # warm-up forwards w_i
     first = batch * microbatches
 
-    def forward(k: int) -> Action:
-        return Action(Kind.FORWARD, k, k // microbatches, version_of(k // microbatches))
+    def action(kind: Kind, k: int) -> Action:
+        return Action(kind, k, k // microbatches, version_of(k))
 
-    actions = [forward(first + j) for j in range(lag)] if fill else []
+    actions = [action(Kind.FORWARD, first + j) for j in range(lag)] if fill else []
     for j in range(microbatches):
         if not drain or j + lag < microbatches:
-            actions.append(forward(first + j + lag))
-        actions.append(Action(Kind.BACKWARD, first + j, batch, version_of(batch)))
+            actions.append(action(Kind.FORWARD, first + j + lag))
+        actions.append(action(Kind.BACKWARD, first + j))
     return actions + [Action(Kind.STEP, None, batch, batch + 1)]
 
 
@@ -43,4 +44,4 @@ def flush(depth: int, microbatches: int, stage: int, batch: int, *,
     version b; every call fills and drains, so `fill` and `drain` change nothing."""
     del fill, drain
     return one_f_one_b(depth, microbatches, stage, batch, fill=True, drain=True,
-                       version_of=lambda b: b)
+                       version_of=lambda k: k // microbatches)

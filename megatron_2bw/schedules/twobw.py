@@ -39,4 +39,4 @@ def twobw(depth: int, microbatches: int, stage: int, batch: int, *,
                          f"pipeline stages: m={microbatches} < d={depth} (Section 3.1: m >= d, "
                          f"so that each stage holds at most two weight versions)")
     return one_f_one_b(depth, microbatches, stage, batch, fill=fill, drain=drain,
-                       version_of=twobw_version)
+                       version_of=lambda k: twobw_version(k // microbatches))

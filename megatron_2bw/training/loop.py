@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.runtime import distributed
+from megatron_2bw.schedules import keeps_versions
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
 from megatron_2bw.training.guard import Divergence, RunGuard, Verdict
@@ -90,8 +91,8 @@ class Trainer:
                                   logs.LogFlags.from_args(args), self.info.device)
         self.timers = logs.attach_timers(args, self.config, self.optimizer)
         self.interval = logs.IntervalStats()
-        if args.log_num_zeros_in_grad and args.pipeline_schedule == "2bw":
-            self.logger.print(" --log-num-zeros-in-grad: not counted where the 2bw optimizer "
+        if args.log_num_zeros_in_grad and keeps_versions(args.pipeline_schedule):
+            self.logger.print(" --log-num-zeros-in-grad: not counted where the optimizer "
                               "step is deferred (the step runs inside the next iteration)")
         self.flops_per_iteration = logs.transformer_flops_per_iteration(args, vocab_size)
         self.state = self._maybe_load()
