@@ -67,9 +67,9 @@ from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # no
                               check_training_flags,
                               comma_list, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, writable_dir)
+from megatron_2bw.arguments import SCHEDULES  # noqa: E402
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
-SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
 SINGLE = "single (PP=1)"
 BUSY = "single, d at once"
 
@@ -352,9 +352,9 @@ def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
 
 
 def _versions(schedule: str) -> int:
-    from megatron_2bw.schedules import SCHEDULES
+    from megatron_2bw.schedules import SCHEDULES as SPECS
 
-    return SCHEDULES[schedule].max_versions if schedule in SCHEDULES else 1
+    return SPECS[schedule].max_versions if schedule in SPECS else 1
 
 
 def _per_stage(values) -> str:
