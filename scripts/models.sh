@@ -25,6 +25,7 @@
 #   gpipe      GPipe: TP = 1, PP = GPUS_PER_NODE
 #   flush      PipeDream-Flush: TP = 1, PP = GPUS_PER_NODE
 #   2bw        PipeDream-2BW: TP = 1, PP = GPUS_PER_NODE
+#   pipedream  PipeDream-1F1B with weight stashing: TP = 1, PP = GPUS_PER_NODE
 # TP and PP override; DP = NODES x GPUS_PER_NODE / (TP x PP).
 #
 # Other variables (defaults in brackets): MICRO_BATCH [2], GLOBAL_BATCH [512], SEQ_LENGTH [512],
@@ -65,9 +66,9 @@ schedule_layout() {
         megatron)
             (( per_node > 8 )) && per_node=8
             TP="${TP:-$per_node}"; PP="${PP:-1}" ;;
-        naive|gpipe|flush|2bw)
+        naive|gpipe|flush|2bw|pipedream)
             TP="${TP:-1}"; PP="${PP:-$per_node}" ;;
-        *) die "SCHEDULE=$1: choose megatron, naive, gpipe, flush or 2bw" ;;
+        *) die "SCHEDULE=$1: choose megatron, naive, gpipe, flush, 2bw or pipedream" ;;
     esac
 }
 

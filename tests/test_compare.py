@@ -172,7 +172,7 @@ def test_entry_spec():
     compare = _tool("compare")
     assert compare.parse_entry("2BW PP=4:2bw:1:4") == compare.Entry("2BW PP=4", "2bw", 1, 4)
     assert compare.parse_entry("a:b:megatron:2:1").label == "a:b"
-    for bad in ("2bw:1:2", "x:pipedream:1:2", "x:2bw:one:2"):
+    for bad in ("2bw:1:2", "x:1f1b:1:2", "x:2bw:one:2"):
         with pytest.raises(argparse.ArgumentTypeError):
             compare.parse_entry(bad)
 

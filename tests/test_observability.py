@@ -164,7 +164,7 @@ def test_2bw_run_writes_megatron_lms_tags(run_2bw):
     assert {"forward-backward-time", "optimizer-time", "forward-compute-time",
             "backward-compute-time"} <= timers
     # the deferred 2BW step counts no zeros, and says so once at the start
-    assert "--log-num-zeros-in-grad: not counted where the 2bw optimizer step is deferred" \
+    assert "--log-num-zeros-in-grad: not counted where the optimizer step is deferred" \
         in run_2bw.output
 
 

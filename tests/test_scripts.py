@@ -161,7 +161,7 @@ def test_cpu_tiny_baselines_dry_run_prints_five_valid_runs_and_the_comparison():
 @pytest.mark.parametrize("script", ["train_torchrun.sh", "train_slurm.sbatch", "baselines.sh"])
 @pytest.mark.parametrize("env, message", [
     ({"MODEL": "gpt-175b", "MOCK_DATA": "1"}, "MODEL=gpt-175b"),
-    ({"SCHEDULE": "pipedream", "MOCK_DATA": "1"}, "SCHEDULE=pipedream"),
+    ({"SCHEDULE": "1f1b", "MOCK_DATA": "1"}, "SCHEDULE=1f1b"),
     ({}, "DATA_PATH"),
 ])
 def test_bad_settings_fail_with_one_line_and_print_no_command(script, env, message):
