@@ -41,10 +41,12 @@ def _add_bert_args(p: argparse.ArgumentParser) -> None:
                    help="probability of a sample shorter than --seq-length")
 
 
-def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
+def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                   *, args, vocab_size: int):
     """megatron-core's BertModel with the layer spec --transformer-impl picks (see
     ``entry.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM.
-    BertModel's rotary embedding has a fixed base (10000): another --rotary-base is refused."""
+    BertModel's rotary embedding has a fixed base (10000): another --rotary-base is refused.
+    ``vp_stage``: the chunk's virtual pipeline stage (None without virtual stages)."""
     from megatron.core.models.bert.bert_model import BertModel
 
     from megatron_2bw.arguments import FlagError
@@ -60,6 +62,7 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,

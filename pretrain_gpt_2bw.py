@@ -12,11 +12,13 @@ from functools import partial
 from megatron_2bw import entry
 
 
-def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab_size: int):
+def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                   *, args, vocab_size: int):
     """megatron-core's GPTModel with the layer spec --transformer-impl picks (see
     ``entry.gpt_layer_spec``) and the position-embedding arguments Megatron-LM's
     gpt_builders.py passes; --rotary-seq-len-interpolation-factor reaches the rotary embedding
-    as in Megatron-LM's legacy language model (its core path drops it)."""
+    as in Megatron-LM's legacy language model (its core path drops it). ``vp_stage``: the
+    chunk's virtual pipeline stage (None without virtual stages), whose layers GPTModel builds."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -26,6 +28,7 @@ def model_provider(config, pre_process: bool, post_process: bool, *, args, vocab
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
@@ -50,8 +53,9 @@ def loss_func(loss_mask, output_tensor, per_token: bool = False):
 
 def forward_step(data_iterator, model):
     """Megatron's forward_step_func contract: returns (output, loss function); the batch's
-    tensors are on the training device."""
-    batch = entry.next_batch(data_iterator)
+    tensors are on the training device. ``model`` is one chunk: with virtual stages its
+    ``vp_stage`` says whether it reads tokens or labels (as Megatron-LM's pretrain_gpt.py)."""
+    batch = entry.next_batch(data_iterator, vp_stage=getattr(_unwrap(model), "vp_stage", None))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
     per_token = getattr(_unwrap(model).config, "calculate_per_token_loss", False)

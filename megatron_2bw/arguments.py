@@ -177,6 +177,18 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=_COUNT, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_COUNT, default=1)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=_COUNT, default=None,
+                   help="model chunks (virtual pipeline stages) per pipeline rank: V > 1 "
+                        "interleaves them (Megatron's interleaved 1F1B; --pipeline-schedule "
+                        "megatron)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_COUNT, default=None,
+                   help="layers per model chunk instead of a number of chunks: V = layers per "
+                        "pipeline stage / N")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm",
+                   help="with virtual stages: megatron-core's batched p2p instead of its "
+                        "overlapped p2p (then the pipeline needs more than 2 stages, as in "
+                        "Megatron-LM)")
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
                    help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; pipedream: "
                         "PipeDream-1F1B with weight stashing (each stage updates after its own "
@@ -394,10 +406,13 @@ def _add_ddp_args(p: argparse.ArgumentParser) -> None:
                    help="distributed optimizer: all-gather the updated parameters bucket by "
                         "bucket in the next forward pass (needs --overlap-grad-reduce)")
     g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="refused: Megatron-LM runs it with interleaved pipelines only")
+                   help="with virtual stages and --overlap-param-gather: the optimizer step "
+                        "launches the first chunk's all-gather (no checkpoints, as in "
+                        "Megatron-LM)")
     g.add_argument("--align-param-gather", action=argparse.BooleanOptionalAction, default=True,
-                   help="accepted for Megatron-LM's command lines; off without virtual pipeline "
-                        "stages (as Megatron-LM sets it), so always off here")
+                   help="with virtual stages and --overlap-param-gather: the schedule launches "
+                        "each chunk's parameter all-gathers (config.param_sync_func); off "
+                        "without virtual stages (as Megatron-LM sets it)")
     g.add_argument("--ddp-num-buckets", type=_COUNT, default=None,
                    help="split the gradient buffer into this many buckets")
     g.add_argument("--ddp-bucket-size", type=_COUNT, default=None,
@@ -522,6 +537,56 @@ def _validate_batch(args: argparse.Namespace) -> None:
                  f"{b * dp * pp}")
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
+
+
+def _validate_virtual_stages(args: argparse.Namespace) -> None:
+    """Virtual pipeline stages as Megatron-LM derives and checks them (``validate_args`` in
+    megatron/training/arguments.py at core_v0.16.1): V from --num-virtual-stages-per-pipeline-rank
+    or from layers per stage / --num-layers-per-virtual-pipeline-stage (one of the two), V = 1
+    meaning none (``virtual_pipeline_model_parallel_size`` None); with V > 1 the pipeline has
+    more than 1 stage (more than 2 with --no-overlap-p2p-communication) and the layers split
+    evenly over PP x V chunks. megatron-core's interleaved schedule (0.16.1) runs microbatches
+    in groups of PP per chunk (``microbatch_group_size_per_vp_stage`` defaults to PP) and
+    refuses a last group smaller than PP, so m is a multiple of PP, at every step of a ramp
+    too. Without virtual stages overlap_p2p_comm is off, as in Megatron-LM."""
+    per_rank, per_chunk = (args.num_virtual_stages_per_pipeline_rank,
+                           args.num_layers_per_virtual_pipeline_stage)
+    _require(per_rank is None or per_chunk is None, "--num-layers-per-virtual-pipeline-stage",
+             "give --num-layers-per-virtual-pipeline-stage or "
+             "--num-virtual-stages-per-pipeline-rank, not both (as in Megatron-LM)")
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    V = per_rank
+    if per_chunk is not None:
+        _require((layers // pp) % per_chunk == 0, "--num-layers-per-virtual-pipeline-stage",
+                 f"{layers} layers / {pp} pipeline stages = {layers // pp} layers per stage "
+                 f"are not divisible by {per_chunk} layers per virtual stage")
+        V = layers // pp // per_chunk
+    args.virtual_pipeline_model_parallel_size = V if V is not None and V > 1 else None
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.overlap_p2p_comm = False
+        return
+    flag = ("--num-virtual-stages-per-pipeline-rank" if per_rank is not None
+            else "--num-layers-per-virtual-pipeline-stage")
+    _require(args.pipeline_schedule == "megatron", flag,
+             f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
+             f"(V = {V}); use --pipeline-schedule megatron")
+    least = 2 if args.overlap_p2p_comm else 3
+    _require(pp >= least, "--pipeline-model-parallel-size",
+             f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"
+             f"{'' if args.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, "
+             f"got {pp} (as in Megatron-LM)")
+    _require(layers % (pp * V) == 0, "--num-layers",
+             f"{layers} layers do not split evenly over {pp} pipeline stages x {V} virtual "
+             f"stages = {pp * V} model chunks")
+    b, dp = args.micro_batch_size, args.data_parallel_size
+    batches = [("--global-batch-size", args.global_batch_size)]
+    if args.rampup_batch_size is not None:
+        batches += [("--rampup-batch-size", size) for size in args.rampup_batch_size[:2]]
+    for name, size in batches:
+        m = size // (b * dp)
+        _require(m % pp == 0, name,
+                 f"virtual stages run microbatches in groups of the pipeline depth {pp}: "
+                 f"{size} / ({b} x {dp}) = {m} microbatches is not a multiple of {pp}")
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:
@@ -748,15 +813,23 @@ def _validate_ddp(args: argparse.Namespace) -> None:
         _require(args.overlap_grad_reduce, "--overlap-param-gather",
                  "needs --overlap-grad-reduce")
     if args.overlap_param_gather_with_optimizer_step:
-        _require(False, "--overlap-param-gather-with-optimizer-step",
-                 "only supported with interleaved pipeline parallelism (virtual pipeline "
-                 "stages, as in Megatron-LM), which megatron-2bw's schedules do not run")
+        flag = "--overlap-param-gather-with-optimizer-step"
+        _require(args.use_distributed_optimizer, flag,
+                 "only supported with --use-distributed-optimizer")
+        _require(args.overlap_param_gather, flag, "needs --overlap-param-gather")
+        _require(args.virtual_pipeline_model_parallel_size is not None, flag,
+                 "only supported with interleaved pipeline parallelism "
+                 "(--num-virtual-stages-per-pipeline-rank > 1, as in Megatron-LM)")
+        _require(args.save is None and args.load is None, flag,
+                 "not supported with distributed checkpointing yet (Megatron-LM's rule; "
+                 "--save/--load write and read torch_dist checkpoints)")
     if args.ddp_average_in_collective:
         from megatron_2bw.runtime.cpu import select_device
 
         _require(select_device(args.cpu) == "cuda", "--ddp-average-in-collective",
                  "needs CUDA (NCCL's ReduceOp.AVG; gloo has no AVG reduction)")
-    args.align_param_gather = False  # Megatron-LM: no virtual pipeline stages
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.align_param_gather = False  # Megatron-LM: only with virtual pipeline stages
     if args.bf16 and args.grad_reduce_in_bf16:
         args.accumulate_allreduce_grads_in_fp32 = False
     elif args.bf16:
@@ -771,6 +844,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_layout(args)
     _validate_model_features(args)
     _validate_batch(args)
+    _validate_virtual_stages(args)
     _validate_ddp(args)
     _validate_training(args)
     _validate_data(args)

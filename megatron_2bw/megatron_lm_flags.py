@@ -73,9 +73,9 @@ CATEGORIES = {
     "moe": _C("refused", "MoE is not supported by megatron-2bw's schedules"),
     "context-parallel": _C("refused", "context parallelism needs transformer-engine attention "
                            "on CUDA, which megatron-2bw's schedules do not set up"),
-    "pipeline-layout": _C("refused", "megatron-2bw's schedules split the layers evenly, one "
-                          "chunk per stage (no virtual stages, uneven layouts or multi-token "
-                          "prediction)"),
+    "pipeline-layout": _C("refused", "megatron-2bw splits the layers evenly over pipeline "
+                          "stages and virtual stages (no uneven layouts, microbatch groups "
+                          "other than the pipeline depth, or multi-token prediction)"),
     "attention-variant": _C("refused", "multi-latent, linear, sparse and windowed attention "
                             "variants are not in megatron-2bw's layer specs"),
     "model-variant": _C("refused", "a model variant megatron-2bw's model builders do not "
@@ -128,7 +128,7 @@ _BY_FLAG = [
      r"qk-pos-emb|v-head-dim|rotary-scaling-factor|mscale|cache-mla|window-|rope-type|"
      r"softmax-type|attention-output-gate)", "attention-variant"),
     (r"--(mtp-|pipeline-model-parallel-(comm-backend|layout)|decoder-(first|last)-pipeline|"
-     r"num-layers-per-virtual|num-virtual-stages|microbatch-group-size|account-for-|"
+     r"microbatch-group-size|account-for-|"
      r"overlap-p2p-communication-warmup|encoder-num-layers|decoder-num-layers)",
      "pipeline-layout"),
     (r"--(is-hybrid|mamba|disable-mamba|hybrid-|heterogeneous|spec)\b", "hybrid"),
@@ -144,7 +144,7 @@ _BY_FLAG = [
     (r"--(use-mcore-models|use-dist-ckpt|ckpt-fully-parallel-save|"
      r"no-async-tensor-model-parallel-allreduce|onnx-safe)$", "deprecated"),
     (r"--(no-one-logger|disable-msc|no-persist-layer-norm|no-scatter-gather-tensors|"
-     r"no-overlap-p2p-communication|local-rank|no-barrier-with-level-1|"
+     r"local-rank|no-barrier-with-level-1|"
      r"exit-signal-handler-for-dataloader|legacy-tokenizer)$", "ours-already"),
     (r"--distributed-backend", "backend"),
     (r"--dataloader-type", "dataloader"),

@@ -175,9 +175,13 @@ def _bound_every_group(bound: datetime.timedelta) -> None:
 
 
 def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cpu: bool = False,
-               timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ProcessInfo:
+               timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
+               virtual_stages: int | None = None) -> ProcessInfo:
     """Pick the device (set_device first on CUDA), start the default process group and
-    megatron-core's model-parallel groups, all with ``timeout_minutes``; seed."""
+    megatron-core's model-parallel groups, all with ``timeout_minutes``; seed.
+    ``virtual_stages`` (V model chunks per pipeline rank, None for one) is recorded in
+    parallel_state, where megatron-core's ``get_forward_backward_func()`` reads it to choose
+    its interleaved schedule."""
     from megatron.core import parallel_state as ps
 
     global _timeout
@@ -188,6 +192,7 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cp
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_stages,
         distributed_timeout_minutes=timeout_minutes,
     )
     _bound_every_group(bound)

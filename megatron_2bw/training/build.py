@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["transformer_config", "build_model", "build_optimizer", "build_scheduler",
-           "attach_config_hooks", "params_dtype", "scheduler_steps", "ddp_config",
-           "forward_pre_hook_paused"]
+__all__ = ["transformer_config", "build_model", "virtual_stages", "build_optimizer",
+           "build_scheduler", "attach_config_hooks", "params_dtype", "scheduler_steps",
+           "ddp_config", "forward_pre_hook_paused"]
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -32,6 +32,7 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
 
     on_gpu = device == "cuda"
     dtype = params_dtype(args)
+    overlap_p2p = getattr(args, "overlap_p2p_comm", False)
     fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -69,7 +70,16 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        deallocate_pipeline_outputs=True,
+        # core_transformer_config_from_args: "batch_p2p_comm = not args.overlap_p2p_comm"
+        # (overlap_p2p_comm is on only with virtual stages)
+        virtual_pipeline_model_parallel_size=getattr(
+            args, "virtual_pipeline_model_parallel_size", None),
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
+        # Megatron-LM frees each sent output's storage (keeping its grad_fn) right after the
+        # send is issued. With overlapped p2p the send is still in flight then; CUDA's caching
+        # allocator keeps the memory for the stream, but gloo would send the freed storage.
+        deallocate_pipeline_outputs=on_gpu or not overlap_p2p,
         layernorm_zero_centered_gamma=getattr(args, "layernorm_zero_centered_gamma", False),
         cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
@@ -104,20 +114,63 @@ def _activation(args: argparse.Namespace, on_gpu: bool) -> dict:
     return dict(activation_func=F.gelu, bias_activation_fusion=on_gpu and args.add_bias_linear)
 
 
-def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
-    """One DDP-wrapped model chunk for this pipeline stage, on the training device (moved to
-    ``cuda:<LOCAL_RANK>`` on CUDA; built in place on the CPU, ``--cpu`` on a GPU host included).
+def virtual_stages(args: argparse.Namespace) -> int:
+    """V, the model chunks per pipeline rank (1 without virtual pipeline stages)."""
+    return getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
 
-    ``provider(config, pre_process, post_process)`` returns the bare megatron-core model.
+
+def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
+    """This pipeline rank's model chunks as Megatron-LM's ``get_model`` builds them
+    (megatron/training/training.py at core_v0.16.1), each DDP-wrapped, on the training device
+    (moved to ``cuda:<LOCAL_RANK>`` on CUDA; built in place on the CPU, ``--cpu`` on a GPU host
+    included).
+
+    Without virtual stages: one chunk, ``provider(config, pre_process, post_process)`` with
+    pre_process on the first and post_process on the last pipeline stage. With V virtual
+    stages: V chunks, chunk i built by ``provider(config, pre_process, post_process,
+    vp_stage=i)``; it is virtual stage i x PP + (PP rank), its layers placed by megatron-core's
+    ``get_transformer_layer_offset``; only chunk 0 of the first rank pre-processes (the
+    embedding) and only chunk V-1 of the last rank post-processes (output layer and loss).
+    Each chunk has its own DDP wrapper; chunks after the first, and all of them with
+    --overlap-param-gather-with-optimizer-step, hold one bucket (Megatron-LM's
+    ``disable_bucketing``: their communication overlaps with compute anyway).
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
+
+    modules = [_model_chunk(args, config, provider, stage) for stage in _chunk_stages(args)]
+    ddp = ddp_config(args, modules)
+    one_bucket = getattr(args, "overlap_param_gather_with_optimizer_step", False)
+    chunks = []
+    for index, module in enumerate(modules):
+        wrapped = DistributedDataParallel(config, ddp, module,
+                                          disable_bucketing=index > 0 or one_bucket)
+        wrapped.broadcast_params()  # DP replicas start from identical weights
+        chunks.append(wrapped)
+    return chunks
+
+
+def _chunk_stages(args: argparse.Namespace) -> list[int | None]:
+    """The vp_stage of each chunk this rank builds: [None] without virtual stages."""
+    V = virtual_stages(args)
+    return [None] if V == 1 else list(range(V))
+
+
+def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage: int | None):
+    """One bare chunk (in a Float16Module with fp16/bf16) on the training device; with virtual
+    stages it carries Megatron-LM's ``vp_stage`` attribute."""
+    from megatron.core import parallel_state as ps
 
     from megatron_2bw.runtime.distributed import training_device
 
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     with _model_fits(args):
-        model = provider(config, pre_process=ps.is_pipeline_first_stage(),
-                         post_process=ps.is_pipeline_last_stage())
+        if vp_stage is None:
+            model = provider(config, pre_process=first, post_process=last)
+        else:
+            model = provider(config, pre_process=first and vp_stage == 0,
+                             post_process=last and vp_stage == virtual_stages(args) - 1,
+                             vp_stage=vp_stage)
+            model.vp_stage = vp_stage
     if config.params_dtype != torch.float32 or config.fp16 or config.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -125,17 +178,16 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     device = training_device()
     if device.type == "cuda":
         model.cuda(device)
-    wrapped = DistributedDataParallel(config, ddp_config(args, model), model)
-    wrapped.broadcast_params()  # DP replicas start from identical weights
-    return [wrapped]
+    return model
 
 
-def ddp_config(args: argparse.Namespace, model: torch.nn.Module):
+def ddp_config(args: argparse.Namespace, model: torch.nn.Module | list):
     """megatron-core's DistributedDataParallelConfig as Megatron-LM's ``get_model`` builds it
     (megatron/training/training.py at core_v0.16.1): every config field named like a flag,
     then grad_reduce_in_fp32 from --accumulate-allreduce-grads-in-fp32, the bucket size from
-    --ddp-num-buckets (this stage's parameters / N) or --ddp-bucket-size, defaulting to
-    max(40M, 1M x data-parallel size) with --overlap-grad-reduce and to one bucket without it.
+    --ddp-num-buckets (the parameters of this rank's chunks, ``model`` one bare chunk or a list
+    of them, / N) or --ddp-bucket-size, defaulting to max(40M, 1M x data-parallel size) with
+    --overlap-grad-reduce and to one bucket without it.
 
     Unlike Megatron-LM, check_for_nan_in_grad stays off: the run guard checks the loss and the
     gradient norm every iteration and ends every rank with one line (megatron-core's check
@@ -157,7 +209,9 @@ def ddp_config(args: argparse.Namespace, model: torch.nn.Module):
         bucket_size=args.ddp_bucket_size,
     )
     if args.ddp_num_buckets is not None:
-        fields["bucket_size"] = sum(p.numel() for p in model.parameters()) // args.ddp_num_buckets
+        chunks = model if isinstance(model, list) else [model]
+        parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        fields["bucket_size"] = parameters // args.ddp_num_buckets
     config = DistributedDataParallelConfig(**fields)
     if config.bucket_size is None:
         config.bucket_size = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(
@@ -296,24 +350,30 @@ def build_scheduler(args: argparse.Namespace, optimizer):
 
 def attach_config_hooks(config, model: list, optimizer, align_grad_reduce: bool = True) -> None:
     """The hooks megatron-core's schedules read from the config, set as Megatron-LM's
-    ``train`` sets them (megatron/training/training.py at core_v0.16.1) from the chunk's
+    ``train`` sets them (megatron/training/training.py at core_v0.16.1) from the chunks'
     DistributedDataParallelConfig and --align-grad-reduce: loss scaling, grad finalization,
-    and the DDP hooks. ``no_sync_func`` holds back the bucket reductions of all
-    but the last microbatch; with --overlap-grad-reduce and --align-grad-reduce,
-    ``grad_sync_func`` (``start_grad_sync``) launches them after the last backward pass on
-    every pipeline stage but the first (which launches them during it); with
-    --overlap-param-gather and --align-param-gather, ``param_sync_func`` would launch the
-    parameter all-gathers, but align_param_gather is off without virtual pipeline stages, so
-    the DDP forward pre-hooks launch them."""
+    and the DDP hooks, one per model chunk (a list with virtual stages; the one chunk's own
+    function without). ``no_sync_func`` holds back the bucket reductions of all but the last
+    microbatch; with --overlap-grad-reduce and --align-grad-reduce, ``grad_sync_func``
+    (``start_grad_sync``) launches them after the chunk's last backward pass on every pipeline
+    stage but the first (which launches them during it); with --overlap-param-gather and
+    --align-param-gather (on only with virtual stages), ``param_sync_func``
+    (``start_param_sync``) lets the interleaved schedule launch each chunk's parameter
+    all-gathers ahead of its first forward; without virtual stages the DDP forward pre-hooks
+    launch them."""
     from megatron.core.distributed import finalize_model_grads
 
+    def per_chunk(name: str):
+        functions = [getattr(chunk, name) for chunk in model]
+        return functions[0] if len(functions) == 1 else functions
+
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = per_chunk("no_sync")
     ddp = model[0].ddp_config
     if ddp.overlap_grad_reduce and align_grad_reduce:
-        config.grad_sync_func = model[0].start_grad_sync
+        config.grad_sync_func = per_chunk("start_grad_sync")
     if ddp.overlap_param_gather and ddp.align_param_gather:
-        config.param_sync_func = model[0].start_param_sync
+        config.param_sync_func = per_chunk("start_param_sync")
     config.finalize_model_grads_func = finalize_model_grads
 
 

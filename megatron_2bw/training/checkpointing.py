@@ -7,7 +7,8 @@ with Megatron-LM's state, so that either program resumes the other's checkpoints
 What a checkpoint holds is what Megatron-LM's ``generate_state_dict`` and ``save_checkpoint``
 (megatron/training/checkpointing.py, core_v0.16.1) write: "args" (the flags, a Namespace, with
 the data position in ``args.consumed_train_samples`` / ``consumed_valid_samples``),
-"checkpoint_version" 3.0, "iteration", "model" and "optimizer" (sharded), "opt_param_scheduler"
+"checkpoint_version" 3.0, "iteration", "model" (with virtual pipeline stages "model0",
+"model1", ... one per chunk) and "optimizer" (sharded), "opt_param_scheduler"
 (counted in samples, as Megatron-LM steps it), "rng_state" (a ShardedObject of a list of one
 dict per (PP rank, TP rank)) and "num_floating_point_operations_so_far"; plus our own keys,
 which Megatron-LM ignores: "layout" and a schedule's extras (2BW's older weight version).
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration",
+__all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration", "model_keys",
            "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -245,16 +246,35 @@ def _plain(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, torch.dtype))
 
 
+def model_keys(model: list) -> list[str]:
+    """The state-dict key of each model chunk, as Megatron-LM's ``generate_state_dict`` names
+    them: "model" for one chunk, "model0", "model1", ... for the chunks of virtual pipeline
+    stages. The sharded entries under them are keyed by global layer and parameter names, so a
+    checkpoint loads into any number of chunks."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _model_state(model: list, metadata: dict) -> dict:
+    """Each chunk's sharded state dict under its :func:`model_keys` key."""
+    return {key: chunk.module.sharded_state_dict(metadata=metadata)
+            for key, chunk in zip(model_keys(model), model)}
+
+
+def _load_model(model: list, loaded: dict) -> None:
+    for key, chunk in zip(model_keys(model), model):
+        chunk.module.load_state_dict(loaded[key])
+
+
 def _state_to_save(model, optimizer, scheduler, state: TrainState, args: argparse.Namespace,
                    metadata: dict, extra: Callable[[dict], None] | None) -> dict:
     """Megatron-LM's ``generate_state_dict`` (+ ``num_floating_point_operations_so_far``) and
-    our "layout"; ``extra`` adds a schedule's own entries. The model and optimizer entries are
+    our "layout"; ``extra`` adds a schedule's own entries. The model entries (one per chunk:
+    :func:`model_keys`) and the optimizer entries are
     keyed by global layer and parameter names (dist_checkpointing reshards them for any
     layout, as ``metadata`` (:func:`_content_metadata`) asks); the RNG state is one object per
     (PP rank, TP rank)."""
     sharded = {"args": _saved_args(args, state), "checkpoint_version": CHECKPOINT_VERSION,
-               "iteration": state.iteration,
-               "model": model[0].module.sharded_state_dict(metadata=metadata)}
+               "iteration": state.iteration, **_model_state(model, metadata)}
     if not args.no_save_optim:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=False,
                                                             metadata=metadata)
@@ -503,7 +523,7 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     loaded = dist_checkpointing.load(
         _state_to_load(model, optimizer if load_optim else None, common, load_rng,
                        None if extra is None else lambda sd: extra(sd, path)), path)
-    model[0].module.load_state_dict(loaded["model"])
+    _load_model(model, loaded)
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"], args)
         _load_scheduler(scheduler, saved_scheduler, args)
@@ -542,7 +562,7 @@ def _state_to_load(model, optimizer, common: dict, with_rng: bool,
 
     metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
-    sharded = {"model": model[0].module.sharded_state_dict(metadata=metadata)}
+    sharded = _model_state(model, metadata)
     if optimizer is not None:
         adam_steps.allocate(optimizer)  # an unstepped torch Adam has no state to load into
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=True,

@@ -32,7 +32,8 @@ __all__ = ["DataIterators", "pretrain", "Trainer"]
 
 @dataclass
 class DataIterators:
-    """Per-rank iterators; ``valid`` is a factory so every evaluation sees the same batches."""
+    """Per-rank iterators (with virtual pipeline stages, lists of one per model chunk);
+    ``valid`` is a factory so every evaluation sees the same batches."""
 
     train: object
     valid: Callable[[], object] | None
@@ -74,7 +75,8 @@ class Trainer:
         self.args = args
         self.info = distributed.initialize(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
-            force_cpu=args.cpu, timeout_minutes=args.distributed_timeout_minutes)
+            force_cpu=args.cpu, timeout_minutes=args.distributed_timeout_minutes,
+            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None))
         self.config = build.transformer_config(args, self.info.device)
         self.model = build.build_model(args, self.config, model_provider)
         self.optimizer = build.build_optimizer(args, self.model)
@@ -97,7 +99,7 @@ class Trainer:
         self.flops_per_iteration = logs.transformer_flops_per_iteration(args, vocab_size)
         self.state = self._maybe_load()
         _start_batch_size_ramp(args, self.info.rank, self.state.consumed_train_samples)
-        self.data = data_provider(args, self.state)
+        self.data = _per_chunk_data(data_provider, args, self.state, len(self.model))
         self.housekeeping = Housekeeping(args, self.info.rank, self.info.device,
                                          self.logger.print)
 
@@ -334,7 +336,8 @@ class Trainer:
                           f"{self.info.device} processes: TP={a.tensor_model_parallel_size} "
                           f"PP={a.pipeline_model_parallel_size} DP={a.data_parallel_size}, "
                           f"{a.num_microbatches} microbatches per batch"
-                          f"{' after the ramp-up' if a.rampup_batch_size else ''}")
+                          f"{' after the ramp-up' if a.rampup_batch_size else ''}"
+                          f"{_virtual_stages_note(len(self.model))}")
         while self.state.iteration < a.train_iters:
             upcoming = self.state.iteration + 1
             if stop_signal or self._pauses_after(upcoming) or self._batch_grows_after(upcoming):
@@ -382,6 +385,33 @@ class Trainer:
             if verdict.stop and stop_signal is None:
                 stop_signal = guard.received or "a stop signal on another rank"
         return stop_signal
+
+
+def _virtual_stages_note(chunks: int) -> str:
+    return "" if chunks == 1 else f", {chunks} virtual stages (model chunks) per pipeline rank"
+
+
+def _per_chunk_data(data_provider: Callable[[argparse.Namespace, TrainState], DataIterators],
+                    args: argparse.Namespace, state: TrainState, chunks: int) -> DataIterators:
+    """The data iterators the schedule takes: this rank's, or with virtual pipeline stages a
+    list of one per model chunk (what megatron-core's interleaved schedule reads, chunk i's
+    microbatches from ``data_iterator[i]``), each built by its own ``data_provider`` call
+    from the same consumed samples, as Megatron-LM's ``setup_model_and_optimizer`` builds one
+    set of iterators per virtual stage. Every chunk then reads microbatch j as its j-th
+    batch, whichever chunks of the rank read data (GPT: the first and the last virtual stage;
+    BERT: all)."""
+    if chunks == 1:
+        return data_provider(args, state)
+    sets = [data_provider(args, state) for _ in range(chunks)]
+
+    def factories(name: str):
+        made = [getattr(data, name) for data in sets]
+        if any(factory is None for factory in made):
+            return None
+        return lambda: [factory() for factory in made]
+
+    return DataIterators(train=[data.train for data in sets], valid=factories("valid"),
+                         test=factories("test"))
 
 
 def _start_batch_size_ramp(args: argparse.Namespace, rank: int, consumed_samples: int) -> None:
