@@ -695,14 +695,16 @@ def _validate_training(args: argparse.Namespace) -> None:
              f"{args.min_loss_scale:g} exceeds --initial-loss-scale {args.initial_loss_scale:g}")
     if args.train_samples is None:
         args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-        _require(args.lr_warmup_iters <= args.lr_decay_iters, "--lr-warmup-iters",
-                 f"{args.lr_warmup_iters} warm-up iterations exceed {args.lr_decay_iters} "
-                 "decay iterations")
+        # megatron-core's OptimizerParamScheduler asserts warm-up < decay steps
+        _require(args.lr_warmup_iters < args.lr_decay_iters, "--lr-warmup-iters",
+                 f"{args.lr_warmup_iters} warm-up iterations must be fewer than the "
+                 f"{args.lr_decay_iters} decay iterations (--lr-decay-iters, else --train-iters)")
     else:
         args.lr_decay_samples = args.lr_decay_samples or args.train_samples
-        _require(args.lr_warmup_samples <= args.lr_decay_samples, "--lr-warmup-samples",
-                 f"{args.lr_warmup_samples} warm-up samples exceed {args.lr_decay_samples} "
-                 "decay samples")
+        _require(args.lr_warmup_samples < args.lr_decay_samples, "--lr-warmup-samples",
+                 f"{args.lr_warmup_samples} warm-up samples must be fewer than the "
+                 f"{args.lr_decay_samples} decay samples (--lr-decay-samples, else "
+                 "--train-samples)")
     _require(args.seq_length <= args.max_position_embeddings, "--seq-length",
              f"{args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if args.recompute_granularity == "full":

@@ -375,6 +375,21 @@ def test_lr_warmup_fraction_is_megatron_lms():
                     "--lr-warmup-iters", "3"], world_size=1)
 
 
+@pytest.mark.parametrize("flags, flag", [
+    (["--train-iters", "4", "--lr-warmup-iters", "4"], "--lr-warmup-iters"),
+    (["--train-iters", "8", "--lr-decay-iters", "3", "--lr-warmup-iters", "3"], "--lr-warmup-iters"),
+    (["--train-samples", "64", "--lr-warmup-samples", "64"], "--lr-warmup-samples"),
+])
+def test_a_warm_up_as_long_as_the_decay_is_one_line(flags, flag):
+    """megatron-core's scheduler asserts warm-up < decay steps: refused before it is built."""
+    from megatron_2bw.arguments import FlagError, parse_args
+
+    at = TINY.index("--train-iters")
+    base = TINY[:at] + TINY[at + 2:]
+    with pytest.raises(FlagError, match=f"^{flag}: .* must be fewer than"):
+        parse_args([*base, "--mock-data", *flags], world_size=1)
+
+
 def test_a_transformer_engine_attention_backend_on_the_cpu_is_one_line():
     """Megatron-LM's BERT example passes --attention-backend fused: on the CPU (no
     transformer_engine) one line says it is not used, and BERT trains (megatron-core's
