@@ -223,7 +223,7 @@ def test_gpt_tokenizer_type_is_refused(sentence_data, capsys):
     import pretrain_bert_2bw
 
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_bert_2bw.main([*dist.tiny_training_flags(seq_length=64, train_iters=2),
+        pretrain_bert_2bw.main([*dist.tiny_training_flags(seq_length=64, train_iters=4),
                                 "--data-path", sentence_data.data_prefix,
                                 "--tokenizer-model", sentence_data.tokenizer_model,
                                 "--tokenizer-type", "GPTSentencePieceTokenizer"])
