@@ -61,7 +61,10 @@ class WeightVersions:
         """Point the parameters at ``version`` (a no-op when they already are)."""
         if version not in self.slot_of:
             raise KeyError(f"weight version {version} is not alive (alive: {self.alive})")
-        slot = self.slot_of[version]
+        self._point(self.slot_of[version])
+
+    def _point(self, slot: int) -> None:
+        """Point every parameter's ``.data`` at ``slot``'s tensors (a no-op when it is)."""
         if slot != self.pointed_slot:
             for p, data in zip(self.params, self.slots[slot]):
                 p.data = data
@@ -113,14 +116,7 @@ class WeightVersions:
         (``older``)."""
         if self.pointed_slot == HOME:  # the load may have given the parameters new storage
             self.slots[HOME] = [p.data for p in self.params]
-        self.use_home()
+        self._point(HOME)
         self.slot_of = {newest: HOME}
         if older is not None:
             self.slot_of[older] = 1 - HOME
-
-    def use_home(self) -> None:
-        """Point the parameters at the home slot, whatever version it holds."""
-        if self.pointed_slot != HOME:
-            for p, data in zip(self.params, self.slots[HOME]):
-                p.data = data
-            self.pointed_slot = HOME
