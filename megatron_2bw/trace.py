@@ -33,7 +33,7 @@ __all__ = ["TraceRecord", "as_record", "records_from_simulation", "to_chrome_tra
            "chrome_trace_events", "save_records", "load_records", "merge_records", "to_png",
            "stage_summary"]
 
-_KINDS = ("F", "B", "S")
+_KINDS = ("F", "B", "I", "W", "S")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class TraceRecord:
 
     stage: int
     kind: str
-    """'F' forward, 'B' backward, 'S' optimizer step (makes weight version ``version``)."""
+    """'F' forward, 'B' backward, 'I'/'W' its input-/weight-gradient parts when split, 'S'
+    optimizer step (makes weight version ``version``)."""
     microbatch: int | None
     """Global microbatch index (batch * m + j); None for a step."""
     version: int | None
@@ -93,7 +94,7 @@ def chrome_trace_events(records: Iterable, time_scale: float = 1e6) -> list[dict
     for r in records:
         name = f"S{r.version}" if r.kind == "S" else f"{r.label} v{r.version}"
         events.append({
-            "ph": "X", "name": name, "cat": {"F": "forward", "B": "backward", "S": "step"}[r.kind],
+            "ph": "X", "name": name, "cat": _CATEGORIES[r.kind],
             "pid": r.stage, "tid": _tid(r),
             "ts": r.start * time_scale, "dur": (r.end - r.start) * time_scale,
             "args": {"microbatch": r.microbatch, "version": r.version,
@@ -199,7 +200,10 @@ def _one_rank_per_stage(records: Sequence[TraceRecord]) -> dict[int, list[TraceR
 
 # --- PNG ----------------------------------------------------------------------------------------
 
-_COLOURS = {"F": "#4c8bd6", "B": "#5fb35f"}  # forward blue, backward green (paper, Figure 1)
+_COLOURS = {"F": "#4c8bd6", "B": "#5fb35f",  # forward blue, backward green (paper, Figure 1)
+            "I": "#8fd18f", "W": "#e0a040"}  # split backward: input gradient, weight gradient
+_CATEGORIES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient",
+               "S": "step"}
 _HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo")
 
 
@@ -266,8 +270,9 @@ def to_png(records: Iterable, path: str | os.PathLike, title: str | None = None,
     ax.set_axisbelow(True)
     if title:
         ax.set_title(title)
-    handles = [Patch(facecolor=_COLOURS["F"], edgecolor="black", label="forward"),
-               Patch(facecolor=_COLOURS["B"], edgecolor="black", label="backward")]
+    drawn = {r.kind for rs in per_stage.values() for r in rs}
+    handles = [Patch(facecolor=_COLOURS[kind], edgecolor="black", label=_CATEGORIES[kind])
+               for kind in ("F", "B", "I", "W") if kind in drawn]
     handles += [Patch(facecolor=shade("version", v), edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)],
                       label=f"weight version {v}") for i, v in enumerate(versions)]
     handles.append(Line2D([], [], color="#d62728", lw=2.2, label="step: new weight version"))

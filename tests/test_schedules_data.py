@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_2bw.schedules import (SCHEDULES, Action, Kind, P2P, ScheduleError, call_actions,
-                                    communication, format_actions, keeps_versions, parse_action,
-                                    parse_actions, pipeline_actions, stage_actions, validate)
+from megatron_2bw.schedules import (SCHEDULES, Action, Exchange, Kind, P2P, ScheduleError,
+                                    call_actions, communication, format_actions, fuse,
+                                    keeps_versions, parse_action, parse_actions,
+                                    pipeline_actions, pipeline_programs, stage_actions, validate)
+from megatron_2bw.schedules.actions import SENDS_GRAD
 from megatron_2bw.schedules.simulate import Costs, simulate, format_timeline
 
 F, B = 1.0, 2.0
@@ -59,8 +61,9 @@ def test_every_schedule_validates_on_the_grid():
         spec = SCHEDULES[name]
         validate(lists, m, n, version_of=lambda i, k: spec.version_of(d, m, i, k),
                  max_versions=spec.max_versions)
+        passes = 3 if name == "zb-h1" else 2  # F, I, W per microbatch, or F, B
         for actions in lists:
-            assert len(actions) == 2 * n * m + n
+            assert len(actions) == passes * n * m + n
 
 
 def test_2bw_refuses_fewer_microbatches_than_stages():
@@ -90,7 +93,7 @@ def test_per_call_lists():
             for t, actions in enumerate(calls):
                 assert actions[-1] == Action(Kind.STEP, None, t, t + 1)
                 assert all(a.kind is not Kind.STEP for a in actions[:-1])
-                backwards = [a.microbatch for a in actions if a.kind is Kind.BACKWARD]
+                backwards = [a.microbatch for a in actions if a.kind in SENDS_GRAD]
                 assert backwards == list(range(t * m, t * m + m))
                 forwards = [a.microbatch for a in actions if a.kind is Kind.FORWARD]
                 lag = d - stage - 1 if keeps_versions(name) else 0
@@ -122,7 +125,7 @@ def test_communication_pass():
                                       if stage > 0 else None)
                     assert c.send == (P2P(stage + 1, "activation", a.microbatch)
                                       if stage < d - 1 else None)
-                elif a.kind is Kind.BACKWARD:
+                elif a.kind in SENDS_GRAD:
                     assert c.recv == (P2P(stage + 1, "grad", a.microbatch)
                                       if stage < d - 1 else None)
                     assert c.send == (P2P(stage - 1, "grad", a.microbatch)
@@ -215,17 +218,24 @@ def test_2bw_pipeline_wide_step_costs_the_gradient_walk_back():
 
 
 def test_memory_declared_by_each_schedule():
-    """Peak stashed activations: m for GPipe; min(d-i, m) at stage i for Flush (d-i when m>=d);
-    d-i for 2BW and PipeDream; 1 for naive. Weight versions alive: 2 for 2BW (from the second
-    batch on) and for PipeDream but on its last stage, 1 otherwise. The simulator measures them; each schedule declares them."""
+    """Peak stashed activations: m for GPipe; min(d-i, m) at stage i for Flush (d-i when m>=d)
+    and ZB-H1 (1F1B's order of F and I); d-i for 2BW and PipeDream; 1 for naive. Pending
+    weight gradients: ZB-H1's stage i delays W by i microbatches, so right after I(j) the W's of
+    j-i..j wait: min(i+1, m); none elsewhere. Weight versions alive: 2 for 2BW (from the
+    second batch on) and for PipeDream but on its last stage, 1 otherwise. The simulator
+    measures them; each schedule declares them."""
     for name, d, m, n in cases():
         result = simulate(pipeline_actions(name, d, m, n), COSTS)
         spec = SCHEDULES[name]
         assert result.peak_stash == tuple(spec.stash(d, m, i) for i in range(d))
+        assert result.peak_weight_grads == tuple(spec.weight_grads(d, m, i) for i in range(d))
         expected = {"gpipe": [m] * d, "flush": [min(d - i, m) for i in range(d)],
+                    "zb-h1": [min(d - i, m) for i in range(d)],
                     "2bw": [d - i for i in range(d)], "pipedream": [d - i for i in range(d)],
                     "naive": [1] * d}[name]
         assert list(result.peak_stash) == expected
+        pending = [min(i + 1, m) for i in range(d)] if name == "zb-h1" else [0] * d
+        assert list(result.peak_weight_grads) == pending
         versions = [spec.max_versions] * d
         if name == "pipedream":  # the last stage has no look-ahead forward: synchronous
             versions[-1] = 1
@@ -284,6 +294,163 @@ def test_timeline_records():
         == (0, Kind.FORWARD, 0, 0, 0.0, F)
     for s in result.spans:
         assert s.end - s.start == {Kind.FORWARD: F, Kind.BACKWARD: B, Kind.STEP: 0}[s.kind]
+
+
+# --- split backward (I, W) and model chunks ----------------------------------------------------
+
+
+def test_split_backward_and_chunk_string_forms():
+    """I and W print like B; a chunk is written only when it is not 0, so every existing
+    string form stays as it was."""
+    assert str(Action(Kind.INPUT_GRAD, 3, 0, 1)) == "I3v1"
+    assert str(Action(Kind.WEIGHT_GRAD, 3, 0, 1)) == "W3v1"
+    assert str(Action(Kind.FORWARD, 3, 0, 1, chunk=0)) == "F3v1"
+    assert str(Action(Kind.BACKWARD, 5, 1, 1, chunk=2)) == "B5c2v1"
+    for text, action in (("W3v1", Action(Kind.WEIGHT_GRAD, 3, 1, 1)),
+                         ("F5c1v2", Action(Kind.FORWARD, 5, 2, 2, chunk=1)),
+                         ("I0c3v0", Action(Kind.INPUT_GRAD, 0, 0, 0, chunk=3))):
+        assert parse_action(text, microbatches=2) == action and str(action) == text
+    with pytest.raises(ValueError, match="a chunk is >= 0, and 0 for a step"):
+        Action(Kind.STEP, None, 0, 1, chunk=1)
+    with pytest.raises(ValueError, match="a chunk is >= 0"):
+        Action(Kind.FORWARD, 0, 0, 0, chunk=-1)
+    with pytest.raises(ValueError, match="not an action"):
+        parse_action("S2c1", 4)
+
+
+def test_split_backward_validation():
+    """Per microbatch: F, then B, or I and later W; the step waits for the W's."""
+    def one_stage(text: str) -> None:
+        validate([parse_actions(text, 2)], 2, 1)
+
+    one_stage("F0v0 F1v0 I0v0 I1v0 W1v0 W0v0 S1")
+    one_stage("F0v0 I0v0 F1v0 B1v0 W0v0 S1")
+    for text, why in (("F0v0 F1v0 W0v0 I0v0 I1v0 W1v0 S1", "weight gradient without an input"),
+                      ("F0v0 F1v0 I0v0 B0v0 B1v0 S1", "second backward of this microbatch"),
+                      ("F0v0 F1v0 I0v0 I1v0 W1v0 S1 W0v0", r"step before the backwards of "
+                                                           r"microbatches \[0\]"),
+                      ("F0v0 F1v0 I0v0 I1v0 W0v0", r"microbatches \[1\] miss")):
+        with pytest.raises(ScheduleError, match=why):
+            one_stage(text)
+
+
+def interleaved_gpipe(depth: int, chunks: int, microbatches: int) -> list[list[Action]]:
+    """GPipe over the virtual stages: on every stage the forwards of chunk 0, 1, ... for each
+    microbatch, then the backwards of the chunks in reverse, then the step."""
+    mbs = range(microbatches)
+    return [[Action(Kind.FORWARD, k, 0, 0, c) for c in range(chunks) for k in mbs]
+            + [Action(Kind.BACKWARD, k, 0, 0, c) for c in reversed(range(chunks)) for k in mbs]
+            + [Action(Kind.STEP, None, 0, 1)] for _ in range(depth)]
+
+
+def test_chunk_communication_follows_the_interleaved_placement():
+    """Chunk c of stage i is virtual stage c*d + i (Megatron): stage 0's chunk c receives its
+    activation from the last stage's chunk c-1 and sends it that chunk's input gradient; the
+    first and last virtual stage have no peer on one side."""
+    d, v = 3, 2
+    f = {c: Action(Kind.FORWARD, 4, 0, 0, c) for c in range(v)}
+    b = {c: Action(Kind.INPUT_GRAD, 4, 0, 0, c) for c in range(v)}
+    first = communication([f[0], f[1], b[1], b[0]], 0, d, chunks=v)
+    assert first[0].recv is None and first[0].send == P2P(1, "activation", 4, 0)
+    assert first[1].recv == P2P(2, "activation", 4, 0)  # from chunk 0 of the last stage
+    assert first[1].send == P2P(1, "activation", 4, 1)
+    assert first[2].recv == P2P(1, "grad", 4, 1) and first[2].send == P2P(2, "grad", 4, 1)
+    assert first[3].recv == P2P(1, "grad", 4, 0) and first[3].send is None
+    last = communication([f[0], f[1], b[1], b[0]], d - 1, d, chunks=v)
+    assert last[0].send == P2P(0, "activation", 4, 0)  # on to chunk 1 of stage 0
+    assert last[1].send is None and last[2].recv is None  # the model's last virtual stage
+    assert last[3].recv == P2P(0, "grad", 4, 1)
+    with pytest.raises(ValueError, match="chunk outside 0..1"):
+        communication([Action(Kind.FORWARD, 0, 0, 0, chunk=2)], 0, d, chunks=v)
+
+
+def test_chunks_in_the_simulator_and_nccl_mode():
+    """GPipe over V*d virtual stages with m >= d: the forward of chunk c on stage 0 needs the
+    last stage's chunk c-1, which is done exactly when stage 0 finished the m forwards of chunk
+    c-1 (m >= d), so no stage idles between its first and last pass: by hand, the GPipe
+    makespan with V*m chunk-microbatches, (V m + d - 1)(F + B); with one microbatch the passes
+    run one at a time, V d (F + B). In NCCL mode, with the wrap-around transfers, the same for
+    m <= d; with m > d the last stage's first wrap-around send waits for stage 0 to receive it,
+    which stage 0 does only after its m chunk-0 forwards, whose sends the last stage receives
+    only after that send: a rendezvous deadlock the simulator reports (Megatron's interleaved
+    1F1B receives the wrap-around activations between the forwards instead)."""
+    for d in (2, 3, 4):
+        for v in (2, 3):
+            for m in (1, d, 2 * d):
+                lists = interleaved_gpipe(d, v, m)
+                validate(lists, m, 1)
+                expected = v * d * (F + B) if m == 1 else (v * m + d - 1) * (F + B)
+                assert simulate(lists, COSTS).makespan == expected, (d, v, m)
+                programs = [fuse(actions, i, d, {p: lists[p] for p in {(i - 1) % d, (i + 1) % d}
+                                                 if p != i}, chunks=v)
+                            for i, actions in enumerate(lists)]
+                assert any(isinstance(step, Exchange) and step.transfers[0].chunk
+                           for program in programs for step in program)
+                if m <= d:
+                    assert simulate(programs, COSTS).makespan == expected, (d, v, m)
+                else:
+                    with pytest.raises(ScheduleError, match=f"deadlock(.|\n)*stage {d - 1} at "
+                                                            r"\{sa0:0"):
+                        simulate(programs, COSTS)
+    lists = interleaved_gpipe(2, 2, 1)
+    spans = {(s.stage, s.kind, s.chunk): s for s in simulate(lists, COSTS).spans}
+    assert spans[0, Kind.FORWARD, 1].start == spans[1, Kind.FORWARD, 0].end == 2 * F
+    assert spans[1, Kind.BACKWARD, 0].start == spans[0, Kind.BACKWARD, 1].end
+
+
+# --- ZB-H1 ------------------------------------------------------------------------------------
+
+
+def zbh1_costs(forward: float, input_grad: float, weight_grad: float) -> Costs:
+    return Costs(forward=forward, backward=input_grad + weight_grad, weight_grad=weight_grad)
+
+
+def test_zbh1_bubble_is_the_papers():
+    """Qi et al., ICLR 2024, Section 2.1: with T_F, T_B (input gradient) and T_W per
+    microbatch, ZB-H1's bubble is (d-1)(T_F + T_B - T_W) against 1F1B's (d-1)(T_F + T_B + T_W)
+    (flush runs B = I + W fused). Each stage works m(T_F + T_B + T_W) per batch and every batch
+    fills and drains, so the makespan of n batches is n(m(T_F+T_B+T_W) + bubble). Equal costs,
+    and unequal ones with T_W <= min(T_F, T_B), where the W's fit the gaps they fill; m >= d."""
+    n = 2
+    for f, b, w in ((1, 1, 1), (1, 1.5, 0.5), (2, 1, 1), (1, 3, 1), (1.5, 2, 1)):
+        costs = zbh1_costs(f, b, w)
+        for d in (2, 3, 4, 6):
+            for m in (d, 2 * d, 3 * d + 1):
+                work = m * (f + b + w)
+                zb = simulate(pipeline_actions("zb-h1", d, m, n), costs)
+                assert zb.makespan == pytest.approx(n * (work + (d - 1) * (f + b - w)))
+                assert zb.bubble == pytest.approx((d - 1) * (f + b - w)
+                                                  / (work + (d - 1) * (f + b - w)))
+                flush = simulate(pipeline_actions("flush", d, m, n), costs)
+                assert flush.makespan == pytest.approx(n * (work + (d - 1) * (f + b + w)))
+
+
+def test_zbh1_keeps_1f1b_memory():
+    """Per stage, the microbatches between F and I peak at flush's (1F1B's) count, the same
+    weight version throughout; those waiting for their W peak at min(i+1, m)."""
+    for d in (2, 3, 4, 8):
+        for m in (1, d - 1, d, 2 * d):
+            if m < 1:
+                continue
+            zb = simulate(pipeline_actions("zb-h1", d, m, 2), COSTS)
+            flush = simulate(pipeline_actions("flush", d, m, 2), COSTS)
+            assert zb.peak_stash == flush.peak_stash, (d, m)
+            assert zb.peak_weight_grads == tuple(min(i + 1, m) for i in range(d))
+            assert zb.max_versions == (1,) * d
+
+
+def test_zbh1_deadlock_free_under_nccl_rules():
+    """The programs the executor runs, d in {2, 4}, m in {d, 2d}, with a drain: no deadlock
+    under NCCL's rendezvous, and the buffered makespan (the W's around the exchanges never hold
+    a neighbour up), for equal costs and for T_W < T_F, T_B."""
+    for d in (2, 4):
+        for m in (d, 2 * d):
+            programs = pipeline_programs("zb-h1", d, m, 3, drains=[0])
+            buffered = pipeline_actions("zb-h1", d, m, 3, drains=[0])
+            for costs in (zbh1_costs(1, 1, 1), zbh1_costs(1, 1.5, 0.5)):
+                for sync in ("local", "pipeline"):
+                    assert simulate(programs, costs, step_sync=sync).makespan == pytest.approx(
+                        simulate(buffered, costs, step_sync=sync).makespan), (d, m, sync)
 
 
 # --- broken schedules ------------------------------------------------------------------------
@@ -378,3 +545,18 @@ def test_golden(name, d, m, n, drains):
               if line.startswith("stage ")]
     assert [parse_actions(line, m) for line in stages] == pipeline_actions(name, d, m, n,
                                                                             drains=drains)
+
+
+def test_zbh1_refuses_activation_recomputation():
+    """Megatron's reentrant recomputation runs a nested backward that would make parameter
+    gradients in I and again in W: the flags refuse the combination in one line."""
+    from megatron_2bw.arguments import FlagError, parse_args
+
+    flags = ["--cpu", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--mock-data", "--lr", "1e-3", "--train-iters", "2",
+             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    assert parse_args(flags, world_size=2).num_microbatches == 4
+    for granularity in (["full", "--recompute-method", "uniform"], ["selective"]):
+        with pytest.raises(FlagError, match="not with --pipeline-schedule zb-h1"):
+            parse_args(flags + ["--recompute-granularity", *granularity], world_size=2)

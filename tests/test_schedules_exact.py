@@ -8,9 +8,11 @@ its pipeline-stage and tensor-parallel slice) and reads deterministic random mic
 data-parallel replica its own. Weights are compared by the norm-based relative error over all
 parameters, ||W - W_ref|| / ||W_ref||.
 
-1. flush, gpipe, naive: after 5 iterations equal to (a) a PP=1 run with gradient accumulation
-   over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
-   Grid: d=2, w=2 (4 processes), m=4; tied embeddings.
+1. flush, gpipe, naive, zb-h1: after 5 iterations equal to (a) a PP=1 run with gradient
+   accumulation over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
+   Grid: d=2, w=2 (4 processes), m=4; tied embeddings. zb-h1 (split backward: the input
+   gradient first, the parameter gradients later by a second traversal) also at m=2 in the
+   same processes, and at d=4 in 3.
 2. 2bw: after 6 iterations equal to W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))), and far from the
    synchronous result. Grid (d, m, w, recompute, TP, tie), covering each of d=2/4, m=d/2d,
    w=1/2, full recomputation on/off, TP=2, untied embeddings:
@@ -25,7 +27,7 @@ parameters, ||W - W_ref|| / ||W_ref||.
    otherwise; each stage steps after its own backwards), and far from 2BW's result. Grid:
        d=2 m=2 w=1 tied       d=2 m=4 w=2 untied
        d=4 m=4 w=1 recompute  d=4 m=8 w=1 step at the loop
-3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive each finish 10 iterations within a hard
+3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive, zb-h1 each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
    in flight): every rank exits non-zero by itself, printing "error: pipeline stage ... failed at
@@ -67,7 +69,7 @@ WORKER = REPO / "tests" / "schedule_worker.py"
 TOLERANCE = 1e-6
 DISTINCT = 1e-3  # the other update rule's result lies at least this far away
 ADAM_EPS = 1e-6
-SYNC_SCHEDULES = ("flush", "gpipe", "naive")
+SYNC_SCHEDULES = ("flush", "gpipe", "naive", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Case:
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
+ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and d=4 below
 TWOBW_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3),
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, deferred=False),
@@ -156,7 +159,8 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
 def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
-    for label, cases in (("sync", SYNC_CASES), ("2bw", TWOBW_CASES + PIPEDREAM_CASES)):
+    for label, cases in (("sync", SYNC_CASES + ZBH1_CASES),
+                         ("2bw", TWOBW_CASES + PIPEDREAM_CASES)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
@@ -173,7 +177,7 @@ def _groups() -> dict:
 
 def _reference_jobs() -> dict:
     jobs = {}
-    for case in SYNC_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES:
+    for case in SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES:
         for rule in {"sync", "2bw", case.rule}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
@@ -338,6 +342,15 @@ def test_synchronous_schedules_match_reference_and_megatron(launch):
         assert error <= TOLERANCE, f"{case.name} vs megatron: {error:.3g}"
         for replica, seen in losses.items():
             assert seen == pytest.approx(megatron_losses[replica], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("case", ZBH1_CASES, ids=lambda case: case.name)
+def test_zbh1_matches_gradient_accumulation(launch, case):
+    """ZB-H1 with m = d: each W runs after its I, most of them after later microbatches'
+    forwards; the parameter gradients still sum once per microbatch (DDP's hooks fire in W
+    only), so the weights are the PP=1 gradient-accumulation reference's."""
+    launch.finished(f"sync-world{case.world}")
+    _check_against_reference(launch, case)
 
 
 # ---- 2. 2BW ------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
     python tools/bench_schedules.py [--depth 2 --microbatches 2 --iters 20 --warmup 3]
 
-Every schedule (2bw, flush, gpipe, naive, and megatron = Megatron's own 1F1B) trains the
-same GPT with PP = d on d single-threaded CPU processes (one stage per core, gloo p2p), and so
-does the same model on ONE process (PP = 1, same global batch) for the bubble-free ideal:
+Every schedule (2bw, flush, gpipe, pipedream, zb-h1, naive, and megatron = Megatron's own 1F1B)
+trains the same GPT with PP = d on d single-threaded CPU processes (one stage per core, gloo
+p2p), and so does the same model on ONE process (PP = 1, same global batch) for the
+bubble-free ideal:
 
     ideal time per iteration = single-process time / d
 
@@ -22,8 +23,8 @@ A stage's time per iteration is the median of its measured iterations; the table
 slowest stage. Training data are random tokens (the data pipeline is not what is measured).
 
 Memory columns, per stage: peak stashed activations (microbatches forwarded and not yet
-backwarded) from the simulator on the schedule's action lists (Megatron's 1F1B has PipeDream-
-Flush's order); their bytes = count x the tensors one microbatch's forward saves for backward
+backwarded; for zb-h1, not yet through their W, since its W re-traverses the kept graph) from the
+schedule's action lists (Megatron's 1F1B has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves for backward
 on that stage (measured with autograd's saved-tensor hooks, parameters excluded; the
 boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes x
 the weight versions the schedule keeps (2 for 2BW).
@@ -345,10 +346,20 @@ def _paired(numerators: list[float], denominators: list[float], scale: float = 1
 
 
 def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
-    from megatron_2bw.schedules import pipeline_actions, simulate
+    """Per stage, the most microbatches whose autograd graph the executor holds at once: from
+    F to B, or from F to W where the backward is split (zb-h1's W traverses the graph again)."""
+    from megatron_2bw.schedules import Kind, pipeline_actions
+    from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
 
     order = "flush" if schedule == "megatron" else schedule  # Megatron's 1F1B = Flush's order
-    return list(simulate(pipeline_actions(order, depth, microbatches, 3)).peak_stash)
+    peaks = []
+    for actions in pipeline_actions(order, depth, microbatches, 3):
+        held = peak = 0
+        for a in actions:
+            held += (a.kind is Kind.FORWARD) - (a.kind in MAKES_PARAM_GRADS)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 def _versions(schedule: str) -> int:

@@ -36,7 +36,9 @@ steps, e.g. on a cluster:
 
 ``--batches A:B`` draws only batches A..B-1 (0-indexed; a real run's first call fills the
 pipeline and its last drains it). Only this package's schedules record
-(``--pipeline-schedule 2bw|flush|gpipe|naive``); Megatron's own 1F1B has no timeline hook.
+(``--pipeline-schedule 2bw|flush|gpipe|pipedream|zb-h1|naive``); Megatron's own 1F1B has no
+timeline hook. zb-h1's split backward shows as I (input gradient) and W (weight gradient)
+boxes; ``--weight-grad`` sets W's share of ``--backward`` in a simulation.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def _draw_parser() -> argparse.ArgumentParser:
                    help="forward time (--simulate)")
     p.add_argument("--backward", type=positive_float, default=2.0,
                    help="backward time (--simulate)")
+    p.add_argument("--weight-grad", type=positive_float, default=None,
+                   help="the weight-gradient part of --backward, for split backwards (zb-h1; "
+                        "--simulate; default: half of it)")
     p.add_argument("--p2p", type=nonneg_float, default=0.0,
                    help="transfer latency (--simulate)")
     _add_outputs(p)
@@ -153,8 +158,9 @@ def _print_summary(records, real: bool) -> None:
     scale, unit = (1e3, "ms") if real else (1.0, "")
     for stage, s in trace.stage_summary(records).items():
         busy = s["busy"]
+        split = "".join(f"{k} {busy[k] * scale:.1f}{unit}  " for k in "IW" if busy[k])
         print(f"stage {stage}: F {busy['F'] * scale:.1f}{unit}  B {busy['B'] * scale:.1f}{unit}  "
-              f"S {busy['S'] * scale:.1f}{unit}  idle {s['idle'] * scale:.1f}{unit} of "
+              f"{split}S {busy['S'] * scale:.1f}{unit}  idle {s['idle'] * scale:.1f}{unit} of "
               f"{s['span'] * scale:.1f}{unit}  (longest gap {s['longest_gap'] * scale:.1f}{unit})")
 
 
@@ -182,7 +188,11 @@ def _simulate(args: argparse.Namespace) -> int:
         actions = pipeline_actions(args.schedule, args.depth, args.microbatches, batches)
     except ValueError as err:  # e.g. 2bw with fewer microbatches than stages
         raise ToolError("--microbatches", str(err)) from None
-    result = simulate(actions, Costs(args.forward, args.backward, p2p=args.p2p))
+    if args.weight_grad is not None and args.weight_grad >= args.backward:
+        raise ToolError("--weight-grad", f"{args.weight_grad:g} must be less than --backward "
+                                         f"{args.backward:g}, of which it is a part")
+    result = simulate(actions, Costs(args.forward, args.backward, p2p=args.p2p,
+                                     weight_grad=args.weight_grad))
     records = trace.records_from_simulation(result)
     title = args.title or (f"{args.schedule}: d={args.depth}, m={args.microbatches}, "
                            f"{batches} batches (simulated; bubble {result.bubble:.0%})")

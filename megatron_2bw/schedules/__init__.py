@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW,
-PipeDream with weight stashing and naive model parallelism, one Megatron call (one batch) at a
-time or for a whole training.
+PipeDream with weight stashing, ZB-H1 (zero bubble, split backward) and naive model
+parallelism, one Megatron call (one batch) at a time or for a whole training.
 
     call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
     pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
@@ -26,6 +26,7 @@ from .naive import naive
 from .pipedream import pipedream, pipedream_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
 from .twobw import twobw, twobw_version
+from .zbh1 import zbh1
 
 __all__ = [
     "Action", "Kind", "P2P", "Comms", "ScheduleError", "ScheduleSpec", "SCHEDULES",
@@ -52,7 +53,10 @@ class ScheduleSpec:
     """Weight versions a stage holds at most (the newest and those stashed microbatches read)."""
     stash: Callable[[int, int, int], int]
     """(depth, microbatches, stage) -> peak stashed activations (microbatches forwarded and not
-    yet backwarded) on that stage."""
+    yet through their B or I) on that stage."""
+    weight_grads: Callable[[int, int, int], int] = lambda d, m, i: 0
+    """(depth, microbatches, stage) -> peak microbatches whose input gradient ran and whose
+    weight gradient has not (0 for schedules with a fused backward)."""
 
 
 def _batch_reads(version_of_batch: Callable[[int], int]) -> Callable[[int, int, int, int], int]:
@@ -71,6 +75,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "pipedream": ScheduleSpec("pipedream", pipedream, pipedream_version, 2,
                               lambda d, m, i: d - i),
     "naive": ScheduleSpec("naive", naive, _batch_reads(lambda b: b), 1, lambda d, m, i: 1),
+    # ZB-H1 (Qi et al., ICLR 2024, Section 2.1): flush's order and stash, W(j-i) after I(j).
+    "zb-h1": ScheduleSpec("zb-h1", zbh1, _batch_reads(lambda b: b), 1,
+                          lambda d, m, i: min(d - i, m), lambda d, m, i: min(i + 1, m)),
 }
 """Our schedules (``--pipeline-schedule``; "megatron" is megatron-core's own). Those holding
 more than one weight version never flush: a call leaves microbatches in flight."""

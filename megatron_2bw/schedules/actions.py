@@ -5,7 +5,17 @@ by stage, for the whole pipeline):
 
     F3v1   forward of microbatch 3 with weight version 1
     B3v1   backward of microbatch 3 (same version as its forward)
+    I3v1   input-gradient part of that backward: the gradient of the stage's input only
+    W3v1   weight-gradient part: the parameter gradients, any time after I3v1
     S2     optimizer step after batch 1: makes weight version 2
+    F3c1v1 forward of microbatch 3 on the stage's model chunk 1 (virtual stage); chunk 0 is
+           not written
+
+A microbatch's backward on a stage is either one fused B (the common case) or an I followed,
+later, by its W (zero-bubble schedules, Qi et al., ICLR 2024, Section 2, where the input
+gradient is called B; the letters here are those of torch.distributed.pipelining, which keeps
+B for the whole backward). With V model chunks
+per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement).
 
 Microbatches are numbered globally across batches from 0: batch b holds microbatches
 b*m .. b*m+m-1, with m microbatches per batch. Version 0 is the initial weights; the step after
@@ -13,8 +23,10 @@ batch b makes version b+1. Which version a batch reads is the schedule's rule (G
 naive: b; 2BW: max(b-1, 0), PipeDream-2BW Section 3.1).
 
 Communication is implied by the order and is derived here by a pure pass (`communication`):
-stage i's F(k) receives stage i-1's output of F(k), stage i's B(k) receives the gradient from
-stage i+1's B(k).
+stage i's F(k) receives stage i-1's output of F(k), stage i's B(k) (or I(k)) receives the
+gradient from stage i+1's B(k) (or I(k)); W sends and receives nothing. With chunks, the
+neighbours are those of the virtual stage: the forward of chunk c on stage 0 receives from chunk
+c-1 on the last stage, whose backward receives from chunk c on stage 0.
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ from typing import Callable, Literal, NoReturn, Sequence
 
 __all__ = [
     "Kind",
+    "SENDS_GRAD",
+    "MAKES_PARAM_GRADS",
     "Action",
     "P2P",
     "Comms",
@@ -34,6 +48,7 @@ __all__ = [
     "format_actions",
     "parse_actions",
     "communication",
+    "virtual_neighbour",
     "format_grid",
     "validate",
 ]
@@ -41,8 +56,16 @@ __all__ = [
 
 class Kind(str, enum.Enum):
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward: input and weight gradients
+    INPUT_GRAD = "I"  # the input-gradient part of a backward
+    WEIGHT_GRAD = "W"  # the weight-gradient part, after the microbatch's I
     STEP = "S"  # optimizer step: makes a new weight version
+
+
+SENDS_GRAD = (Kind.BACKWARD, Kind.INPUT_GRAD)
+"""The kinds that receive the output gradient and send the input gradient upstream."""
+MAKES_PARAM_GRADS = (Kind.BACKWARD, Kind.WEIGHT_GRAD)
+"""The kinds that accumulate parameter gradients: a microbatch's backward is done after one."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,8 @@ class Action:
     Roughly, on stage i:
         F: point weights at `version`; x = recv(i-1) or data; y = chunk(x); stash; send(y, i+1)
         B: point weights at `version`; g = recv(i+1) or loss; backward(stash[mb], g); send(dx, i-1)
+        I: as B, but only dx is computed; the graph is kept for the microbatch's W
+        W: the parameter gradients of the kept graph; sends nothing
         S: optimizer step on the accumulated gradients of `batch`; the result is `version`
     """
 
@@ -61,34 +86,42 @@ class Action:
     batch: int
     """Batch the microbatch belongs to; for a step, the batch whose gradients it applies."""
     version: int
-    """Weight version read (F, B) or made (S; always batch + 1)."""
+    """Weight version read (F, B, I, W) or made (S; always batch + 1)."""
+    chunk: int = 0
+    """Model chunk (virtual stage) of the stage the action runs on; 0 for a step, which
+    covers all of the stage's chunks."""
 
     def __post_init__(self) -> None:
         if (self.kind is Kind.STEP) != (self.microbatch is None):
-            raise ValueError(f"a step has no microbatch and F/B need one: {self!r}")
+            raise ValueError(f"a step has no microbatch and F/B/I/W need one: {self!r}")
         if self.kind is Kind.STEP and self.version != self.batch + 1:
             raise ValueError(f"the step after batch {self.batch} makes version "
                              f"{self.batch + 1}, not {self.version}")
+        if self.chunk < 0 or (self.kind is Kind.STEP and self.chunk != 0):
+            raise ValueError(f"a chunk is >= 0, and 0 for a step: {self!r}")
 
     def __str__(self) -> str:
         if self.kind is Kind.STEP:
             return f"S{self.version}"
-        return f"{self.kind.value}{self.microbatch}v{self.version}"
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.kind.value}{self.microbatch}{chunk}v{self.version}"
 
 
-_ACTION_RE = re.compile(r"([FB])(\d+)v(\d+)|S(\d+)")
+_ACTION_RE = re.compile(r"([FBIW])(\d+)(?:c(\d+))?v(\d+)|S(\d+)")
 
 
 def parse_action(text: str, microbatches: int) -> Action:
     """Inverse of `str(action)`; `microbatches` (m per batch) gives the batch of a microbatch."""
     match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"not an action: {text!r} (expected like 'F3v1', 'B3v1' or 'S2')")
-    kind, microbatch, version, step_version = match.groups()
+        raise ValueError(f"not an action: {text!r} (expected like 'F3v1', 'B3v1', 'I3v1', "
+                         "'W3v1', 'F3c1v1' or 'S2')")
+    kind, microbatch, chunk, version, step_version = match.groups()
     if step_version is not None:
         return Action(Kind.STEP, None, int(step_version) - 1, int(step_version))
     microbatch = int(microbatch)
-    return Action(Kind(kind), microbatch, microbatch // microbatches, int(version))
+    return Action(Kind(kind), microbatch, microbatch // microbatches, int(version),
+                  int(chunk or 0))
 
 
 def format_actions(actions: Sequence[Action]) -> str:
@@ -111,8 +144,11 @@ class P2P:
     peer: int
     """Stage at the other end."""
     tensor: Literal["activation", "grad"]
-    """Forward output (F) or gradient of the stage's input (B)."""
+    """Forward output (F) or gradient of the stage's input (B, I)."""
     microbatch: int
+    chunk: int = 0
+    """Model chunk of the sending side's action (the one that made the tensor): with chunks,
+    (tensor, microbatch, chunk) names a transfer on a pair of stages."""
 
 
 @dataclass(frozen=True)
@@ -123,21 +159,44 @@ class Comms:
     send: P2P | None
 
 
-def communication(actions: Sequence[Action], stage: int, depth: int) -> list[Comms]:
-    """For each action of `stage`'s list, the transfers it implies.
+def virtual_neighbour(stage: int, chunk: int, step: int, depth: int,
+                       chunks: int) -> tuple[int, int] | None:
+    """(stage, chunk) of virtual stage ``chunk*depth + stage + step`` (step +-1), None past
+    either end of the model (Megatron's interleaved placement: chunk c of stage i holds
+    virtual stage c*d + i)."""
+    virtual = chunk * depth + stage + step
+    if not 0 <= virtual < depth * chunks:
+        return None
+    return virtual % depth, virtual // depth
 
-    F(k) receives F(k)'s activation from stage-1 and sends its output to stage+1; B(k) receives
-    the output gradient from stage+1 and sends its input gradient to stage-1; the first and last
-    stage have no peer on one side; steps communicate nothing point-to-point.
+
+def communication(actions: Sequence[Action], stage: int, depth: int, *,
+                  chunks: int = 1) -> list[Comms]:
+    """For each action of `stage`'s list, the transfers it implies, with `chunks` model chunks
+    per stage.
+
+    F(k) receives F(k)'s activation from the previous virtual stage and sends its output to the
+    next; B(k) and I(k) receive the output gradient from the next virtual stage and send their
+    input gradient to the previous; the first and last virtual stage have no peer on one side;
+    W and steps communicate nothing point-to-point. With one chunk the previous virtual stage
+    is stage-1 and the next stage+1; with V chunks, chunk c of stage 0 follows chunk c-1 of
+    stage d-1.
     """
+    if chunks > 1 and depth < 2:
+        raise ValueError(f"{chunks} model chunks per stage need at least 2 stages, got {depth}")
     comms = []
     for a in actions:
+        if a.kind is not Kind.STEP and not 0 <= a.chunk < chunks:
+            raise ValueError(f"{a} on stage {stage}: chunk outside 0..{chunks - 1}")
+        before, after = (virtual_neighbour(stage, a.chunk, step, depth, chunks)
+                         for step in (-1, 1))
         if a.kind is Kind.FORWARD:
-            recv = P2P(stage - 1, "activation", a.microbatch) if stage > 0 else None
-            send = P2P(stage + 1, "activation", a.microbatch) if stage < depth - 1 else None
-        elif a.kind is Kind.BACKWARD:
-            recv = P2P(stage + 1, "grad", a.microbatch) if stage < depth - 1 else None
-            send = P2P(stage - 1, "grad", a.microbatch) if stage > 0 else None
+            recv = None if before is None else P2P(before[0], "activation", a.microbatch,
+                                                   before[1])
+            send = None if after is None else P2P(after[0], "activation", a.microbatch, a.chunk)
+        elif a.kind in SENDS_GRAD:
+            recv = None if after is None else P2P(after[0], "grad", a.microbatch, after[1])
+            send = None if before is None else P2P(before[0], "grad", a.microbatch, a.chunk)
         else:
             recv = send = None
         comms.append(Comms(recv, send))
@@ -169,82 +228,117 @@ def format_grid(schedule: Sequence[Sequence[Action]],
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batches: int, *,
              version_of: Callable[[int, int], int] | None = None,
              max_versions: int | None = None) -> None:
-    """Raise `ScheduleError` unless on every stage: each microbatch of the `num_batches` batches
-    has exactly one F and then one B, with the same version (`version_of(stage, microbatch)`
-    if given); a
-    forward reads a version already made; the step after batch b comes after all of b's
-    backwards, one per batch in order; and at most `max_versions` weight versions are alive
-    (the newest plus those read by stashed microbatches). Across stages: each stage receives
-    activations and gradients in the order its neighbour sends them."""
-    total = microbatches * num_batches
+    """Raise `ScheduleError` unless on every stage and for every model chunk (V = one more than
+    the largest chunk in the schedule): each microbatch of the `num_batches` batches has exactly
+    one F and then either one B or one I and later one W, all with the same version
+    (`version_of(stage, microbatch)` if given); a forward reads a version already made; the
+    step after batch b comes after all of b's backwards (B or W), one per batch in order; and
+    at most `max_versions` weight versions are alive (the newest plus those read by
+    microbatches forwarded and not yet through their B or W). Across stages: each stage
+    receives activations and gradients in the order its neighbours send them."""
+    chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
     for stage, actions in enumerate(schedule):
-        def fail(position: int, why: str) -> NoReturn:
-            raise ScheduleError(f"stage {stage}, step {position} ({actions[position]}): {why}\n"
-                                + format_grid(schedule, {stage: position}))
+        _validate_stage(schedule, stage, microbatches, num_batches, chunks, version_of,
+                        max_versions)
+    _check_channel_order(schedule, chunks)
 
-        stashed: dict[int, int] = {}  # microbatch -> version, forwarded and not yet backwarded
-        done: set[int] = set()
-        newest = 0
-        for j, a in enumerate(actions):
-            if a.kind is not Kind.STEP:
-                if not 0 <= a.microbatch < total:
-                    fail(j, f"microbatch outside 0..{total - 1}")
-                if a.batch != a.microbatch // microbatches:
-                    fail(j, f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
-                            f"{a.microbatch // microbatches} with m={microbatches}")
-                if version_of is not None and a.version != version_of(stage, a.microbatch):
-                    fail(j, f"microbatch {a.microbatch} reads version "
-                            f"{version_of(stage, a.microbatch)} on this stage")
-            if a.kind is Kind.FORWARD:
-                if a.microbatch in stashed or a.microbatch in done:
-                    fail(j, "second forward of this microbatch")
-                if a.version > newest:
-                    fail(j, f"version {a.version} not made yet (newest is {newest})")
-                stashed[a.microbatch] = a.version
-            elif a.kind is Kind.BACKWARD:
-                if a.microbatch not in stashed:
-                    fail(j, "backward without a forward before it" if a.microbatch not in done
-                         else "second backward of this microbatch")
-                if stashed.pop(a.microbatch) != a.version:
-                    fail(j, "backward reads another version than its forward")
-                done.add(a.microbatch)
+
+def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatches: int,
+                    num_batches: int, chunks: int, version_of: Callable[[int, int], int] | None,
+                    max_versions: int | None) -> None:
+    """`validate`'s checks on one stage's list."""
+    actions, total = schedule[stage], microbatches * num_batches
+
+    def fail(position: int, why: str) -> NoReturn:
+        raise ScheduleError(f"stage {stage}, step {position} ({actions[position]}): {why}\n"
+                            + format_grid(schedule, {stage: position}))
+
+    stashed: dict[tuple[int, int], int] = {}  # (microbatch, chunk) -> version, before B or I
+    pending: dict[tuple[int, int], int] = {}  # after I, before W
+    done: set[tuple[int, int]] = set()
+    newest = 0
+    for j, a in enumerate(actions):
+        key = (a.microbatch, a.chunk)
+        if a.kind is not Kind.STEP:
+            if not 0 <= a.microbatch < total:
+                fail(j, f"microbatch outside 0..{total - 1}")
+            if a.batch != a.microbatch // microbatches:
+                fail(j, f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
+                        f"{a.microbatch // microbatches} with m={microbatches}")
+            if version_of is not None and a.version != version_of(stage, a.microbatch):
+                fail(j, f"microbatch {a.microbatch} reads version "
+                        f"{version_of(stage, a.microbatch)} on this stage")
+        if a.kind is Kind.FORWARD:
+            if key in stashed or key in pending or key in done:
+                fail(j, "second forward of this microbatch")
+            if a.version > newest:
+                fail(j, f"version {a.version} not made yet (newest is {newest})")
+            stashed[key] = a.version
+        elif a.kind in SENDS_GRAD:
+            if key not in stashed:
+                fail(j, "second backward of this microbatch" if key in pending or key in done
+                     else "backward without a forward before it")
+            if stashed.pop(key) != a.version:
+                fail(j, "backward reads another version than its forward")
+            if a.kind is Kind.INPUT_GRAD:
+                pending[key] = a.version
             else:
-                if a.version != newest + 1:
-                    fail(j, f"steps out of order: the next step makes version {newest + 1}")
-                first = a.batch * microbatches
-                missing = [k for k in range(first, first + microbatches) if k not in done]
-                if missing:
-                    fail(j, f"step before the backwards of microbatches {missing}")
-                newest = a.version
-            alive = {newest, *stashed.values()}
-            if max_versions is not None and len(alive) > max_versions:
-                fail(j, f"{len(alive)} weight versions alive {sorted(alive)}, "
-                        f"at most {max_versions} allowed")
-        if stashed or len(done) != total:
-            missing = sorted(set(range(total)) - done)
-            raise ScheduleError(f"stage {stage}: microbatches {missing[:8]}"
-                                f"{' ...' if len(missing) > 8 else ''} miss a forward or a "
-                                f"backward\n" + format_grid(schedule))
-        if newest != num_batches:
-            raise ScheduleError(f"stage {stage}: {newest} steps for {num_batches} batches\n"
-                                + format_grid(schedule))
-    _check_channel_order(schedule)
+                done.add(key)
+        elif a.kind is Kind.WEIGHT_GRAD:
+            if key not in pending:
+                fail(j, "weight gradient without an input gradient before it")
+            if pending.pop(key) != a.version:
+                fail(j, "weight gradient reads another version than its forward")
+            done.add(key)
+        else:
+            if a.version != newest + 1:
+                fail(j, f"steps out of order: the next step makes version {newest + 1}")
+            first = a.batch * microbatches
+            missing = [k for k in range(first, first + microbatches) for c in range(chunks)
+                       if (k, c) not in done]
+            if missing:
+                fail(j, f"step before the backwards of microbatches {sorted(set(missing))}")
+            newest = a.version
+        alive = {newest, *stashed.values(), *pending.values()}
+        if max_versions is not None and len(alive) > max_versions:
+            fail(j, f"{len(alive)} weight versions alive {sorted(alive)}, "
+                    f"at most {max_versions} allowed")
+    if stashed or pending or len(done) != total * chunks:
+        missing = sorted({k for k in range(total) for c in range(chunks) if (k, c) not in done})
+        raise ScheduleError(f"stage {stage}: microbatches {missing[:8]}"
+                            f"{' ...' if len(missing) > 8 else ''} miss a forward or a "
+                            f"backward\n" + format_grid(schedule))
+    if newest != num_batches:
+        raise ScheduleError(f"stage {stage}: {newest} steps for {num_batches} batches\n"
+                            + format_grid(schedule))
 
 
-def _check_channel_order(schedule: Sequence[Sequence[Action]]) -> None:
+def _check_channel_order(schedule: Sequence[Sequence[Action]], chunks: int) -> None:
     """Point-to-point messages between two stages are matched in order (Megatron's p2p has no
-    tags), so a stage must receive in the order its neighbour sends: activations from stage
-    i-1 in stage i-1's forward order, gradients from stage i+1 in stage i+1's backward order."""
-    def order(actions: Sequence[Action], kind: Kind) -> list[tuple[int, int]]:
-        return [(a.microbatch, j) for j, a in enumerate(actions) if a.kind is kind]
+    tags), so a stage must receive each kind of tensor in the order its neighbour sends it:
+    activations in the sender's forward order, gradients in its backward order."""
+    depth = len(schedule)
+    comms = [communication(actions, stage, depth, chunks=chunks)
+             for stage, actions in enumerate(schedule)]
 
-    for stage in range(len(schedule) - 1):
-        for kind, sender, receiver in ((Kind.FORWARD, stage, stage + 1),
-                                       (Kind.BACKWARD, stage + 1, stage)):
-            sent = order(schedule[sender], kind)
-            for (k_sent, _), (k_recv, j) in zip(sent, order(schedule[receiver], kind)):
-                if k_sent != k_recv:
-                    raise ScheduleError(
-                        f"stage {receiver}, step {j} ({schedule[receiver][j]}): receives "
-                        f"microbatch {k_recv} from stage {sender}, which sends microbatch "
-                        f"{k_sent} at that point\n" + format_grid(schedule, {receiver: j}))
+    def order(stage: int, op: str, peer: int, tensor: str) -> list[tuple[int, int, int]]:
+        found = []
+        for j, c in enumerate(comms[stage]):
+            p2p = c.send if op == "send" else c.recv
+            if p2p is not None and p2p.peer == peer and p2p.tensor == tensor:
+                found.append((p2p.microbatch, p2p.chunk, j))
+        return found
+
+    for sender in range(depth):
+        for receiver in {sender - 1, sender + 1, (sender + 1) % depth, (sender - 1) % depth}:
+            if receiver == sender or not 0 <= receiver < depth:
+                continue
+            for tensor in ("activation", "grad"):
+                sent = order(sender, "send", receiver, tensor)
+                for (k_sent, c_sent, _), (k_recv, c_recv, j) in zip(
+                        sent, order(receiver, "recv", sender, tensor)):
+                    if (k_sent, c_sent) != (k_recv, c_recv):
+                        raise ScheduleError(
+                            f"stage {receiver}, step {j} ({schedule[receiver][j]}): receives "
+                            f"microbatch {k_recv} from stage {sender}, which sends microbatch "
+                            f"{k_sent} at that point\n" + format_grid(schedule, {receiver: j}))

@@ -47,14 +47,24 @@ class Transfer:
     tensor: Literal["activation", "grad"]
     """A forward output (to stage+1) or an input gradient (to stage-1)."""
     microbatch: int
+    chunk: int = 0
+    """Model chunk of the sending side's action (`actions.P2P.chunk`); not written when 0."""
 
     def __str__(self) -> str:
-        return f"{self.op[0]}{self.tensor[0]}{self.microbatch}:{self.peer}"
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.op[0]}{self.tensor[0]}{self.microbatch}{chunk}:{self.peer}"
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What the transfer carries, the same on both sides: (tensor, microbatch, chunk)."""
+        return self.tensor, self.microbatch, self.chunk
 
     def describe(self) -> str:
         what = "activation" if self.tensor == "activation" else "gradient"
         direction = "to" if self.op == "send" else "from"
-        return f"{self.op} {what} of microbatch {self.microbatch} {direction} stage {self.peer}"
+        chunk = f" (chunk {self.chunk})" if self.chunk else ""
+        return (f"{self.op} {what} of microbatch {self.microbatch}{chunk} {direction} stage "
+                f"{self.peer}")
 
 
 @dataclass(frozen=True)
@@ -73,12 +83,12 @@ Step = Union[Action, Exchange]
 
 def _sends(comms: Comms) -> list[Transfer]:
     s = comms.send
-    return [] if s is None else [Transfer("send", s.peer, s.tensor, s.microbatch)]
+    return [] if s is None else [Transfer("send", s.peer, s.tensor, s.microbatch, s.chunk)]
 
 
 def _recvs(comms: Comms) -> list[Transfer]:
     r = comms.recv
-    return [] if r is None else [Transfer("recv", r.peer, r.tensor, r.microbatch)]
+    return [] if r is None else [Transfer("recv", r.peer, r.tensor, r.microbatch, r.chunk)]
 
 
 def _ordered(transfers: list[Transfer]) -> tuple[Transfer, ...]:
@@ -87,54 +97,80 @@ def _ordered(transfers: list[Transfer]) -> tuple[Transfer, ...]:
     return tuple(sorted(transfers, key=lambda t: (t.peer, t.op != "send")))
 
 
-def _transfers(actions: Sequence[Action], stage: int, depth: int, op: str,
-               peer: int) -> set[tuple[str, int]]:
-    """(tensor, microbatch) that `stage`'s list sends to (op "send") or receives from ("recv")
-    stage `peer`."""
+def _transfers(actions: Sequence[Action], stage: int, depth: int, op: str, peer: int,
+               chunks: int) -> set[tuple[str, int, int]]:
+    """(tensor, microbatch, chunk) that `stage`'s list sends to (op "send") or receives from
+    ("recv") stage `peer`."""
     found = set()
-    for c in communication(actions, stage, depth):
+    for c in communication(actions, stage, depth, chunks=chunks):
         p2p = c.send if op == "send" else c.recv
         if p2p is not None and p2p.peer == peer:
-            found.add((p2p.tensor, p2p.microbatch))
+            found.add((p2p.tensor, p2p.microbatch, p2p.chunk))
     return found
 
 
 def fuse(actions: Sequence[Action], stage: int, depth: int,
-         neighbours: dict[int, Sequence[Action]]) -> list[Step]:
+         neighbours: dict[int, Sequence[Action]], *, chunks: int = 1) -> list[Step]:
     """`stage`'s program for one call: its `actions` with the exchanges between them.
 
-    `neighbours` maps each neighbouring stage to its action list in the same call. Every send
-    goes in the exchange right after its action. A tensor a neighbour sends in this call that
-    this list only uses in the next call is received *early*, in the exchange before the step;
-    an input that the neighbour does not send in this call was received that way in the
-    previous call, so it has no receive here."""
-    comms = communication(actions, stage, depth)
-    sent_here = {peer: _transfers(peer_actions, peer, depth, "send", stage)
+    `neighbours` maps each neighbouring stage (with `chunks` > 1 model chunks per stage, stage
+    0 and stage d-1 are neighbours too) to its action list in the same call. Every send goes in
+    the exchange right after its action (F, B or I; W and S send nothing), except around
+    weight gradients (W), which communicate nothing: see `_around_weight_grads`. A tensor a
+    neighbour sends in this call that this list only uses in the next call is received
+    *early*, in the exchange before the step; an input that the neighbour does not send in
+    this call was received that way in the previous call, so it has no receive here."""
+    comms = communication(actions, stage, depth, chunks=chunks)
+    sent_here = {peer: _transfers(peer_actions, peer, depth, "send", stage, chunks)
                  for peer, peer_actions in neighbours.items()}
-    used = {(c.recv.tensor, c.recv.microbatch) for c in comms if c.recv is not None}
-    early = [Transfer("recv", peer, tensor, k) for peer in sorted(sent_here)
-             for tensor, k in sorted(sent_here[peer] - used, key=lambda x: x[1])]
+    used = {(c.recv.tensor, c.recv.microbatch, c.recv.chunk) for c in comms if c.recv is not None}
+    early = [Transfer("recv", peer, *key) for peer in sorted(sent_here)
+             for key in sorted(sent_here[peer] - used, key=lambda x: (x[1], x[2]))]
     program: list[Step] = []
     pending: list[Transfer] = []
+    held: list[Action] = []  # weight gradients since the last communicating action
     for action, c in zip(actions, comms):
-        receives = [t for t in _recvs(c) if (t.tensor, t.microbatch) in sent_here[t.peer]]
+        if action.kind is Kind.WEIGHT_GRAD:
+            held.append(action)
+            continue
+        receives = [t for t in _recvs(c) if t.key in sent_here[t.peer]]
         if action.kind is Kind.STEP:
             receives, early = early, []
-        if pending or receives:
+        if held:
+            program += _around_weight_grads(pending, held, receives)
+        elif pending or receives:
             program.append(Exchange(_ordered(pending + receives)))
         program.append(action)
-        pending = _sends(c)
+        pending, held = _sends(c), []
     if pending or early:  # a list without a step (forward only)
         program.append(Exchange(_ordered(pending + early)))
-    return program
+    return program + held
 
 
-def unbatched(actions: Sequence[Action], stage: int, depth: int) -> list[Step]:
+def _around_weight_grads(sends: list[Transfer], weight_grads: list[Action],
+                         receives: list[Transfer]) -> list[Step]:
+    """The W's between a communicating action (which made `sends`) and the next one (which
+    needs `receives`), with their exchanges, one per neighbour: a send to a neighbour this
+    stage receives from next goes with that receive after the W's, in one group that mirrors
+    the neighbour's (its send_forward_recv_backward, posted after its own next action); any
+    other send goes before the W's, so a neighbour waiting for it is not kept waiting. Under
+    NCCL's rendezvous this keeps ZB-H1 as fast as with buffered sends (tests)."""
+    receiving_from = {t.peer for t in receives}
+    now = [t for t in sends if t.peer not in receiving_from]
+    steps: list[Step] = [Exchange(_ordered(now))] if now else []
+    steps += weight_grads
+    for peer in sorted(receiving_from):
+        steps.append(Exchange(_ordered([t for t in sends + receives if t.peer == peer])))
+    return steps
+
+
+def unbatched(actions: Sequence[Action], stage: int, depth: int, *,
+              chunks: int = 1) -> list[Step]:
     """The pattern this pass replaces, for the NCCL-mode tests: every transfer its own group, a
     receive right before its action and a send right after it. NCCL deadlocks on it whenever
     two neighbours both send before they receive."""
     program: list[Step] = []
-    for action, c in zip(actions, communication(actions, stage, depth)):
+    for action, c in zip(actions, communication(actions, stage, depth, chunks=chunks)):
         program += [Exchange((t,)) for t in _recvs(c)]
         program.append(action)
         program += [Exchange((t,)) for t in _sends(c)]

@@ -17,9 +17,27 @@ Steps are dispatched through a table:
        last backward run under ``config.no_sync_func``; with --overlap-grad-reduce the last
        one launches the bucket reductions from DDP's hooks, or (``config.grad_sync_func``,
        stages after the first, as Megatron's 1F1B) right after it (order: deferred.py)
+    I: as B, but only dx: autograd's ``inputs=`` is the stage's input, the graph is kept
+       (retain_graph) and no parameter gradient is made, so DDP's hooks do not fire; on the
+       first stage (no input gradient) nothing runs yet
+    W: the parameter gradients of the kept graph (``inputs=`` the parameters), freeing it;
+       DDP's hooks fire here, once per microbatch, and the batch's last W is where the
+       gradients are reduced, as the last B is with a fused backward
     S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
        2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
        deferred 2BW step, begin it (the first action reading the new version applies it)
+
+Split backward (zb-h1): autograd saves no split, so W traverses the microbatch's graph again
+(on the first stage W is the whole backward), and a stage keeps a microbatch's whole graph
+until its W; some backwards modify what they saved in place (megatron-core's vocab-parallel
+cross entropy), so where a graph is traversed twice its saved tensors reach each traversal as
+copies (``_saved_tensors_copied_on_use``). The time the split saves is the schedule's,
+measured with the simulator (``schedules.simulate``); what runs here is exact: the weights
+equal flush's (the tests' single-process reference). Megatron's reentrant activation recomputation runs a nested
+backward that ignores ``inputs=`` (it would make parameter gradients in I and again in W), so
+arguments.py refuses zb-h1 with --recompute-granularity; megatron-core's gradient
+accumulation fusion, which writes parameter gradients inside the input-gradient pass, is off
+in this package (training/build.py).
 
 A 2BW call leaves its look-ahead forwards in flight (stashed, and their activations already
 received by the next stage); ``prepare_drain()`` makes the next call leave the pipeline empty
@@ -49,6 +67,7 @@ from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
+from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.weights import WeightVersions
 
@@ -80,6 +99,15 @@ class _Call:
     num_tokens: torch.Tensor
     pg_collection: object
     force_all_reduce: bool
+    last_param_grads: Action | None = None
+    """The call's last B or W: the one whose parameter gradients complete the batch."""
+    split_backward: bool = False
+    """The call's backwards are split into I and W."""
+
+    def traversed_twice(self, runner: "PipelineRunner") -> bool:
+        """Whether the runner's graphs of this call are traversed by an I and again by a W:
+        split backwards on a stage with an input gradient to compute."""
+        return self.split_backward and runner.stage > 0
 
 
 class PipelineRunner:
@@ -93,6 +121,7 @@ class PipelineRunner:
         self.in_flight_m: int | None = None  # m of the call that left microbatches in flight
         self.drain_next = False
         self.stash: dict[int, tuple] = {}  # microbatch -> (input, output) until its backward
+        self.weight_grads: dict[int, tuple] = {}  # microbatch -> (output, grad) from I to W
         self.inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not used yet
         self.outbox: dict[tuple[str, int], torch.Tensor] = {}  # made, not sent yet
         self.versions: WeightVersions | None = None
@@ -138,7 +167,7 @@ class PipelineRunner:
     def drain(self) -> None:
         """Called before evaluation and checkpoints: the pipeline must already be empty, and
         a deferred step is applied."""
-        if self.stash or self.inbox or self.outbox:
+        if self.stash or self.weight_grads or self.inbox or self.outbox:
             raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
                                "prepare_drain() before the last training call")
         if self.deferred is not None:
@@ -203,6 +232,10 @@ class PipelineRunner:
         drain = self.drain_next
         program = call_program(self.schedule, self.depth, m, self.stage, batch,
                                fill=self.pipeline_empty, drain=drain)
+        actions = [step for step in program if isinstance(step, Action)]
+        call.last_param_grads = next((a for a in reversed(actions)
+                                      if a.kind in MAKES_PARAM_GRADS), None)
+        call.split_backward = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._execute(program, call, self._run)
         self.batches_done += 1
         self.pipeline_empty = drain
@@ -266,38 +299,76 @@ class PipelineRunner:
             self.versions.use(action.version)
         k, m = action.microbatch, call.num_microbatches
         input_tensor = self._input(k)
-        output, num_tokens = forward_step(
-            call.forward_step_func, call.data_iterator, call.model, m, input_tensor, call.losses,
-            call.config, 1, is_first_microbatch=k % m == 0, current_microbatch=k % m,
-            is_last_stage=self.is_last)
+        with _saved_tensors_copied_on_use() if call.traversed_twice(self) else \
+                contextlib.nullcontext():
+            output, num_tokens = forward_step(
+                call.forward_step_func, call.data_iterator, call.model, m, input_tensor,
+                call.losses, call.config, 1, is_first_microbatch=k % m == 0,
+                current_microbatch=k % m, is_last_stage=self.is_last)
         call.num_tokens += num_tokens
         if not self.is_last:
             self.outbox["activation", k] = output
         self.stash[k] = (input_tensor, output)
 
+    def _backward_inputs(self, action: Action) -> tuple:
+        """For a B or an I: the microbatch's version in use, and its stashed (input, output)
+        with the received output gradient (None on the last stage: the output is the loss)."""
+        if self.versions is not None:
+            self.versions.use(action.version)
+        k = action.microbatch
+        output_grad = None if self.is_last else self.inbox.pop(("grad", k))
+        input_tensor, output = self.stash.pop(k)
+        return input_tensor, output, output_grad
+
     def _backward(self, action: Action, call: _Call) -> None:
         from megatron.core.enums import ModelType
         from megatron.core.pipeline_parallel.schedules import backward_step
 
+        k = action.microbatch
+        input_tensor, output, output_grad = self._backward_inputs(action)
+        with self._param_grads(action, call):
+            input_grad = backward_step(input_tensor, output, output_grad,
+                                       ModelType.encoder_or_decoder, call.config)
+        if self.stage > 0:
+            self.outbox["grad", k] = input_grad
+
+    def _input_grad(self, action: Action, call: _Call) -> None:
+        """I: the gradient of the stage's input only; the graph stays for the W."""
+        k = action.microbatch
+        input_tensor, output, output_grad = self._backward_inputs(action)
+        if output_grad is None:  # the loss, scaled as Megatron's backward_step does
+            if call.config.grad_scale_func is not None:
+                output = call.config.grad_scale_func(output)
+            output_grad = torch.ones_like(output)
+        if self.stage > 0:
+            (input_grad,) = _run_backward(output, output_grad, (input_tensor,), keep_graph=True,
+                                          accumulate_grad=False)
+            self.outbox["grad", k] = input_grad
+        self.weight_grads[k] = (output, output_grad)
+
+    def _weight_grad(self, action: Action, call: _Call) -> None:
+        """W: the parameter gradients of the graph kept by the microbatch's I."""
         if self.versions is not None:
             self.versions.use(action.version)
-        k, m = action.microbatch, call.num_microbatches
-        output_grad = None if self.is_last else self.inbox.pop(("grad", k))
-        input_tensor, output = self.stash.pop(k)
+        output, output_grad = self.weight_grads.pop(action.microbatch)
+        params = tuple(p for p in call.model.parameters() if p.requires_grad)
+        with self._param_grads(action, call):
+            _run_backward(output, output_grad, params, keep_graph=False, accumulate_grad=True)
+
+    @contextlib.contextmanager
+    def _param_grads(self, action: Action, call: _Call):
+        """Around a B or W: all but the call's last run under ``config.no_sync_func``.
+        Megatron's 1F1B: with a grad_sync_func (--overlap-grad-reduce, aligned), only the first
+        stage launches its bucket reductions from the last one's hooks; the others launch them
+        all once it is done."""
         config = call.config
-        last_of_batch = k % m == m - 1
-        # Megatron's 1F1B: with a grad_sync_func (--overlap-grad-reduce, aligned), only the
-        # first stage launches its bucket reductions from the last backward's hooks; the others
-        # launch them all once that backward is done.
+        last_of_batch = action == call.last_param_grads
         reduce_in_backward = last_of_batch and (config.grad_sync_func is None or self.stage == 0)
         no_sync = config.no_sync_func or contextlib.nullcontext
         with contextlib.nullcontext() if reduce_in_backward else no_sync():
-            input_grad = backward_step(input_tensor, output, output_grad,
-                                       ModelType.encoder_or_decoder, config)
+            yield
         if last_of_batch and not reduce_in_backward:
             config.grad_sync_func(call.model.parameters())
-        if self.stage > 0:
-            self.outbox["grad", k] = input_grad
 
     def _step(self, action: Action, call: _Call) -> None:
         if self.deferred is not None:
@@ -378,7 +449,32 @@ class PipelineRunner:
 
 
 _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
-             Kind.STEP: PipelineRunner._step}
+             Kind.INPUT_GRAD: PipelineRunner._input_grad,
+             Kind.WEIGHT_GRAD: PipelineRunner._weight_grad, Kind.STEP: PipelineRunner._step}
+
+
+@contextlib.contextmanager
+def _saved_tensors_copied_on_use():
+    """A forward whose graph is traversed twice (I, then W): every tensor autograd saves is
+    handed to its backward as a copy, because some backwards modify what they saved in place
+    (megatron-core's vocab-parallel cross entropy turns its saved softmax into the logits'
+    gradient) and a second traversal would read the modified tensor. Costs one transient copy
+    per saved tensor per traversal; the saved tensors themselves are not copied."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, torch.clone):
+        yield
+
+
+def _run_backward(output: torch.Tensor, output_grad: torch.Tensor, inputs: tuple, *,
+                  keep_graph: bool, accumulate_grad: bool):
+    """Autograd's engine on ``output`` with gradient ``output_grad``, restricted to ``inputs``:
+    their gradients returned (``accumulate_grad=False``) or accumulated into ``.grad`` through
+    their AccumulateGrad nodes and hooks (True). Called directly, as Megatron's
+    ``custom_backward``, because a sent output's storage is already freed
+    (``deallocate_output_tensor``) and ``torch.autograd`` would reject its shape."""
+    from torch.autograd import Variable
+
+    return Variable._execution_engine.run_backward(
+        (output,), (output_grad,), keep_graph, False, inputs, True, accumulate_grad)
 
 
 def _single_chunk(model):

@@ -5,10 +5,16 @@ free and its inputs have arrived:
 
     F(k) on stage i   after F(k) ended on stage i-1, plus `p2p`
     B(k) on stage i   after B(k) ended on stage i+1, plus `p2p`; after F(k) on stage i
-    F/B reading v     after stage i made version v (its step S(v))
+    I(k) on stage i   as B(k); it takes `backward - weight_grad` (the input-gradient part)
+    W(k) on stage i   after I(k) on stage i; it takes `weight_grad` and needs no other stage
+    F/B/I/W reading v after stage i made version v (its step S(v))
     S(v), "local"     when the stage gets to it (only its data-parallel replicas join)
     S(v), "pipeline"  a collective over all stages (global grad norm for clipping, the tied
                       embedding all-reduce): starts when every stage got to its S(v)
+
+With V model chunks per stage (V = one more than the largest chunk in the lists), "stage i-1"
+and "stage i+1" are the previous and next virtual stage: chunk c of stage i is virtual stage
+c*d + i, so F(k) of chunk c on stage 0 waits for F(k) of chunk c-1 on stage d-1.
 
 Sends are buffered: a send never waits for its receive (Megatron posts both sides at once; a
 schedule whose receives line up in order, as all of ours do, behaves the same).
@@ -30,8 +36,8 @@ Bubble fraction (the paper's "pipeline bubble", Section 2): the share of stage t
 
     bubble = 1 - sum_i (busy_i + step_i) / (d * makespan)
 
-with busy_i the F and B time of stage i and step_i its step time; `stage_bubble[i]` is the same
-for stage i alone. With equal stages and no step cost, GPipe and Flush give (d-1)/(m+d-1).
+with busy_i the F, B, I and W time of stage i and step_i its step time; `stage_bubble[i]` is the
+same for stage i alone. With equal stages and no step cost, GPipe and Flush give (d-1)/(m+d-1).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from .actions import Action, Kind, ScheduleError, format_grid
+from .actions import (SENDS_GRAD, Action, Kind, ScheduleError, format_grid,
+                      virtual_neighbour)
 from .comm import Exchange, Step
 
 __all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
@@ -52,16 +59,24 @@ class Costs:
     forward: float | Sequence[float] = 1.0
     """Forward of one microbatch on a stage."""
     backward: float | Sequence[float] = 2.0
-    """Backward of one microbatch on a stage (about twice the forward, Section 3.1)."""
+    """Backward of one microbatch on a stage (about twice the forward, Section 3.1): a fused B,
+    or its I and W together."""
     p2p: float = 0.0
     """Latency of one activation or gradient transfer between neighbouring stages."""
     step: float = 0.0
     """Optimizer step (S) on a stage."""
+    weight_grad: float | Sequence[float] | None = None
+    """The weight-gradient part (W) of `backward`; the input-gradient part (I) takes the rest.
+    None: half of `backward` (a linear layer's dX and dW cost the same FLOPs)."""
 
     def of(self, action: Action, stage: int) -> float:
-        cost = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward,
-                Kind.STEP: self.step}[action.kind]
-        return float(cost if isinstance(cost, (int, float)) else cost[stage])
+        def at(cost: float | Sequence[float]) -> float:
+            return float(cost if isinstance(cost, (int, float)) else cost[stage])
+
+        weight = at(self.backward) / 2 if self.weight_grad is None else at(self.weight_grad)
+        return {Kind.FORWARD: at(self.forward), Kind.BACKWARD: at(self.backward),
+                Kind.INPUT_GRAD: at(self.backward) - weight, Kind.WEIGHT_GRAD: weight,
+                Kind.STEP: at(self.step)}[action.kind]
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class Span:
     version: int
     start: float
     end: float
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,7 +97,7 @@ class SimResult:
     makespan: float
     """End of the last action."""
     busy: tuple[float, ...]
-    """Per stage: time in F and B."""
+    """Per stage: time in F, B, I and W."""
     step: tuple[float, ...]
     """Per stage: time in S."""
     bubble: float
@@ -89,9 +105,14 @@ class SimResult:
     stage_bubble: tuple[float, ...]
     """Per stage: 1 - (busy_i + step_i) / makespan."""
     peak_stash: tuple[int, ...]
-    """Per stage: most microbatches forwarded and not yet backwarded at once."""
+    """Per stage: most microbatches (of any chunk) forwarded and not yet through their B or I
+    at once: the activations a backward needs."""
+    peak_weight_grads: tuple[int, ...]
+    """Per stage: most microbatches through their I and not yet through their W at once: what
+    the deferred weight gradients keep (the layers' inputs and output gradients)."""
     max_versions: tuple[int, ...]
-    """Per stage: most weight versions alive at once (newest + those stashed microbatches read)."""
+    """Per stage: most weight versions alive at once (newest + those read by microbatches
+    forwarded and not yet through their B or W)."""
     spans: tuple[Span, ...]
     """Every action with its start and end, in the order they were simulated."""
 
@@ -107,19 +128,23 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
     if step_sync not in ("local", "pipeline"):
         raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
     depth = len(schedule)
+    chunks = 1 + max((a.chunk for steps in schedule for a in steps if isinstance(a, Action)),
+                     default=0)
     nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
     partners = _partners(schedule) if nccl else {}
     posted: dict[tuple[int, int], float] = {}  # (stage, position) of an exchange -> reached at
-    received: list[set[tuple[str, int]]] = [set() for _ in range(depth)]
-    forward_end: dict[tuple[int, int], float] = {}  # (stage, microbatch) -> end
-    backward_end: dict[tuple[int, int], float] = {}
+    received: list[set[tuple[str, int, int]]] = [set() for _ in range(depth)]
+    forward_end: dict[tuple[int, int, int], float] = {}  # (stage, microbatch, chunk) -> end
+    backward_end: dict[tuple[int, int, int], float] = {}  # of B or I
     step_end: dict[tuple[int, int], float] = {(i, 0): 0.0 for i in range(depth)}  # version 0
     cursor = [0] * depth
     free = [0.0] * depth
     spans: list[Span] = []
-    stash: list[dict[int, int]] = [{} for _ in range(depth)]  # microbatch -> version read
+    stash: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]  # -> version read
+    pending: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]  # I done, W not
     newest = [0] * depth
     peak_stash = [0] * depth
+    peak_weight_grads = [0] * depth
     max_versions = [1] * depth
 
     def violation(stage: int, why: str) -> ScheduleError:
@@ -127,12 +152,17 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
                              f"({schedule[stage][cursor[stage]]}): {why}\n"
                              + format_grid(schedule, {stage: cursor[stage]}))
 
+    def source(stage: int, a: Action) -> tuple[str, tuple[int, int] | None]:
+        """The tensor `a` receives and the (stage, chunk) that makes it (None: no input)."""
+        if a.kind is Kind.FORWARD:
+            return "activation", virtual_neighbour(stage, a.chunk, -1, depth, chunks)
+        return "grad", virtual_neighbour(stage, a.chunk, 1, depth, chunks)
+
     def received_input(stage: int, a: Action) -> float:
         """NCCL mode: the input came in an exchange before `a`, or `a` can never run."""
-        needed = (("activation", stage > 0) if a.kind is Kind.FORWARD
-                  else ("grad", stage < depth - 1))
-        if needed[1] and (needed[0], a.microbatch) not in received[stage]:
-            raise violation(stage, f"its input ({needed[0]} of microbatch {a.microbatch}) "
+        tensor, peer = source(stage, a)
+        if peer is not None and (tensor, a.microbatch, peer[1]) not in received[stage]:
+            raise violation(stage, f"its input ({tensor} of microbatch {a.microbatch}) "
                                    "is not received in an exchange before it")
         return free[stage]
 
@@ -143,37 +173,45 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
         if (stage, a.version) not in step_end:
             raise violation(stage, f"version {a.version} is not made before it on this stage")
         ready = step_end[stage, a.version]
-        if a.kind is Kind.BACKWARD and (stage, a.microbatch) not in forward_end:
+        key = (a.microbatch, a.chunk)
+        if a.kind in SENDS_GRAD and key not in stash[stage]:
             raise violation(stage, "no forward of this microbatch before it on this stage")
+        if a.kind is Kind.WEIGHT_GRAD:
+            if key not in pending[stage]:
+                raise violation(stage, "no input gradient of this microbatch before it")
+            return ready
         if nccl:
             return max(ready, received_input(stage, a))
-        if a.kind is Kind.FORWARD:
-            if stage > 0:
-                if (stage - 1, a.microbatch) not in forward_end:
-                    return None
-                ready = max(ready, forward_end[stage - 1, a.microbatch] + costs.p2p)
-        elif stage < depth - 1:
-            if (stage + 1, a.microbatch) not in backward_end:
-                return None
-            ready = max(ready, backward_end[stage + 1, a.microbatch] + costs.p2p)
-        return ready
+        _, peer = source(stage, a)
+        ends = forward_end if a.kind is Kind.FORWARD else backward_end
+        if peer is None:
+            return ready
+        if (peer[0], a.microbatch, peer[1]) not in ends:
+            return None
+        return max(ready, ends[peer[0], a.microbatch, peer[1]] + costs.p2p)
 
     def run(stage: int, a: Action, start: float) -> None:
         end = start + costs.of(a, stage)
-        spans.append(Span(stage, a.kind, a.microbatch, a.version, start, end))
+        spans.append(Span(stage, a.kind, a.microbatch, a.version, start, end, a.chunk))
         free[stage] = end
         cursor[stage] += 1
+        key = (a.microbatch, a.chunk)
         if a.kind is Kind.FORWARD:
-            forward_end[stage, a.microbatch] = end
-            stash[stage][a.microbatch] = a.version
-        elif a.kind is Kind.BACKWARD:
-            backward_end[stage, a.microbatch] = end
-            stash[stage].pop(a.microbatch)
+            forward_end[(stage, *key)] = end
+            stash[stage][key] = a.version
+        elif a.kind in SENDS_GRAD:
+            backward_end[(stage, *key)] = end
+            version = stash[stage].pop(key)
+            if a.kind is Kind.INPUT_GRAD:
+                pending[stage][key] = version
+        elif a.kind is Kind.WEIGHT_GRAD:
+            pending[stage].pop(key)
         else:
             step_end[stage, a.version] = end
             newest[stage] = max(newest[stage], a.version)
         peak_stash[stage] = max(peak_stash[stage], len(stash[stage]))
-        alive = {newest[stage], *stash[stage].values()}
+        peak_weight_grads[stage] = max(peak_weight_grads[stage], len(pending[stage]))
+        alive = {newest[stage], *stash[stage].values(), *pending[stage].values()}
         max_versions[stage] = max(max_versions[stage], len(alive))
 
     def try_exchange(stage: int, exchange: Exchange) -> bool:
@@ -182,8 +220,7 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
         if not all(partner in posted for partner in partners[here]):
             return False
         end = max(posted[p] for p in (here, *partners[here])) + costs.p2p
-        received[stage].update((t.tensor, t.microbatch) for t in exchange.transfers
-                               if t.op == "recv")
+        received[stage].update(t.key for t in exchange.transfers if t.op == "recv")
         free[stage] = max(free[stage], end)
         cursor[stage] += 1
         return True
@@ -242,6 +279,7 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
         bubble=1 - sum(work) / (depth * makespan) if makespan else 0.0,
         stage_bubble=tuple(1 - w / makespan if makespan else 0.0 for w in work),
         peak_stash=tuple(peak_stash),
+        peak_weight_grads=tuple(peak_weight_grads),
         max_versions=tuple(max_versions),
         spans=tuple(spans),
     )
@@ -265,7 +303,7 @@ def _partners(schedule: Sequence[Sequence[Step]]) -> dict[tuple[int, int], set[t
     for channel in sorted(set(sends) | set(recvs)):
         sent, got = sends.get(channel, []), recvs.get(channel, [])
         for n, ((s1, p1, t1), (s2, p2, t2)) in enumerate(zip(sent, got)):
-            if (t1.tensor, t1.microbatch) != (t2.tensor, t2.microbatch):
+            if t1.key != t2.key:
                 raise ScheduleError(
                     f"stage {s2}, step {p2} ({schedule[s2][p2]}): its receive number {n + 1} "
                     f"from stage {s1} expects the {t2.tensor} of microbatch {t2.microbatch}, "
@@ -284,14 +322,16 @@ def _partners(schedule: Sequence[Sequence[Step]]) -> dict[tuple[int, int], set[t
 
 def format_timeline(result: SimResult, unit: float = 1.0, cell: int = 4) -> str:
     """Stages as rows, time as columns (`cell` characters per `unit` of time), in the style of
-    the paper's Figures 1-3: each action is labelled at its start ('F3', 'B3', 'S2'), cut to its
-    width, and filled with '.' for the rest of its time; idle time is blank."""
+    the paper's Figures 1-3: each action is labelled at its start ('F3', 'B3', 'W3', 'F3c1',
+    'S2'), cut to its width, and filled with '.' for the rest of its time; idle time is
+    blank."""
     depth = 1 + max((s.stage for s in result.spans), default=0)
     width = round(result.makespan / unit * cell)
     rows = [[" "] * width for _ in range(depth)]
     for s in result.spans:
         first, last = round(s.start / unit * cell), round(s.end / unit * cell)
-        label = f"S{s.version}" if s.kind is Kind.STEP else f"{s.kind.value}{s.microbatch}"
+        label = (f"S{s.version}" if s.kind is Kind.STEP else
+                 f"{s.kind.value}{s.microbatch}" + (f"c{s.chunk}" if s.chunk else ""))
         text = (label + "." * (last - first))[:max(last - first - 1, 1)]
         rows[s.stage][first:first + len(text)] = text
     ticks = "".join(f"{t * unit:<{cell}g}" for t in range(0, width // cell + 1))
