@@ -19,15 +19,19 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.arguments import FlagError
+from megatron_2bw.logparse import parse_log
 from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec, PlanRequest,
                                   Profile, preset, search, write_plan)
 from megatron_2bw.planner.cluster import Link
 from megatron_2bw.planner.cost import simulated_iteration, _simulate_normalized
+from megatron_2bw.planner.accuracy import compare, format_accuracy
 from megatron_2bw.planner.flags import launch_flags, parse_for_validation
-from megatron_2bw.planner.profile import (E2ERun, Sample, compare, format_accuracy,
-                                          parse_training_log)
+from megatron_2bw.planner.profile import E2ERun, Sample
+from megatron_2bw.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = ModelSpec("gpt", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+                       vocab_size=128)
 SMALL = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                   vocab_size=128)
 GPT3 = ModelSpec("gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
@@ -142,11 +146,22 @@ def test_tensor_parallel_all_reduces_on_nvlink_then_network():
     one = 2 * 7 * 5e-6 + 2 * 7 / 8 * size / 450e9
     estimate = cost.time(Layout(t=8, d=4, w=1, b=1, m=4, recompute=False, schedule="flush"))
     assert estimate.tensor_parallel[1] == pytest.approx(24 * 4 * one)
-    # t = 16 spans two nodes: 400 Gb/s InfiniBand per GPU (50 GB/s), 10 us per message.
-    one_ib = 2 * 15 * 10e-6 + 2 * 15 / 16 * size / 50e9
+    # t = 16 spans two nodes: the ring leaves each node through its 8 members, each on its
+    # own 400 Gb/s adapter (50 GB/s): 8 x 50 = 400 GB/s across, under NVLink's 450; 10 us
+    # per message.
+    one_ib = 2 * 15 * 10e-6 + 2 * 15 / 16 * size / 400e9
     estimate = cost.time(Layout(t=16, d=2, w=1, b=1, m=4, recompute=False, schedule="flush"))
     layers = 48
     assert estimate.tensor_parallel[0] == pytest.approx(layers * 4 * one_ib + one_ib)
+    # The paper's servers share one 25 Gb/s adapter among 8 V100s: a 16-wide group crosses at
+    # the whole adapter (8 members x 1/8 each); --gpus-per-node 4 does not change what the
+    # adapter carries (4 members x 1/4 each).
+    paper = preset("paper", nodes=2)
+    assert paper.group_link(16, 1).bandwidth == pytest.approx(25e9 / 8)
+    assert paper.with_(gpus_per_node=4, nodes=4).group_link(16, 1).bandwidth == \
+        pytest.approx(25e9 / 8)
+    # One data-parallel rank per server (t = 8): 8 rings share the adapter, 1/8 each.
+    assert paper.group_link(2, 8).bandwidth == pytest.approx(25e9 / 8 / 8)
     # Recomputation replays the forward's two all-reduces in the backward.
     rc = cost.time(Layout(t=8, d=4, w=1, b=1, m=4, recompute=True, schedule="flush"))
     assert rc.tensor_parallel[1] == pytest.approx(24 * 6 * one)
@@ -159,7 +174,12 @@ def test_data_parallel_all_reduce_inside_a_node_when_it_fits():
     inside = cost.time(Layout(t=1, d=1, w=8, b=1, m=1, recompute=False, schedule="megatron"))
     assert inside.data_parallel == pytest.approx(2 * 7 * 5e-6 + 2 * 7 / 8 * grads / 450e9)
     across = cost.time(Layout(t=1, d=1, w=16, b=1, m=1, recompute=False, schedule="megatron"))
-    assert across.data_parallel == pytest.approx(2 * 15 * 10e-6 + 2 * 15 / 16 * grads / 50e9)
+    # 8 members per node, each over its own 50 GB/s NIC: 400 GB/s across the nodes.
+    assert across.data_parallel == pytest.approx(2 * 15 * 10e-6 + 2 * 15 / 16 * grads / 400e9)
+    # t = 8, w = 2: one member per node, 8 groups at once, each on its own NIC: 50 GB/s.
+    wide = cost.time(Layout(t=8, d=1, w=2, b=1, m=1, recompute=False, schedule="megatron"))
+    grads8 = SMALL.stage_parameters(8, 1, 0) * 4
+    assert wide.data_parallel == pytest.approx(2 * 10e-6 + grads8 / 50e9)
 
 
 # ---- bubbles, by hand ---------------------------------------------------------------------
@@ -345,32 +365,64 @@ def _entry_args(recorded: str) -> list[str]:
 def test_scripts_run_to_a_command_our_validator_accepts(tmp_path, script):
     plan, model = _plan_small_cluster()
     paths = write_plan(plan, tmp_path / "plan")
-    bin_dir = tmp_path / "bin"
+    bin_dir, elsewhere = tmp_path / "bin", tmp_path / "elsewhere"
     bin_dir.mkdir()
-    record = tmp_path / "command.txt"
-    # torchrun, srun and scontrol stand-ins: record what would have been launched.
-    _fake_bin(bin_dir, "torchrun", f'printf "%q " torchrun "$@" > {record}')
-    _fake_bin(bin_dir, "srun", '"$@"')
+    elsewhere.mkdir()
+    record, srun_record = tmp_path / "command.txt", tmp_path / "srun.txt"
+    rendezvous = tmp_path / "rendezvous.txt"
+    # Python, srun and scontrol stand-ins: record what would have been launched and the
+    # rendezvous it was given; srun drops its own 4 words and runs the rest.
+    _fake_bin(bin_dir, "python", f'printf "%q " python "$@" > {record}\n'
+                                 f'echo "$MASTER_ADDR:$MASTER_PORT" > {rendezvous}')
+    _fake_bin(bin_dir, "srun", f'printf "%q " srun "$@" > {srun_record}\nshift 4\nexec "$@"')
     _fake_bin(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\n"')
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_text("dummy")
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DATA_PATH=str(tmp_path / "d"),
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+               PYTHON=str(bin_dir / "python"), DATA_PATH=str(tmp_path / "d"),
                TOKENIZER_MODEL=str(tokenizer), SLURM_NNODES="2", SLURM_JOB_ID="7",
                SLURM_JOB_NODELIST="node-[a-b]")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
     path = paths["torchrun"] if script == "torchrun" else paths["sbatch"]
-    subprocess.run(["bash", str(path), "--train-iters", "10"], env=env, check=True, cwd=tmp_path)
-    recorded = record.read_text()
+    # Run from a folder that is neither the plan's nor the repository.
+    subprocess.run(["bash", str(path), "--train-iters", "10"], env=env, check=True,
+                   cwd=elsewhere)
+    command = shlex.split(record.read_text())
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    entry = next(w for w in command if w.endswith("_2bw.py"))
+    assert entry == str(REPO / "pretrain_gpt_2bw.py")
     if script == "sbatch":
         text = path.read_text()
         assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
         assert "#SBATCH --gpus-per-node=8" in text
-        assert "--rdzv-backend c10d --rdzv-endpoint node-a:29500" in recorded
-        assert "--nnodes 2 --nproc-per-node 8" in recorded
+        # The allocation's first node, a port from the job id (20000 + 7), exported.
+        assert rendezvous.read_text() == "node-a:20007\n"
+        line = shlex.join(command)
+        assert "--rdzv-backend c10d --rdzv-endpoint node-a:20007" in line
+        assert "--nnodes 2 --nproc-per-node 8" in line
+        assert shlex.split(srun_record.read_text())[:5] == ["srun", "--nodes", "2",
+                                                            "--ntasks-per-node", "1"]
     else:
-        assert "--nnodes 2 --node-rank 0 --nproc-per-node 8" in recorded
-    args = parse_for_validation(_entry_args(recorded), model, world_size=16)
+        line = shlex.join(command)
+        assert "--nnodes 2 --node-rank 0 --nproc-per-node 8" in line
+        assert "--master-addr 127.0.0.1 --master-port 29500" in line
+    args = parse_for_validation(_entry_args(shlex.join(command)), model, world_size=16)
     assert args.train_iters == 10 and args.data_path == [str(tmp_path / "d")]
     assert args.tensor_model_parallel_size == plan.best.layout.t
+    # A wrong checkout, no data, no training length (none was planned): one line each.
+    no_data = {k: v for k, v in env.items() if k != "DATA_PATH"}
+    for changed, args, error in [
+            (dict(env, REPO=str(elsewhere)), ["--train-iters", "1"],
+             f"error: REPO: {elsewhere} has no pretrain_gpt_2bw.py; set REPO to the megatron-2bw "
+             "checkout"),
+            (no_data, ["--train-iters", "1"], "error: DATA_PATH: set DATA_PATH and "
+             "TOKENIZER_MODEL, or DATA_ARGS (e.g. DATA_ARGS='--mock-data --vocab-size N')"),
+            (env, ["--lr", "1e-3"], "error: --train-iters: the plan has no training length; "
+             "add --train-iters N or --train-samples N")]:
+        done = subprocess.run(["bash", str(path), *args], env=changed, cwd=elsewhere,
+                              capture_output=True, text=True)
+        assert (done.returncode, done.stderr.strip().splitlines()) == (2, [error])
 
 
 def test_bert_flags_validate_with_the_bert_parser(tmp_path):
@@ -382,6 +434,67 @@ def test_bert_flags_validate_with_the_bert_parser(tmp_path):
     flags = shlex.split(paths["flags"].read_text()) + ["--mock-data", "--train-iters", "1"]
     args = parse_for_validation(flags, model, world_size=plan.best.layout.world)
     assert args.num_microbatches == plan.best.layout.m
+
+
+TINY_PLAN = ["--cluster", "cpu-local", "--gpus-per-node", "1", "--no-profile", "--no-scripts",
+             "--global-batch-size", "4", "--micro-batch-sizes", "2", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--vocab-size", "128"]
+
+
+def test_training_flags_pass_through_to_the_written_flags(tmp_path):
+    cli = _plan_cli()
+    training = ["--train-samples", "400", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style",
+                "linear", "--lr-warmup-samples", "40", "--lr-decay-samples", "360"]
+    assert cli.main([*TINY_PLAN, *training, "--out", str(tmp_path)]) == 0
+    flags = shlex.split((tmp_path / "flags.txt").read_text())
+    args = parse_for_validation(flags + ["--mock-data"], TINY_MODEL, world_size=1)
+    assert (args.train_samples, args.lr, args.min_lr, args.lr_decay_style) == (
+        400, 3e-4, 3e-5, "linear")
+    assert (args.lr_warmup_samples, args.lr_decay_samples, args.train_iters) == (40, 360, 100)
+    assert flags.count("--lr") == 1  # no default learning rate beside the given one
+    script = (tmp_path / "launch.sh").read_text()
+    assert all(f"{flag} {flags[flags.index(flag) + 1]}" in script for flag in training[::2])
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["request"]["training_flags"] == flags[flags.index("--train-samples"):]
+    assert plan["choice"]["flags"] == flags
+
+
+@pytest.mark.parametrize("training, flag, fragment", [
+    (["--train-iters", "10", "--train-samples", "40"], "--train-samples", "exclusive"),
+    (["--train-samples", "40", "--lr-warmup-iters", "2"], "--lr-warmup-iters", "not with"),
+    (["--train-iters", "10", "--min-lr", "1"], "--min-lr", "must lie in"),
+    (["--train-samples", "3"], "--train-samples", "one batch of 4"),
+    (["--train-iters", "0"], "--train-iters", ">= 1"),
+    (["--lr-decay-style", "cubic"], "--lr-decay-style", "cubic"),
+])
+def test_bad_training_flags_end_in_one_line(tmp_path, capsys, training, flag, fragment):
+    cli = _plan_cli()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*TINY_PLAN, *training, "--out", str(tmp_path)])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(error.splitlines()) == 1
+    assert error.startswith(f"error: {flag}: ") and fragment in error, error
+    assert not (tmp_path / "plan.json").exists()  # refused before planning
+
+
+def test_written_launch_script_trains_from_another_folder(tmp_path):
+    """plan.py's --train-iters and --lr reach a real run of launch.sh, started from a folder
+    that is neither the plan's nor the repository, without PYTHONPATH."""
+    cli = _plan_cli()
+    out, elsewhere = tmp_path / "plan", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert cli.main([*TINY_PLAN, "--train-iters", "2", "--lr", "1e-3", "--out", str(out)]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", DATA_ARGS="--mock-data --vocab-size 128",
+               MASTER_PORT=str(free_port()))
+    done = subprocess.run(["bash", str(out / "launch.sh"), "--log-interval", "1",
+                           "--eval-iters", "0"], cwd=elsewhere, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    log = parse_log(done.stdout + done.stderr)
+    assert [(r.iteration, r.train_iters) for r in log.iterations] == [(1, 2), (2, 2)]
+    assert 0 < log.iterations[0].learning_rate <= 1e-3
 
 
 # ---- profiles -----------------------------------------------------------------------------
@@ -438,7 +551,7 @@ def test_cost_model_uses_profile_times_by_hand():
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
-    from megatron_2bw.planner import profile as profiling
+    from megatron_2bw.planner import accuracy
 
     # One device, b = 2, m = 4, SMALL (tied embeddings): per microbatch 4 layers x (10 + 20 ms)
     # + embedding 1 + 1 ms + head 4 + 8 ms; the step is the optimizer on all 210,304 parameters
@@ -460,8 +573,8 @@ def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
         run = E2ERun(1, 1, devices, 2, 4, False, "megatron", precision, measured, peak_bytes)
         return E2EProfile(model, "cpu test", [run])
 
-    monkeypatch.setattr(profiling, "run_end_to_end", fake_run)
-    profile = profiling.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2,
+    monkeypatch.setattr(accuracy, "run_end_to_end", fake_run)
+    profile = accuracy.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2,
                                   devices=devices)
     assert profile.compute_scale == pytest.approx(1.5)
     assert profile.calibration["predicted_s"] == pytest.approx(parts + all_reduce)
@@ -475,12 +588,7 @@ def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
     assert estimate.optimizer == pytest.approx(1.5 * (0.002 + 1e-8 * 110_208))
 
 
-def test_training_log_parsing_and_accuracy_table():
-    line = (" [2026-01-01 00:00:00] iteration      3/    12 | consumed samples:        48 |"
-            " elapsed time per iteration (ms): 812.5 | learning rate: 1.000E-03 |"
-            " lm loss: 6.0E+00 | peak memory (MiB): 512")
-    times, mems = parse_training_log(line + "\n" + line.replace("812.5", "400.0"))
-    assert times == [0.8125, 0.4] and mems == [512.0, 512.0]
+def test_accuracy_table_shows_the_relative_error():
     cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=_profile())
     layout = Layout(1, 2, 1, 2, 4, False, "2bw")
     predicted = cost.time(layout, simulate=True).iteration
@@ -489,6 +597,108 @@ def test_training_log_parsing_and_accuracy_table():
     rows = compare(E2EProfile(SMALL, "cpu test", [run]), cost)
     assert rows[0].time_error == pytest.approx(0.25)
     assert "+25.0%" in format_accuracy(rows)
+
+
+def test_checked_in_profiles_hold_no_absolute_path():
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for item in value.values():
+                yield from strings(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from strings(item)
+
+    files = sorted((REPO / "tools" / "profiles").glob("*.json"))
+    assert files
+    for path in files:
+        data = json.loads(path.read_text())
+        assert not [s for s in strings(data) if os.path.isabs(s)], path
+        kind = E2EProfile if data["format"] == E2EProfile.FORMAT else Profile
+        for run in getattr(kind.load(path), "runs", []):  # the entry script, found again
+            assert Path(next(w for w in run.command if w.endswith(".py"))).is_file()
+
+
+def _broken(document: dict, where: str, value) -> dict:
+    """`document` with the field at dotted `where` ("runs.0.t") set to `value`."""
+    document = json.loads(json.dumps(document))
+    *path, last = where.split(".")
+    node = document
+    for key in path:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[int(last) if isinstance(node, list) else last] = value
+    return document
+
+
+_LAYER = _profile().to_json()
+_RUNS = E2EProfile(SMALL, "cpu test", [E2ERun(1, 2, 1, 2, 4, False, "2bw", "fp32", 0.5,
+                                              2**30)]).to_json()
+
+
+@pytest.mark.parametrize("flag, document, fragment", [
+    ("--profile", _broken(_LAYER, "samples.0.tp", 0), "samples[0].tp: expected an integer >= 1"),
+    ("--profile", _broken(_LAYER, "samples.1.part", "brain"), "samples[1].part"),
+    ("--profile", _broken(_LAYER, "samples.0.forward_s", -1.0), "samples[0].forward_s"),
+    ("--profile", _broken(_LAYER, "samples.0.backward_s", float("nan")), "samples[0].backward_s"),
+    ("--profile", _broken(_LAYER, "model.num_layers", None), "model.num_layers"),
+    ("--profile", _broken(_LAYER, "precision", "fp8"), "precision"),
+    ("--profile", _broken(_LAYER, "samples", {}), "samples: expected a list"),
+    ("--profile", _broken(_LAYER, "speed", 3), "wrong fields"),
+    ("--profile", _RUNS, "not a 'megatron-2bw layer profile v1'"),
+    ("--measured", _broken(_RUNS, "runs.0.t", "2"), "runs[0].t: expected an integer >= 1"),
+    ("--measured", _broken(_RUNS, "runs.0.seconds_per_iteration", float("inf")),
+     "runs[0].seconds_per_iteration"),
+    ("--measured", _broken(_RUNS, "runs", {"t": 1}), "runs: expected a list"),
+    ("--measured", _broken(_RUNS, "model", [4]), "model: expected an object"),
+])
+def test_bad_profile_files_end_in_one_line(tmp_path, capsys, flag, document, fragment):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(document))
+    files = {"--profile": tmp_path / "layer.json", "--measured": tmp_path / "runs.json"}
+    files["--profile"].write_text(json.dumps(_LAYER))
+    files["--measured"].write_text(json.dumps(_RUNS))
+    files[flag] = bad
+    with pytest.raises(SystemExit) as exit_info:
+        _plan_cli().main(["report", "--measured", str(files["--measured"]), "--profile",
+                          str(files["--profile"])])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(error.splitlines()) == 1, error
+    assert error.startswith(f"error: {flag}: {bad}") and fragment in error, error
+
+
+_PROFILE_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--seq-length", "32", "--vocab-size", "128"]
+_E2E = ["--end-to-end", "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("argv, flag, fragment", [
+    (["--layouts", "t1d2w1b4:2bw"], "--layouts", "only with --end-to-end"),
+    (["--train-iters", "5"], "--train-iters", "only with --end-to-end"),
+    (["--tensor-parallel-sizes", "1,3"], "--tensor-parallel-sizes", "3 does not divide"),
+    ([*_E2E, "--repeats", "3"], "--repeats", "layer-profile flag"),
+    ([*_E2E, "--layouts", "t1d2w1b4:2bw", "--nproc", "1"], "--layouts", "needs 2 processes"),
+    ([*_E2E, "--layouts", "t1d2w1b4:2bw,"], "--layouts", "layout ''"),
+    ([*_E2E, "--layouts", "t1d2w1b3:2bw"], "--layouts", "not a multiple"),
+    ([*_E2E, "--layouts", "t1d4w1b2:2bw", "--nproc", "4"], "--layouts", "--num-layers"),
+    ([*_E2E, "--train-iters", "2"], "--train-iters", "log no line at --log-interval 3"),
+])
+def test_bad_profile_flags_end_in_one_line_before_anything_runs(monkeypatch, tmp_path, capsys,
+                                                                 argv, flag, fragment):
+    from megatron_2bw.planner import e2e as end_to_end
+    from megatron_2bw.planner import measure
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ran despite the bad flag")
+
+    monkeypatch.setattr(end_to_end, "run_end_to_end", refuse)
+    monkeypatch.setattr(measure, "measure", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        _plan_cli().main(["profile", *_PROFILE_MODEL, "--cpu", *argv,
+                          "--out", str(tmp_path / "p.json")])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(error.splitlines()) == 1, error
+    assert error.startswith(f"error: {flag}: ") and fragment in error, error
 
 
 # ---- the command line on GPT-3 175B -------------------------------------------------------
@@ -504,7 +714,7 @@ def test_gpt3_175b_on_1024_h100s_plans_fast(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and elapsed < 5
     assert "on 1024 devices" in out and "samples/s" in out
-    assert "#SBATCH --nodes=128" in out and "torchrun --nnodes" in out
+    assert "#SBATCH --nodes=128" in out and "-m torch.distributed.run --nnodes" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     choice = plan["choice"]["layout"]
     assert choice["t"] * choice["d"] * choice["w"] == 1024
@@ -538,21 +748,24 @@ def test_report_refuses_a_layer_profile_as_measured_runs(tmp_path, capsys):
 
 
 def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tmp_path):
-    from megatron_2bw.planner import profile as profiling
+    from megatron_2bw.planner import e2e as end_to_end
 
     launched = []
 
     def fake_run(command, **kwargs):
         launched.append(command)
-        lines = [f"iteration {i} | elapsed time per iteration (ms): {ms} | peak memory (MiB): "
-                 f"{mib}" for i, (ms, mib) in enumerate([(900, 400), (500, 410), (520, 420),
-                                                         (480, 415)])]
+        lines = [f" iteration {i:>8}/      12 | elapsed time per iteration (ms): {ms} | "
+                 f"lm loss: 6.0E+00 | peak memory (MiB): {mib}"
+                 for i, (ms, mib) in enumerate([(900, 400), (500, 410), (520, 420), (480, 415)])]
         return subprocess.CompletedProcess(command, 0, "\n".join(lines), "")
 
-    monkeypatch.setattr(profiling.subprocess, "run", fake_run)
-    monkeypatch.setattr(profiling, "_mock_data_supported", lambda: True)
+    monkeypatch.setattr(end_to_end.subprocess, "run", fake_run)
+    monkeypatch.setattr(end_to_end, "_mock_data_supported", lambda: True)
     layouts = [Layout(1, 2, 1, 4, 4, False, "2bw"), Layout(2, 1, 1, 4, 4, True, "megatron")]
-    e2e = profiling.run_end_to_end(SMALL, layouts, "fp32", scratch=tmp_path)
+    end_to_end.check_layouts(SMALL, layouts, "fp32")
+    with pytest.raises(ValueError, match="layout t1 d3 .*--num-layers"):
+        end_to_end.check_layouts(SMALL, [Layout(1, 3, 1, 4, 4, False, "2bw")], "fp32")
+    e2e = end_to_end.run_end_to_end(SMALL, layouts, "fp32", scratch=tmp_path)
     run = e2e.runs[0]
     # The first interval holds the warm-up: median and fastest of 500, 520, 480.
     assert run.seconds_per_iteration == pytest.approx(0.5)
@@ -563,7 +776,14 @@ def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tm
         args = parse_for_validation(command[script + 1:], SMALL, world_size=layout.world)
         assert args.mock_data and args.cpu and args.num_microbatches == layout.m
         assert (args.recompute_granularity == "full") == layout.recompute
-    loaded = E2EProfile.load(e2e.save(tmp_path / "e2e.json"))
+    # The file names the entry script relative to its own folder; loaded, absolute again.
+    saved = e2e.save(tmp_path / "runs" / "e2e.json")
+    stored = json.loads(saved.read_text())["runs"][0]["command"]
+    entry = next(word for word in stored if word.endswith("pretrain_gpt_2bw.py"))
+    assert not os.path.isabs(entry)
+    assert (saved.parent / entry).resolve() == REPO / "pretrain_gpt_2bw.py"
+    assert not any(os.path.isabs(word) for word in stored)
+    loaded = E2EProfile.load(saved)
     assert loaded.runs == e2e.runs
 
 

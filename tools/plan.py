@@ -14,6 +14,12 @@
           --global-batch-size 16 --profile tools/profiles/cpu-....json
   report   predicted vs measured for an end-to-end profile
       tools/plan.py report --measured e2e.json --profile tools/profiles/cpu-....json
+  --evaluate  one given layout (a Megatron launch command, or t8d4b1v2:megatron+rc) beside the
+           planner's choice: time per iteration, TFLOP/s per GPU, memory per stage, the limit
+      tools/plan.py --cluster dgx-a100 --nodes 64 --evaluate "pretrain_gpt.py \\
+          --tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --num-layers 48 \\
+          --hidden-size 8192 --num-attention-heads 64 --seq-length 2048 \\
+          --micro-batch-size 4 --global-batch-size 1536 --recompute-granularity full --fp16"
 """
 
 from __future__ import annotations
@@ -34,8 +40,13 @@ from megatron_2bw.planner import (ALL_SCHEDULES, GiB, CostModel, E2EProfile, Lay
                                   ModelSpec, Plan, PlanRequest, Profile, preset, search,
                                   write_plan)
 from megatron_2bw.planner import flags as plan_flags  # noqa: E402
-from megatron_2bw.planner import profile as profiling  # noqa: E402
-from megatron_2bw.planner.cluster import Link  # noqa: E402
+from megatron_2bw.planner import accuracy, links, measure  # noqa: E402
+from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
+from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
+from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
+from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
+from megatron_2bw.planner.evaluate import (MODEL_FLAGS, Evaluation, evaluate,  # noqa: E402
+                                           parse_evaluate)
 
 _Gb = 1e9 / 8
 
@@ -77,15 +88,20 @@ def _model(args) -> ModelSpec:
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--cluster", default="cpu-local",
-                   help="v100-25gbe (alias paper: 8 x V100-16GB, 25 Gb/s Ethernet), dgx-a100, "
-                        "dgx-h100, cpu-local (this machine, one process per core)")
+                   help="v100-25gbe (alias paper: 8 x V100-16GB, 25 Gb/s Ethernet, fp16), "
+                        "dgx-a100, dgx-h100, dgx-h200, cpu-local (this machine, one process "
+                        "per core)")
     g.add_argument("--nodes", type=positive_int, default=1)
     g.add_argument("--gpus-per-node", type=positive_int, default=None)
     g.add_argument("--gpu-memory-gib", type=positive_float, default=None)
     g.add_argument("--intra-node-gbytes", type=positive_float, default=None,
                    help="GB/s per device and direction inside a node (NVLink)")
     g.add_argument("--inter-node-gbits", type=positive_float, default=None,
-                   help="Gb/s of a node's network, shared by its devices")
+                   help="Gb/s of a node's whole network (all its adapters together)")
+    g.add_argument("--nic-gbits", type=positive_float, default=None,
+                   help="Gb/s of one network adapter, one direction")
+    g.add_argument("--gpus-per-nic", type=positive_int, default=None,
+                   help="devices sharing one adapter (1 on DGX, 8 on p3.16xlarge)")
 
 
 def _cluster(args):
@@ -102,9 +118,15 @@ def _cluster(args):
     if args.intra_node_gbytes:
         cluster = cluster.with_(intra_node=Link(args.intra_node_gbytes * 1e9,
                                                 cluster.intra_node.latency))
-    if args.inter_node_gbits:
-        cluster = cluster.with_(inter_node=Link(
-            args.inter_node_gbits * _Gb / cluster.gpus_per_node, cluster.inter_node.latency))
+    if args.gpus_per_nic:
+        cluster = cluster.with_(gpus_per_nic=args.gpus_per_nic)
+    if args.nic_gbits and args.inter_node_gbits:
+        raise ToolError("--nic-gbits", "give --nic-gbits or --inter-node-gbits, not both")
+    if args.nic_gbits or args.inter_node_gbits:
+        # A node of G devices has G / gpus_per_nic adapters.
+        per_nic = args.nic_gbits or (args.inter_node_gbits * cluster.gpus_per_nic
+                                     / cluster.gpus_per_node)
+        cluster = cluster.with_(nic=Link(per_nic * _Gb, cluster.nic.latency))
     return cluster
 
 
@@ -115,8 +137,15 @@ def _load(kind, path, flag: str):
         return kind.load(path)
 
 
-def _precision(args, cluster) -> str:
-    return args.precision or ("fp32" if cluster.device == "cpu" else "bf16")
+def _precision(args, cluster, given: str | None = None) -> str:
+    """--precision, else the one `given` (an evaluated command's), else the cluster's default
+    (fp16 on V100, bf16 on A100/H100/H200, fp32 on CPU); one the devices lack is refused."""
+    precision = args.precision or given or cluster.default_precision
+    try:
+        cluster.check_precision(precision)
+    except PrecisionError as err:
+        raise ToolError("--precision", str(err)) from None
+    return precision
 
 
 def _load_profile(args, cluster) -> Profile | None:
@@ -124,7 +153,7 @@ def _load_profile(args, cluster) -> Profile | None:
         return None
     path = args.profile
     if path is None:
-        auto = profiling.default_profile_path(cluster.device_name)
+        auto = default_profile_path(cluster.device_name)
         if not auto.is_file():
             return None
         path = auto
@@ -140,10 +169,10 @@ def _load_profile(args, cluster) -> Profile | None:
 def plan_parser() -> argparse.ArgumentParser:
     p = ToolParser(prog="plan.py", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_flags(p)
+    _add_model_flags(p, required=False)  # an --evaluate command may give them
     _add_cluster_flags(p)
     g = p.add_argument_group("training")
-    g.add_argument("--global-batch-size", type=positive_int, required=True,
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="B: the largest global batch that still trains well")
     g.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="default: bf16 on GPUs, fp32 on cpu-local")
@@ -160,6 +189,14 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="2bw runs its step where the loop calls it (clipping or tied embeddings "
                         "then stall the pipeline at each step)")
     g.add_argument("--max-tensor-parallel", type=positive_int, default=None)
+    g.add_argument("--virtual-stages", type=_ints, default=(1,),
+                   help="V values the search tries for the megatron schedule (interleaved "
+                        "1F1B when V > 1)")
+    g.add_argument("--evaluate", default=None, metavar="COMMAND_OR_LAYOUT",
+                   help="predict this layout beside the planner's choice: a Megatron launch "
+                        "command in one string (its model flags fill in missing ones), or "
+                        "t<T>d<D>[w<W>]b<B>[v<V>]:<schedule>[+rc]")
+    plan_flags.add_training_flags(p)
     g = p.add_argument_group("output")
     g.add_argument("--profile", type=existing_file, default=None,
                    help="layer profile JSON (default: tools/profiles/<device>.json if present)")
@@ -202,11 +239,58 @@ def format_rejections(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _require_plan_flags(args) -> None:
+    """The flags a plan needs, given on the command line or by --evaluate's command."""
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--global-batch-size"):
+        if getattr(args, flag[2:].replace("-", "_")) is None:
+            raise ToolError(flag, "is required (on the command line, or in --evaluate's "
+                                  "command)")
+
+
+def _forced_layout(args, cluster):
+    """--evaluate's layout, its model flags merged into `args` (a flag given both ways must
+    agree), and the cluster resized to the command's torchrun world when it names one."""
+    if args.evaluate is None:
+        return None, cluster
+    try:
+        forced = parse_evaluate(args.evaluate, cluster.num_gpus, args.global_batch_size)
+    except ValueError as err:
+        raise ToolError("--evaluate", str(err)) from None
+    for dest in MODEL_FLAGS:
+        given, ours = forced.model_flags.get(dest), getattr(args, dest)
+        if given is None:
+            continue
+        if ours is not None and ours != given and dest != "make_vocab_size_divisible_by":
+            flag = "--" + dest.replace("_", "-")
+            raise ToolError("--evaluate", f"the command's {flag} {given} differs from "
+                                          f"{flag} {ours}")
+        setattr(args, dest, given)
+    if args.global_batch_size not in (None, forced.layout.global_batch):
+        raise ToolError("--evaluate", f"the command's global batch {forced.layout.global_batch}"
+                                      f" differs from --global-batch-size "
+                                      f"{args.global_batch_size}")
+    args.global_batch_size = forced.layout.global_batch
+    args.model = forced.kind or args.model
+    args.use_distributed_optimizer |= forced.distributed_optimizer
+    args.no_clip_grad |= not forced.clip_grad
+    world = forced.layout.world
+    if world != cluster.num_gpus:
+        if world % cluster.gpus_per_node:
+            raise ToolError("--evaluate", f"the command's {world} devices are not whole nodes "
+                                          f"of {cluster.gpus_per_node}")
+        cluster = cluster.with_(nodes=world // cluster.gpus_per_node)
+    return forced, cluster
+
+
 def run_plan(argv) -> int:
     args = plan_parser().parse_args(argv)
     started = time.perf_counter()
-    model, cluster = _model(args), _cluster(args)
-    precision = _precision(args, cluster)
+    forced, cluster = _forced_layout(args, _cluster(args))
+    _require_plan_flags(args)
+    training = plan_flags.training_flags(args)
+    model = _model(args)
+    precision = _precision(args, cluster, forced.precision if forced else None)
     profile = _load_profile(args, cluster)
     e2e = _load(E2EProfile, args.measured, "--measured") if args.measured else None
     request = PlanRequest(
@@ -216,17 +300,16 @@ def run_plan(argv) -> int:
         memory_fraction=args.memory_fraction, optimizer=args.optimizer,
         distributed_optimizer=args.use_distributed_optimizer, clip_grad=not args.no_clip_grad,
         deferred_step=not args.no_deferred_step, max_tensor_parallel=args.max_tensor_parallel,
-        simulate_top=0 if args.closed_form else args.simulate_top)
+        simulate_top=0 if args.closed_form else args.simulate_top,
+        virtual_stages=args.virtual_stages)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      distributed_optimizer=args.use_distributed_optimizer,
                      clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step)
+    if forced is not None:
+        return _run_evaluate(args, forced.layout, request, cost, started)
     plan = search(request, cost)
-    paths = write_plan(plan, args.out)
-    print(f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "
-          f"(L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
-          f"s={model.seq_length} V={model.padded_vocab()}) on {cluster.num_gpus} devices "
-          f"({cluster.nodes} x {cluster.gpus_per_node} {cluster.name}, "
-          f"{cluster.memory_bytes / GiB:.0f} GiB each), B={args.global_batch_size}, {precision}, "
+    paths = write_plan(plan, args.out, training=training)
+    print(f"{_describe(model, cluster, args.global_batch_size, precision)}, "
           f"schedules {','.join(args.schedules)}")
     print(f"{plan.considered} layouts considered, {len(plan.ranked)} feasible, "
           f"{len(plan.rejected)} rejected ({paths['rejected']}); search {plan.seconds:.3f} s")
@@ -239,15 +322,86 @@ def run_plan(argv) -> int:
     print("\n" + format_table(plan, args.top))
     best = plan.best
     print(f"\nchoice: {best.layout.label()}  (plan: {paths['plan']})")
-    print(f"flags ({paths['flags']}):\n  {plan_flags.flag_line(best, plan)}")
+    line = plan_flags.flag_line(best, plan, training)
+    print(f"flags ({paths['flags']}):\n  {line}")
+    if best.layout.v > 1 and "--num-virtual-stages-per-pipeline-rank" not in line:
+        print(f"note: add --num-virtual-stages-per-pipeline-rank {best.layout.v} to the flags "
+              f"and scripts (the choice interleaves)", file=sys.stderr)
     if not args.no_scripts:
         print(f"\n--- {paths['torchrun']} ---\n{paths['torchrun'].read_text()}"
               f"--- {paths['sbatch']} ---\n{paths['sbatch'].read_text()}", end="")
     if e2e is not None:
         print("\npredicted vs measured:\n"
-              + profiling.format_accuracy(profiling.compare(e2e, cost,
-                                                            simulate=not args.closed_form)))
+              + accuracy.format_accuracy(accuracy.compare(e2e, cost,
+                                                          simulate=not args.closed_form)))
     print(f"\nplanned in {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def _describe(model: ModelSpec, cluster, batch: int, precision: str) -> str:
+    return (f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "
+            f"(L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
+            f"s={model.seq_length} V={model.padded_vocab()}) on {cluster.num_gpus} devices "
+            f"({cluster.nodes} x {cluster.gpus_per_node} {cluster.name}, "
+            f"{cluster.memory_bytes / GiB:.0f} GiB each), B={batch}, {precision}")
+
+
+def _stage_line(stage) -> str:
+    return (f"  stage {stage.stage:>3}: {stage.total / GiB:7.2f} GiB = weights "
+            f"{(stage.weights + stage.extra_versions) / GiB:.2f} + gradients "
+            f"{(stage.gradients + stage.gradient_copy) / GiB:.2f} + optimizer "
+            f"{stage.optimizer / GiB:.2f} + activations {stage.activations / GiB:.2f} "
+            f"({stage.stashed_microbatches} microbatches) + transient "
+            f"{(stage.transient + stage.overhead) / GiB:.2f}")
+
+
+def format_evaluation(result: Evaluation, limit: float, peak_flops: float) -> str:
+    """The evaluated layout: time and its parts, TFLOP/s per GPU, memory per stage and what
+    limits the layout."""
+    t, memory = result.time, result.memory
+    lines = [f"evaluated: {result.layout.label()}",
+             f"  schedule: {SCHEDULE_NOTES[result.layout.schedule]}",
+             f"  time per iteration {t.iteration:.3f} s ({t.method}), "
+             f"{t.samples_per_s:.2f} samples/s",
+             f"  TFLOP/s per GPU    {result.tflops_per_gpu:.1f} "
+             f"({result.tflops_per_gpu * 1e12 / peak_flops:.0%} of the "
+             f"{peak_flops / 1e12:.0f} peak; Megatron-LM SC'21 Eq. 3 counting)"]
+    parts = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in result.time_parts.items())
+    lines.append(f"  parts: {parts}")
+    lines.append(f"  time limited by: {result.time_limit}")
+    stages = memory.stages if len(memory.stages) <= 8 else (
+        memory.stages[0], memory.peak_stage, memory.stages[-1])
+    lines.append("  memory per device:")
+    lines += [_stage_line(stage) for stage in dict.fromkeys(stages)]
+    peak = memory.peak_stage
+    verdict = "fits" if peak.total <= limit else "does NOT fit"
+    lines.append(f"  memory: {verdict}: peak {peak.total / GiB:.2f} GiB on stage {peak.stage} "
+                 f"of {limit / GiB:.2f} GiB allowed")
+    return "\n".join(lines)
+
+
+def _run_evaluate(args, layout: Layout, request: PlanRequest, cost: CostModel,
+                  started: float) -> int:
+    """--evaluate: the given layout beside the planner's best and the ratio between them."""
+    try:
+        result = evaluate(cost, layout, simulate=not args.closed_form)
+    except ValueError as err:
+        raise ToolError("--evaluate", str(err)) from None
+    plan = search(request, cost)
+    cluster = request.cluster
+    print(_describe(cost.model, cluster, request.global_batch_size, request.precision))
+    print(format_evaluation(result, request.memory_limit,
+                            cluster.peak_flops[request.precision]))
+    best = plan.best
+    if best is None:
+        print("planner: no feasible layout (see --explain)")
+    else:
+        ratio = best.samples_per_s / result.time.samples_per_s
+        print(f"planner's choice: {best.layout.label()}  {best.samples_per_s:.2f} samples/s, "
+              f"{best.time.iteration:.3f} s/iter, {best.memory.peak / GiB:.2f} GiB: "
+              f"{ratio:.2f}x the evaluated layout's throughput")
+    print(f"search {plan.seconds:.3f} s over {plan.considered} layouts; evaluated in "
+          f"{time.perf_counter() - started:.2f} s")
     return 0
 
 
@@ -318,12 +472,42 @@ def profile_parser() -> argparse.ArgumentParser:
     return p
 
 
+_END_TO_END_FLAGS = ("--layouts", "--candidates", "--nproc", "--global-batch-size",
+                     "--train-iters", "--log-interval", "--repeat", "--idle-below", "--profile")
+_LAYER_FLAGS = ("--micro-batch-sizes", "--tensor-parallel-sizes", "--no-recompute", "--repeats",
+                "--no-links", "--no-calibrate", "--calibrate-devices")
+
+
+def _check_profile_flags(args, argv, model: ModelSpec) -> None:
+    """A flag of the other kind of profile, a size the runs cannot use: ToolError, before
+    anything is measured."""
+    given = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    other = _LAYER_FLAGS if args.end_to_end else _END_TO_END_FLAGS
+    for flag in other:
+        if flag in given:
+            raise ToolError(flag, "is a layer-profile flag, not for --end-to-end"
+                            if args.end_to_end else "only with --end-to-end")
+    for t in args.tensor_parallel_sizes if "--tensor-parallel-sizes" in given else ():
+        if model.num_attention_heads % t or model.ffn % t:
+            raise ToolError("--tensor-parallel-sizes", f"{t} does not divide the "
+                                                       f"{model.num_attention_heads} attention "
+                                                       f"heads and the FFN size {model.ffn}")
+    if args.train_iters < args.log_interval:
+        raise ToolError("--train-iters", f"{args.train_iters} iterations log no line at "
+                                         f"--log-interval {args.log_interval}")
+
+
 def run_profile(argv) -> int:
     args = profile_parser().parse_args(argv)
     model = _model(args)
+    _check_profile_flags(args, argv, model)
     if args.end_to_end:
         layouts = ([parse_layout(x, args.global_batch_size) for x in args.layouts.split(",")]
                    if args.layouts else None)
+        for layout in layouts or ():
+            if layout.world > args.nproc:
+                raise ToolError("--layouts", f"{layout.label()} needs {layout.world} "
+                                             f"processes, more than --nproc {args.nproc}")
         profile = _load(Profile, args.profile, "--profile") if args.profile else None
         return _run_end_to_end(args, model, layouts, profile)
     from megatron_2bw.runtime.cpu import cuda_usable
@@ -331,21 +515,21 @@ def run_profile(argv) -> int:
     on_cpu = args.cpu or not cuda_usable()
     precision = args.precision or ("fp32" if on_cpu else "bf16")
     started = time.perf_counter()
-    profile = profiling.measure(
+    profile = measure.measure(
         model, precision, micro_batches=args.micro_batch_sizes,
         tensor_parallel=args.tensor_parallel_sizes,
         recompute=(False,) if args.no_recompute else (False, True), repeats=args.repeats,
         force_cpu=args.cpu, log=print)
     if not args.no_links:
-        profile.intra_node_link = profiling.measure_links()
+        profile.intra_node_link = links.measure_links()
         link = profile.intra_node_link
         print(f"links: {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us latency "
               f"(all-reduce between two local processes)")
     if not args.no_calibrate:
         devices = args.calibrate_devices or ((os.cpu_count() or 1) if on_cpu else 1)
-        profiling.calibrate(profile, max(args.micro_batch_sizes), devices=devices, cpu=on_cpu,
-                            log=print)
-    out = args.out or profiling.default_profile_path(profile.device_name)
+        accuracy.calibrate(profile, max(args.micro_batch_sizes), devices=devices, cpu=on_cpu,
+                           log=print)
+    out = args.out or default_profile_path(profile.device_name)
     print(f"wrote {profile.save(out)} in {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -364,9 +548,14 @@ def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,
         cost = CostModel(model, cluster, precision, profile=profile)
         plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
-    e2e = profiling.run_end_to_end(model, layouts, precision, train_iters=args.train_iters,
-                                   log_interval=args.log_interval, cpu=on_cpu,
-                                   repeat=args.repeat, idle_below=args.idle_below, log=print)
+    try:
+        end_to_end.check_layouts(model, layouts, precision, cpu=on_cpu,
+                                 train_iters=args.train_iters)
+    except ValueError as err:
+        raise ToolError("--layouts", str(err)) from None
+    e2e = end_to_end.run_end_to_end(model, layouts, precision, train_iters=args.train_iters,
+                                    log_interval=args.log_interval, cpu=on_cpu,
+                                    repeat=args.repeat, idle_below=args.idle_below, log=print)
     out = Path(args.out or "e2e.json")
     print(f"wrote {e2e.save(out)}")
     if profile is not None:
@@ -380,7 +569,7 @@ def _print_report(e2e: E2EProfile, profile: Profile, closed_form: bool = False) 
     cost = CostModel(e2e.model, cluster, precision, profile=profile)
     print("predicted (closed form from the layer profile%s) vs measured:"
           % ("" if closed_form else ", pipeline part simulated"))
-    print(profiling.format_accuracy(profiling.compare(e2e, cost, simulate=not closed_form)))
+    print(accuracy.format_accuracy(accuracy.compare(e2e, cost, simulate=not closed_form)))
 
 
 def run_report(argv) -> int:

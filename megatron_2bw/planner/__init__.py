@@ -9,10 +9,18 @@ and schedule to train a model with on a cluster, and the flags to launch it.
 
     model.py    parameters, FLOPs and activation bytes per layer
     cluster.py  devices per node, memory, links; presets
-    profile.py  measured layers and end-to-end runs (JSON), predicted vs measured
+    profile.py  measured numbers as data: layer profiles and end-to-end runs (JSON files)
     cost.py     memory and time per iteration of a layout
     search.py   enumerate, filter, rank
     flags.py    plan.json, rejected.csv, flags, torchrun and Slurm scripts
+
+They depend one way, model -> cost -> search -> flags (tests/test_planner_structure.py).
+Beside them, the modules that produce the numbers (they import the line, never the reverse):
+
+    measure.py   time one layer, the embedding, the head, the optimizer step (torch)
+    links.py     time all-reduces between two local processes
+    e2e.py       train whole layouts for a few iterations, read their logs
+    accuracy.py  predicted vs measured, and the calibration of a layer profile
 
 The command line is `tools/plan.py`.
 """

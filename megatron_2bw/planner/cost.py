@@ -19,6 +19,7 @@ this model by FLOPs and by the closed-form bytes when the profile was taken for 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,12 +32,25 @@ if TYPE_CHECKING:
     from .profile import Profile
 
 __all__ = ["Layout", "StageMemory", "MemoryEstimate", "TimeEstimate", "CostModel",
-           "PRECISIONS", "OPTIMIZERS", "simulated_iteration"]
+           "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES", "simulated_iteration", "kernels"]
 
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes of a parameter and of an activation element."""
 
 OPTIMIZERS = ("adam", "sgd")
+
+SCHEDULE_NOTES = {
+    "2bw": "PipeDream-2BW: no flush, bubble only when training starts; 2 weight versions; "
+           "1-stale update W(t+1) = W(t) - lr grad(W(t-1)) (Section 3.1); stash d - i",
+    "flush": "PipeDream-Flush 1F1B: flush every batch, exact update; 1 version; stash "
+             "d - i; bubble (d - 1)/(m + d - 1)",
+    "gpipe": "GPipe: all forwards, then all backwards; exact; stash m; bubble "
+             "(d - 1)/(m + d - 1)",
+    "naive": "no pipelining: one stage busy at a time; exact; stash 1; bubble (d - 1)/d",
+    "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
+                "stash d + (d - 1)/V on stage 0; bubble (d - 1)/(V m) (SC'21 Section 2.2)",
+}
+"""What each schedule costs and means, as the time and memory models charge it."""
 
 GRAD_BYTES = 4
 """megatron-core's DDP keeps `main_grad` in fp32 (`grad_reduce_in_fp32=True` in
@@ -68,6 +82,9 @@ class Layout:
     """Full activation recomputation, one layer per checkpoint."""
     schedule: str
     """`--pipeline-schedule`: 2bw, flush, gpipe, naive or megatron (Megatron's 1F1B)."""
+    v: int = 1
+    """Virtual stages (model chunks) per pipeline rank: Megatron's interleaved 1F1B when > 1
+    (`--num-virtual-stages-per-pipeline-rank`; SC'21 Section 2.2.2)."""
 
     @property
     def world(self) -> int:
@@ -79,7 +96,25 @@ class Layout:
 
     def label(self) -> str:
         return (f"t{self.t} d{self.d} w{self.w} b{self.b} m{self.m} {self.schedule}"
-                + (" rc" if self.recompute else ""))
+                + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else ""))
+
+    def problem(self, num_layers: int) -> str | None:
+        """Why megatron-core cannot run these virtual stages (None: it can): V > 1 needs
+        --pipeline-schedule megatron, d >= 2, L a multiple of d V and m of d
+        (megatron_2bw.arguments._validate_virtual_stages)."""
+        if self.v == 1:
+            return None
+        if self.schedule != "megatron":
+            return f"virtual stages (v={self.v}) run under the megatron schedule only"
+        if self.d < 2:
+            return f"virtual stages (v={self.v}) need d >= 2"
+        if num_layers % (self.d * self.v):
+            return (f"{num_layers} layers do not split into d x v = {self.d} x {self.v} equal "
+                    f"chunks")
+        if self.m % self.d:
+            return f"interleaving runs microbatches in groups of d={self.d}: m={self.m} is not"\
+                   f" a multiple"
+        return None
 
 
 @dataclass(frozen=True)
@@ -222,6 +257,7 @@ class CostModel:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         self.element_bytes = PRECISIONS[self.precision]
+        self.cluster.check_precision(self.precision)
         if self.profile is not None and self.profile.intra_node_link is not None:
             self.cluster = self.cluster.with_(intra_node=self.profile.intra_node_link)
 
@@ -258,7 +294,7 @@ class CostModel:
                               + last * head)
             # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
-            stash = spec.stash(d, m, i) if d > 1 else 1
+            stash = _stash(layout, spec, i)
             transient = (layer_full if layout.recompute else 0.0) + last * logits_gradient
             stages.append(StageMemory(
                 stage=i, parameters=params,
@@ -267,7 +303,7 @@ class CostModel:
                 extra_versions=(spec.max_versions - 1) * params * e,
                 gradients=params * GRAD_BYTES,
                 optimizer=params * optimizer_bytes,
-                stashed_microbatches=stash,
+                stashed_microbatches=math.ceil(stash),
                 activations=stash * per_microbatch,
                 transient=transient,
                 overhead=overhead,
@@ -282,26 +318,34 @@ class CostModel:
     # ---- time -----------------------------------------------------------------------------
     def time(self, layout: Layout, simulate: bool = False) -> TimeEstimate:
         """Seconds per iteration (PipeDream-2BW Section 4.3, THROUGHPUT, with the pipeline
-        part from the schedule: closed forms, or the simulator when `simulate`)."""
+        part from the schedule: closed forms, or the simulator when `simulate`).
+
+        One structure for every layout: each stage's compute (GEMMs at their shape's sustained
+        rate, element-wise kernels at the memory bandwidth), its tensor-parallel all-reduces
+        and its sends; the schedule's bubble over those; then the step (data-parallel
+        all-reduce, tied-embedding all-reduce, optimizer). No global efficiency factor."""
         model, cluster, e = self.model, self.cluster, self.element_bytes
-        t, d, w, b, m = layout.t, layout.d, layout.w, layout.b, layout.m
+        t, d, w, b, m, v = layout.t, layout.d, layout.w, layout.b, layout.m, layout.v
         rc = layout.recompute
         layers = model.num_layers // d
 
         # Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3 and Figure 3): each
         # layer all-reduces its (s, b, h) output twice in the forward (after attention and
         # after the MLP) and its input gradient twice in the backward; recomputation replays
-        # the forward's two. Ring all-reduce over the t ranks of a node (NVLink) while t fits
-        # in one, over the network beyond.
-        tp_link = cluster.link_for_group(t, stride=1)
+        # the forward's two. Ring all-reduce over the t ranks: NVLink inside a node, the
+        # members' NICs across nodes (Cluster.group_link).
+        tp_link = cluster.group_link(t, stride=1)
         tp_ar = tp_link.all_reduce(model.boundary_bytes(b, e), t)
         tp_small = tp_link.all_reduce(4 * b * model.seq_length, t)  # cross-entropy max/sum
         # Pipeline: stage i+1's ranks sit t w ranks after stage i's. A stage sends its output
-        # after each forward and its input gradient after each backward; the send occupies it
-        # for n / beta (PipeDream-2BW Section 4.3 counts the stage's communication in its
-        # time), the latency alpha delays the receiver.
-        pp_link = cluster.link_for_group(d, stride=t * w)
-        send = model.boundary_bytes(b, e) / pp_link.bandwidth if d > 1 else 0.0
+        # after each forward and its input gradient after each backward, once per model chunk
+        # (V chunks per rank under interleaving); the send occupies it for n / beta
+        # (PipeDream-2BW Section 4.3 counts the stage's communication in its time), the latency
+        # alpha delays the receiver. With t > 1 each rank sends its 1/t slice (Megatron's
+        # scatter/gather, SC'21 Section 4.1) when the next stage is in another node.
+        pp_link = cluster.p2p_link(d, stride=t * w)
+        scatter = t if pp_link is not cluster.intra_node else 1
+        send = model.boundary_bytes(b, e) / scatter / pp_link.bandwidth if d > 1 else 0.0
         p2p = pp_link.latency if d > 1 else 0.0
 
         lf, lb = self._compute("layer", b, t, rc)
@@ -312,23 +356,26 @@ class CostModel:
             first, last = i == 0, i == d - 1
             tp_f = layers * 2 * tp_ar + first * tp_ar + last * 3 * tp_small
             tp_b = layers * (2 + 2 * rc) * tp_ar + last * tp_ar
-            forward.append(layers * lf + first * ef + last * hf + tp_f + (not last) * send)
-            backward.append(layers * lb + first * eb + last * hb + tp_b + (not first) * send)
+            sends_f, sends_b = v - last, v - first  # the pipeline's two ends do not send
+            forward.append(layers * lf + first * ef + last * hf + tp_f + sends_f * send)
+            backward.append(layers * lb + first * eb + last * hb + tp_b + sends_b * send)
             tp_time.append(tp_f + tp_b)
 
         # Step: data-parallel ring all-reduce of each stage's fp32 gradients over its w
         # replicas, t apart (PipeDream-2BW Section 4.3: all_reduce(|W|/d) over w workers; not
         # overlapped with the backward: megatron-core's DDP default overlap_grad_reduce=False);
         # the tied embedding's gradient between first and last stage; the optimizer.
-        dp_link = cluster.link_for_group(w, stride=t)
+        dp_link = cluster.group_link(w, stride=t)
         stage_params = [model.stage_parameters(t, d, i) for i in range(d)]
         data_parallel = max(dp_link.all_reduce(p * GRAD_BYTES, w) for p in stage_params)
         embedding_sync = 0.0
         if model.tied and d > 1:
             embedding = model.padded_vocab(t) // t * model.hidden_size
-            embedding_sync = pp_link.all_reduce(embedding * GRAD_BYTES, 2)
+            embedding_sync = cluster.group_link(2, stride=t * w * (d - 1)).all_reduce(
+                embedding * GRAD_BYTES, 2)
         optimizer = max(self._optimizer_step(p, w) for p in stage_params)
-        norm = (tp_link.all_reduce(4, t) + pp_link.all_reduce(4, d)) if self.clip_grad else 0.0
+        pp_group = cluster.group_link(d, stride=t * w)
+        norm = (tp_link.all_reduce(4, t) + pp_group.all_reduce(4, d)) if self.clip_grad else 0.0
         step = data_parallel + embedding_sync + optimizer + norm
         # The grad norm and fp16's found-inf span all stages; the tied embedding's all-reduce
         # makes the last stage wait for the first, and the stages between follow the last.
@@ -338,13 +385,14 @@ class CostModel:
 
         work = [f + bw for f, bw in zip(forward, backward)]
         bottleneck = max(work)
-        schedule = "flush" if layout.schedule == "megatron" else layout.schedule
-        if simulate and d > 1:
+        schedule = "flush" if layout.schedule == "megatron" and v == 1 else layout.schedule
+        if simulate and d > 1 and schedule != "megatron":
             iteration = simulated_iteration(schedule, d, m, tuple(forward), tuple(backward),
                                             p2p, step, sync)
             method = "simulated"
         else:
-            iteration = self._closed_form(schedule, d, m, forward, backward, p2p, step, sync)
+            iteration = self._closed_form(schedule, d, m, forward, backward, p2p, step, sync,
+                                          v=v)
             method = "closed-form"
         pipeline = iteration - step
         bubble = 1 - m * bottleneck / pipeline if pipeline > 0 else 0.0
@@ -356,7 +404,7 @@ class CostModel:
 
     @staticmethod
     def _closed_form(schedule: str, d: int, m: int, forward: list, backward: list, p2p: float,
-                     step: float, sync: str) -> float:
+                     step: float, sync: str, v: int = 1) -> float:
         """One iteration of m microbatches over d stages, the slowest doing F* + B*."""
         work = [f + b for f, b in zip(forward, backward)]
         bottleneck = max(work)
@@ -367,6 +415,12 @@ class CostModel:
             # other m - 1 follow at the bottleneck's pace; uniform stages give (m + d - 1)(F+B),
             # the bubble (d - 1)/(m + d - 1) (GPipe; PipeDream-2BW Section 2.2 and 3.2).
             return (m - 1) * bottleneck + sum(work) + 2 * (d - 1) * p2p + step
+        if schedule == "megatron":
+            # Interleaved 1F1B, V chunks per rank: the fill and drain cross d chunks of 1/V of a
+            # stage each, the bubble (d - 1)/V of a microbatch's F + B (SC'21 Section 2.2.2:
+            # bubble fraction (d - 1)/(V m)); V = 1 is the flush above.
+            return (m * bottleneck + (sum(work) - bottleneck) / v
+                    + 2 * (d - 1) * p2p + step)
         if schedule == "2bw":
             # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
             # (global gradient norm) waits for stage 0's last backward: after the last stage's,
@@ -380,22 +434,26 @@ class CostModel:
 
     # ---- parts ----------------------------------------------------------------------------
     def _compute(self, part: str, b: int, t: int, recompute: bool) -> tuple[float, float]:
-        """(forward, backward) seconds of one part on one of t ranks, no communication."""
+        """(forward, backward) seconds of one part on one of t ranks, no communication: the
+        profile's when there is one, else `kernel_time`."""
         measured = self._from_profile(part, b, t, recompute)
         if measured is not None:
             return measured[0], measured[1]
-        model = self.model
-        if part == "embedding":
-            # A lookup and an add: memory-bound, (s, b, h) read and written a few times.
-            nbytes = 3 * model.boundary_bytes(b, self.element_bytes)
-            return nbytes / self.cluster.memory_bandwidth, nbytes / self.cluster.memory_bandwidth
-        flops = (model.layer_forward_flops(b) / t if part == "layer" else
-                 model.head_forward_flops(b, t))
-        forward = flops / self.cluster.flops(self.precision)
-        # Backward = 2 x forward; recomputation adds a forward: 4/3 of the work in all
-        # (PipeDream-2BW Section 4.1; Megatron-LM SC'21 Eq. 3 with 4 passes instead of 3).
+        forward = self.kernel_time(part, b, t)
+        # Backward = 2 x forward (input and weight gradients: two GEMMs of the forward's shape
+        # per GEMM, twice the element-wise traffic); recomputation adds a forward: 4/3 of the
+        # work in all (PipeDream-2BW Section 4.1; Megatron-LM SC'21 Eq. 3, 4 passes).
         backward = 2 * forward + (forward if recompute else 0.0)
         return forward, backward
+
+    def kernel_time(self, part: str, b: int, t: int) -> float:
+        """Forward seconds of a part on one of t ranks from its kernels: each GEMM's FLOPs at
+        the rate of its shape (Cluster.gemm_flops), plus element-wise bytes at the sustained
+        memory bandwidth."""
+        gemms, streamed = kernels(self.model, part, b, t, self.element_bytes)
+        rate = self.cluster.gemm_flops
+        return (sum(flops / rate(self.precision, n) for flops, n in gemms)
+                + streamed / self.cluster.stream_bandwidth)
 
     def _activation_bytes(self, part: str, b: int, t: int, recompute: bool = False) -> float:
         measured = self._from_profile(part, b, t, recompute)
@@ -429,7 +487,23 @@ class CostModel:
         # the fp32 gradient (4) and writes the parameter (e); SGD one moment instead of two.
         moments = MOMENT_BYTES[self.optimizer]
         touched = 2 * (MASTER_BYTES + moments) + GRAD_BYTES + self.element_bytes
-        return shard * touched / self.cluster.memory_bandwidth
+        return shard * touched / self.cluster.stream_bandwidth
+
+
+def _stash(layout: Layout, spec, stage: int) -> float:
+    """Microbatches' worth of activations stage `stage` keeps at its peak.
+
+    GPipe m, Flush and 2BW d - i (1F1B, PipeDream-2BW Sections 2.2, 3.1), naive 1, as the
+    schedule declares it (schedules.SCHEDULES[...].stash). Megatron's interleaved 1F1B with V
+    chunks per rank holds (d - i - 1) 2 + (V - 1) d + 1 chunk-microbatches (megatron-core's
+    warm-up count plus the one in flight), each 1/V of the stage: d + (d - 1)/V on the first
+    stage (Korthikanti et al. 2022, Section 4.2.3)."""
+    d, m, v = layout.d, layout.m, layout.v
+    if d == 1:
+        return 1
+    if layout.schedule == "megatron" and v > 1:
+        return min(m * v, (d - stage - 1) * 2 + (v - 1) * d + 1) / v
+    return spec.stash(d, m, stage)
 
 
 def _schedule_spec(schedule: str):
@@ -445,6 +519,17 @@ def _closed_form_bytes(model: ModelSpec, part: str, b: int, t: int, recompute: b
     if part == "embedding":
         return model.embedding_activation_bytes(b, t, e)
     return model.head_activation_bytes(b, t, e)
+
+
+def kernels(model: ModelSpec, part: str, b: int, t: int,
+            e: int) -> tuple[list[tuple[float, int]], float]:
+    """(GEMMs as (FLOPs, smallest dimension), streamed bytes) of one part's forward on one of t
+    ranks."""
+    if part == "layer":
+        return model.layer_gemms(b, t), model.layer_streamed_bytes(b, t, e)
+    if part == "head":
+        return model.head_gemms(b, t), model.head_streamed_bytes(b, t, e)
+    return [], model.embedding_streamed_bytes(b, e)
 
 
 def _part_work(model: ModelSpec, part: str, b: int, t: int, e: int) -> float:

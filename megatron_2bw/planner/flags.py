@@ -2,20 +2,33 @@
 script, a Slurm sbatch script, and `plan.json` with the ranked alternatives (plus
 `rejected.csv` with every infeasible layout and why).
 
-    write_plan(plan, "plan/")   # plan.json, rejected.csv, flags.txt, launch.sh, plan.sbatch
+    training = training_flags(args)       # --train-iters, --lr, ... as given to plan.py
+    write_plan(plan, "plan/", training=training)
+    # plan.json, rejected.csv, flags.txt, launch.sh, plan.sbatch
 
-Data flags are left to the user: the scripts read `$DATA_PATH` and `$TOKENIZER_MODEL` (or a
-whole `$DATA_ARGS`, e.g. DATA_ARGS=--mock-data), and pass their own arguments on.
+Invariants of the written scripts: they run from any working directory (the entry script by
+the absolute path of the checkout the plan was made in, `$REPO` to move it; the launcher is
+`python -m torch.distributed.run` of the plan's interpreter, `$PYTHON` to change it); they
+carry every flag the plan needs, the training length and learning rate included when they were
+given to the planner (else the run stops with one line asking for them); data flags are left
+to the user: `$DATA_PATH` and `$TOKENIZER_MODEL`, or a whole `$DATA_ARGS` (e.g.
+DATA_ARGS="--mock-data --vocab-size 51200"); arguments after the script's name are passed on.
+The Slurm script takes the rendezvous host from the allocation's first node and its port from
+the job id, as Megatron-LM's Slurm examples do.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Sequence
+
+from megatron_2bw.arguments import int_at_least, number_in
 
 from .cluster import GiB, Cluster
 from .cost import Layout
@@ -23,28 +36,82 @@ from .model import ModelSpec
 from .search import Candidate, Plan
 
 __all__ = ["launch_flags", "entry_script", "flag_line", "torchrun_script", "sbatch_script",
-           "write_plan", "plan_to_json", "parse_for_validation"]
+           "write_plan", "plan_to_json", "parse_for_validation", "add_training_flags",
+           "training_flags", "REPO"]
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout whose entry scripts the written scripts launch (unless `$REPO` says)."""
 
 _DATA_ARGS = '${DATA_ARGS:---data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL"}'
-# the training length (Megatron-LM requires --train-iters or --train-samples; the plan does
-# not choose one): TRAIN_ARGS="--train-samples N" replaces it
-_TRAIN_ARGS = '${TRAIN_ARGS:---train-iters 200}'
+
+# ---- the training run's length and learning rate: plan.py's flags, passed through ---------
+
+TRAINING_FLAGS = (
+    ("--train-iters", int_at_least(1), "iterations to train (or --train-samples)"),
+    ("--train-samples", int_at_least(1), "samples to train (or --train-iters)"),
+    ("--lr", number_in(0, low_open=True), "peak learning rate (default: 1.5e-4 GPT, 1e-4 "
+                                          "BERT, as scripts/models.sh)"),
+    ("--min-lr", number_in(0), None),
+    ("--lr-decay-style", None, "constant, linear, cosine, inverse-square-root or WSD"),
+    ("--lr-decay-iters", int_at_least(1), None),
+    ("--lr-decay-samples", int_at_least(1), None),
+    ("--lr-warmup-iters", int_at_least(0), None),
+    ("--lr-warmup-samples", int_at_least(0), None),
+    ("--lr-warmup-fraction", number_in(0, 1), None),
+    ("--weight-decay", number_in(0), None),
+)
+"""(flag, type, help) of the training flags plan.py passes to the scripts: the entry script's
+names and ranges; combinations are checked by the entry's own validator."""
+
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The `TRAINING_FLAGS` group; each defaults to None (not given: not written)."""
+    group = parser.add_argument_group(
+        "training run (written into flags.txt and the scripts as given)")
+    for flag, kind, help_text in TRAINING_FLAGS:
+        choices = _DECAY_STYLES if flag == "--lr-decay-style" else None
+        group.add_argument(flag, type=kind, choices=choices, default=None, help=help_text)
+
+
+def training_flags(args: argparse.Namespace) -> list[str]:
+    """The `TRAINING_FLAGS` given on plan.py's command line, as flags, checked by the entry
+    script's validator on a one-rank stand-in model with the plan's global batch (a bad
+    combination raises `FlagError` naming the flag, before anything is planned)."""
+    flags: list[str] = []
+    for flag, _, _ in TRAINING_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            flags += [flag, str(value)]
+    if flags:
+        from megatron_2bw.arguments import build_parser, validate_args
+
+        batch = getattr(args, "global_batch_size", None) or 1
+        stand_in = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                    "--seq-length", "8", "--max-position-embeddings", "8", "--cpu",
+                    "--micro-batch-size", "1", "--global-batch-size", str(batch),
+                    "--mock-data", "--vocab-size", "8"]
+        lr = [] if "--lr" in flags else ["--lr", _PEAK_LR[getattr(args, "model", "gpt")]]
+        validate_args(build_parser().parse_args(stand_in + lr + flags), world_size=1)
+    return flags
 
 
 def entry_script(model: ModelSpec) -> str:
     return f"pretrain_{model.kind}_2bw.py"
 
 
-# the peak learning rate (Megatron-LM requires --lr; the plan does not choose it): that of
+# the peak learning rate when plan.py is given no --lr (Megatron-LM requires one): that of
 # scripts/models.sh; a later --lr on the script's command line replaces it
 _PEAK_LR = {"gpt": "1.5e-4", "bert": "1e-4"}
 
 
 def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool = False,
                  distributed_optimizer: bool = False, clip_grad: bool = True,
-                 deferred_step: bool = True) -> list[str]:
-    """The layout and model as our entry scripts' flags (Megatron-LM's names), data and
-    training length excluded."""
+                 deferred_step: bool = True, training: Sequence[str] = ()) -> list[str]:
+    """The layout and model as our entry scripts' flags (Megatron-LM's names), then
+    `training` (`training_flags`; the model kind's peak learning rate when it has no --lr);
+    data excluded."""
     flags = [
         "--tensor-model-parallel-size", str(layout.t),
         "--pipeline-model-parallel-size", str(layout.d),
@@ -56,7 +123,6 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         "--max-position-embeddings", str(model.seq_length),
         "--micro-batch-size", str(layout.b),
         "--global-batch-size", str(layout.global_batch),
-        "--lr", _PEAK_LR[model.kind],
     ]
     if model.ffn_hidden_size and model.ffn_hidden_size != 4 * model.hidden_size:
         flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
@@ -79,80 +145,126 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags.append("--no-deferred-step")
     if cpu:
         flags.append("--cpu")
-    return flags
+    lr = [] if "--lr" in training else ["--lr", _PEAK_LR[model.kind]]
+    return flags + lr + list(training)
 
 
-def _flags_for(candidate: Candidate, plan: Plan) -> list[str]:
+def _flags_for(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> list[str]:
     r = plan.request
     return launch_flags(candidate.layout, r.model, r.precision, cpu=r.cluster.device == "cpu",
                         distributed_optimizer=r.distributed_optimizer, clip_grad=r.clip_grad,
-                        deferred_step=r.deferred_step)
+                        deferred_step=r.deferred_step, training=training)
 
 
-def flag_line(candidate: Candidate, plan: Plan) -> str:
-    return shlex.join(_flags_for(candidate, plan))
+def flag_line(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> str:
+    return shlex.join(_flags_for(candidate, plan, training))
 
 
 def _header(candidate: Candidate, plan: Plan) -> list[str]:
     r, c = plan.request, candidate
     return [f"# megatron-2bw plan for {r.model.kind.upper()} L={r.model.num_layers} "
             f"h={r.model.hidden_size} a={r.model.num_attention_heads} s={r.model.seq_length} "
-            f"on {r.cluster.nodes} x {r.cluster.gpus_per_node} ({r.cluster.name}), B={r.global_batch_size}",
+            f"on {r.cluster.nodes} x {r.cluster.gpus_per_node} ({r.cluster.name}), "
+            f"B={r.global_batch_size}",
             f"# layout {c.layout.label()}: predicted {c.samples_per_s:.2f} samples/s, "
             f"{c.time.iteration:.3f} s/iteration, {c.memory.peak / GiB:.2f} GiB per device"]
 
 
-def torchrun_script(candidate: Candidate, plan: Plan) -> str:
-    """One torchrun per node; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT from the
-    environment (one node: the defaults)."""
+def _preamble(model: ModelSpec, training: Sequence[str]) -> list[str]:
+    """Script lines setting REPO, PYTHON and ENTRY (absolute, from the planning machine unless
+    the environment says otherwise); a missing entry script, missing data variables or (when
+    the plan has none) a missing training length end the script with one `error:` line."""
+    entry = entry_script(model)
+    lines = [
+        'if [[ -z ${REPO:-} ]]; then',
+        f"    REPO={shlex.quote(str(REPO))}",
+        'fi',
+        'if [[ -z ${PYTHON:-} ]]; then',
+        f"    PYTHON={shlex.quote(sys.executable)}",
+        '    [[ -x $PYTHON ]] || PYTHON=python3',
+        'fi',
+        f'ENTRY="$REPO/{entry}"',
+        'if [[ ! -f $ENTRY ]]; then',
+        f'    echo "error: REPO: $REPO has no {entry}; set REPO to the megatron-2bw checkout" >&2',
+        '    exit 2',
+        'fi',
+        'if [[ -z ${DATA_ARGS:-} && ( -z ${DATA_PATH:-} || -z ${TOKENIZER_MODEL:-} ) ]]; then',
+        '    echo "error: DATA_PATH: set DATA_PATH and TOKENIZER_MODEL, or DATA_ARGS (e.g. '
+        "DATA_ARGS='--mock-data --vocab-size N')\" >&2",
+        '    exit 2',
+        'fi']
+    if not {"--train-iters", "--train-samples"} & set(training):
+        lines += [
+            'case " $* " in',
+            '    *" --train-iters"* | *" --train-samples"*) ;;',
+            '    *) echo "error: --train-iters: the plan has no training length; add '
+            '--train-iters N or --train-samples N" >&2',
+            '       exit 2 ;;',
+            'esac']
+    return lines
+
+
+def _command_tail(candidate: Candidate, plan: Plan, training: Sequence[str]) -> list[str]:
+    """The entry script, one flag per line, the data flags and the script's own arguments."""
+    flags = " \\\n    ".join(shlex.join(pair)
+                              for pair in _pairs(_flags_for(candidate, plan, training)))
+    return ['    "$ENTRY" \\', f"    {flags} \\", f'    {_DATA_ARGS} "$@"', ""]
+
+
+def torchrun_script(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> str:
+    """One `python -m torch.distributed.run` per node; NNODES, NODE_RANK, MASTER_ADDR,
+    MASTER_PORT from the environment (one node: the defaults)."""
     cluster, model = plan.request.cluster, plan.request.model
-    flags = " \\\n    ".join(shlex.join(pair) for pair in _pairs(_flags_for(candidate, plan)))
     return "\n".join([
         "#!/bin/bash",
         *_header(candidate, plan),
-        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [TRAIN_ARGS='--train-iters N'] [NNODES=.. "
-        "NODE_RANK=.. MASTER_ADDR=..] bash launch.sh [more flags]",
+        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [NNODES=.. NODE_RANK=.. MASTER_ADDR=.. "
+        "MASTER_PORT=..] bash launch.sh [more flags]",
+        "#   DATA_ARGS='--mock-data --vocab-size N' replaces the data flags; REPO, PYTHON: the "
+        "checkout and interpreter",
         "set -euo pipefail",
+        *_preamble(model, training),
         f'NNODES="${{NNODES:-{cluster.nodes}}}"',
         'NODE_RANK="${NODE_RANK:-0}"',
         'MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"',
         'MASTER_PORT="${MASTER_PORT:-29500}"',
         "# shellcheck disable=SC2086",
-        f"torchrun --nnodes \"$NNODES\" --node-rank \"$NODE_RANK\" "
+        '"$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" '
         f"--nproc-per-node {cluster.gpus_per_node} \\",
         '    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \\',
-        f"    {entry_script(model)} \\",
-        f"    {flags} \\",
-        f"    {_TRAIN_ARGS} {_DATA_ARGS} \"$@\"",
-        ""])
+        *_command_tail(candidate, plan, training)])
 
 
-def sbatch_script(candidate: Candidate, plan: Plan) -> str:
-    """Slurm: one task per node, each a torchrun with the c10d rendezvous on the first node."""
+def sbatch_script(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> str:
+    """Slurm: one task per node, each a `python -m torch.distributed.run` with the c10d
+    rendezvous on the allocation's first node (MASTER_ADDR), at a port from the job id
+    (MASTER_PORT, unless set), as Megatron-LM's Slurm examples set them."""
     cluster, model = plan.request.cluster, plan.request.model
-    flags = " \\\n    ".join(shlex.join(pair) for pair in _pairs(_flags_for(candidate, plan)))
     return "\n".join([
         "#!/bin/bash",
         *_header(candidate, plan),
-        "# usage: DATA_PATH=... TOKENIZER_MODEL=... [TRAIN_ARGS='--train-iters N'] sbatch "
-        "plan.sbatch [more flags]",
+        "# usage: DATA_PATH=... TOKENIZER_MODEL=... sbatch plan.sbatch [more flags]",
+        "#   DATA_ARGS='--mock-data --vocab-size N' replaces the data flags; REPO, PYTHON: the "
+        "checkout and interpreter (Slurm runs a copy of this file: the paths are absolute)",
         "#SBATCH --job-name=megatron-2bw",
         f"#SBATCH --nodes={cluster.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={cluster.gpus_per_node}",
         "#SBATCH --exclusive",
         "set -euo pipefail",
+        *_preamble(model, training),
         "# the first node hosts the rendezvous (sed reads the whole list: no SIGPIPE under "
         "pipefail)",
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
-        "export MASTER_ADDR",
+        'MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"',
+        "export MASTER_ADDR MASTER_PORT",
         "# shellcheck disable=SC2086",
-        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc-per-node {cluster.gpus_per_node} \\",
-        '    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" \\',
-        f"    {entry_script(model)} \\",
-        f"    {flags} \\",
-        f"    {_TRAIN_ARGS} {_DATA_ARGS} \"$@\"",
-        ""])
+        'srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 \\',
+        '    "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_NNODES" '
+        f"--nproc-per-node {cluster.gpus_per_node} \\",
+        '    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
+        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
+        *_command_tail(candidate, plan, training)])
 
 
 def _pairs(flags: Sequence[str]) -> list[list[str]]:
@@ -186,7 +298,7 @@ def parse_for_validation(flags: Sequence[str], model: ModelSpec, world_size: int
 # ---- plan.json and rejected.csv ----------------------------------------------------------
 
 
-def _candidate_json(c: Candidate, plan: Plan, rank: int) -> dict:
+def _candidate_json(c: Candidate, plan: Plan, rank: int, training: Sequence[str] = ()) -> dict:
     return {
         "rank": rank,
         "layout": dataclasses.asdict(c.layout),
@@ -199,11 +311,13 @@ def _candidate_json(c: Candidate, plan: Plan, rank: int) -> dict:
         "memory": [dataclasses.asdict(s) | {"total": s.total} for s in c.memory.stages],
         "memory_stages": "the first and the last stage (they bound the middle ones)",
         "time": {k: v for k, v in dataclasses.asdict(c.time).items()},
-        "flags": _flags_for(c, plan),
+        "flags": _flags_for(c, plan, training),
     }
 
 
-def plan_to_json(plan: Plan, top: int = 20) -> dict:
+def plan_to_json(plan: Plan, top: int = 20, training: Sequence[str] = ()) -> dict:
+    """The plan as JSON: the request, the choice and the `top` alternatives, each with the
+    flags that launch it (`training` included)."""
     r = plan.request
     return {
         "format": "megatron-2bw plan v1",
@@ -218,9 +332,10 @@ def plan_to_json(plan: Plan, top: int = 20) -> dict:
             "memory_fraction": r.memory_fraction,
             "optimizer": r.optimizer,
             "distributed_optimizer": r.distributed_optimizer,
+            "training_flags": list(training),
         },
-        "choice": _candidate_json(plan.best, plan, 1) if plan.best else None,
-        "alternatives": [_candidate_json(c, plan, i + 1)
+        "choice": _candidate_json(plan.best, plan, 1, training) if plan.best else None,
+        "alternatives": [_candidate_json(c, plan, i + 1, training)
                          for i, c in enumerate(plan.ranked[:top])],
         "feasible": len(plan.ranked),
         "rejected": len(plan.rejected),
@@ -238,12 +353,14 @@ def _cluster_json(cluster: Cluster) -> dict:
 REJECTED_FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule", "reason", "memory_gib")
 
 
-def write_plan(plan: Plan, out_dir: str | Path, top: int = 20) -> dict[str, Path]:
-    """plan.json, rejected.csv, and for the choice flags.txt, launch.sh, plan.sbatch."""
+def write_plan(plan: Plan, out_dir: str | Path, top: int = 20,
+               training: Sequence[str] = ()) -> dict[str, Path]:
+    """plan.json, rejected.csv, and for the choice flags.txt, launch.sh, plan.sbatch, with
+    `training` (`training_flags`) in every flag line."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"plan": out / "plan.json", "rejected": out / "rejected.csv"}
-    paths["plan"].write_text(json.dumps(plan_to_json(plan, top), indent=1) + "\n")
+    paths["plan"].write_text(json.dumps(plan_to_json(plan, top, training), indent=1) + "\n")
     with open(paths["rejected"], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(REJECTED_FIELDS)
@@ -254,8 +371,9 @@ def write_plan(plan: Plan, out_dir: str | Path, top: int = 20) -> dict[str, Path
         paths["flags"] = out / "flags.txt"
         paths["torchrun"] = out / "launch.sh"
         paths["sbatch"] = out / "plan.sbatch"
-        paths["flags"].write_text(flag_line(plan.best, plan) + "\n")
-        paths["torchrun"].write_text(torchrun_script(plan.best, plan))
-        paths["sbatch"].write_text(sbatch_script(plan.best, plan))
-        paths["torchrun"].chmod(0o755)
+        paths["flags"].write_text(flag_line(plan.best, plan, training) + "\n")
+        paths["torchrun"].write_text(torchrun_script(plan.best, plan, training))
+        paths["sbatch"].write_text(sbatch_script(plan.best, plan, training))
+        for script in (paths["torchrun"], paths["sbatch"]):
+            script.chmod(0o755)
     return paths

@@ -148,10 +148,62 @@ class ModelSpec:
         return flops
 
     def model_flops_per_iteration(self, global_batch: int, recompute: bool = False) -> float:
-        """Model FLOPs of one training iteration: 3x the forward (4x with recomputation)."""
+        """FLOPs of one training iteration as Megatron-LM SC'21 counts them (Eq. 3, Section
+        5.1): the layers 3x their forward (4x with recomputation), the logits 3x:
+        96 B s l h^2 (1 + s/(6h) + V/(16 l h)) for f = 4h with recomputation, V unpadded."""
         passes = 4 if recompute else 3
-        return passes * global_batch * (self.num_layers * self.layer_forward_flops(1)
-                                         + self.head_forward_flops(1))
+        logits = 2 * self.seq_length * self.hidden_size * self.vocab_size
+        return global_batch * (passes * self.num_layers * self.layer_forward_flops(1)
+                               + 3 * logits)
+
+    # ---- kernels: what the time model charges ---------------------------------------------
+    def layer_gemms(self, b: int, t: int) -> list[tuple[float, int]]:
+        """(FLOPs, smallest dimension) of each matrix multiply of one layer's forward on one of
+        t ranks: QKV (bs x h -> 3h/t), projection (h/t -> h), FC1 (h -> f/t), FC2 (f/t -> h),
+        and per head QK^T and attention x V (s x h/a x s, batch b a/t). Their FLOPs sum to
+        layer_forward_flops(b) / t."""
+        h, f, s, a = self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads
+        tokens, head_dim = b * s, h // a
+        dense = [(h, 3 * h // t), (h // t, h), (h, f // t), (f // t, h)]  # (K, N) per GEMM
+        gemms = [(2 * tokens * k * n, min(tokens, k, n)) for k, n in dense]
+        bmm = 2 * b * a * s * s * head_dim / t
+        return gemms + [(bmm, min(s, head_dim)), (bmm, min(s, head_dim))]
+
+    def layer_streamed_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """Bytes the element-wise kernels of one layer's forward read and write on one of t
+        ranks (Megatron's fused kernels, no flash attention): two LayerNorms (read, write) and
+        two bias-dropout-adds (read two, write one, and the mask), replicated over TP; the
+        fused bias-GeLU (read and write f/t); the fused scale-mask-softmax (read and write the
+        a/t score matrices) and the attention dropout (read, write, mask)."""
+        h, f, s, a, e = (self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads,
+                         element_bytes)
+        masks = MASK_BYTES if self.dropout else 0
+        tokens = b * s
+        replicated = tokens * h * (2 * 2 * e + 2 * (3 * e + masks))
+        gelu = 2 * tokens * f // t * e
+        scores = a * s * s * b / t
+        attention = scores * (2 * e + ((2 * e + masks) if self.dropout else 0))
+        return replicated + gelu + attention
+
+    def head_gemms(self, b: int, t: int) -> list[tuple[float, int]]:
+        """The output layer's logits GEMM (bs x h -> V/t); BERT adds its LM-head dense h x h."""
+        h, tokens, v = self.hidden_size, b * self.seq_length, self.padded_vocab(t) // t
+        gemms = [(2 * tokens * h * v, min(tokens, h, v))]
+        if self.kind == "bert":
+            gemms.append((2 * tokens * h * h, min(tokens, h)))
+        return gemms
+
+    def head_streamed_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """The final LayerNorm (read, write sbh) and the vocab-parallel cross entropy over fp32
+        logits (write, read for the max, read for the exp-sum: 3 x 4 bsV/t)."""
+        tokens = b * self.seq_length
+        return (2 * tokens * self.hidden_size * element_bytes
+                + 3 * 4 * tokens * self.padded_vocab(t) / t)
+
+    def embedding_streamed_bytes(self, b: int, element_bytes: int) -> float:
+        """Word and position lookups and their sum, the embedding dropout: ~3 sbh reads and
+        writes."""
+        return 3 * self.boundary_bytes(b, element_bytes)
 
     # ---- activations ----------------------------------------------------------------------
     def layer_activation_bytes(self, b: int, t: int, element_bytes: int) -> float:

@@ -46,9 +46,11 @@ class PlanRequest:
     deferred_step: bool = True
     """2BW defers its step when clipping or tied embeddings would make it pipeline-wide."""
     max_tensor_parallel: int | None = None
+    virtual_stages: tuple[int, ...] = (1,)
+    """V values tried for the megatron schedule (interleaved 1F1B when V > 1)."""
     simulate_top: int = 5
     """Re-time the best this many with the schedule simulator (0: closed forms only) ..."""
-    simulate_max_actions: int = 20_000
+    simulate_max_actions: int = 4_000
     """... when their action lists (d stages x 3 calls x (2m + 1)) are at most this long."""
 
     def __post_init__(self) -> None:
@@ -58,6 +60,8 @@ class PlanRequest:
                              f"{self.schedules}")
         if self.global_batch_size < 1:
             raise ValueError(f"global batch size must be >= 1, got {self.global_batch_size}")
+        if not self.virtual_stages or min(self.virtual_stages) < 1:
+            raise ValueError(f"virtual stages must be >= 1, got {self.virtual_stages}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must lie in (0, 1], got {self.memory_fraction}")
 
@@ -112,10 +116,17 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _schedules_at(depth: int, allowed: tuple[str, ...]) -> list[str]:
-    if depth > 1:
-        return [s for s in ALL_SCHEDULES if s in allowed]
-    return [next(s for s in _DEPTH_ONE_ORDER if s in allowed)]
+def _schedules_at(depth: int, request: PlanRequest) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs to try at this depth."""
+    allowed = request.schedules
+    if depth == 1:
+        return [(next(s for s in _DEPTH_ONE_ORDER if s in allowed), 1)]
+    pairs = []
+    for schedule in ALL_SCHEDULES:
+        if schedule in allowed:
+            vs = request.virtual_stages if schedule == "megatron" else (1,)
+            pairs += [(schedule, v) for v in vs]
+    return pairs
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -159,13 +170,14 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                     continue
                 m = B // (b * w)
                 for rc in request.recompute:
-                    for schedule in _schedules_at(d, request.schedules):
+                    for schedule, v in _schedules_at(d, request):
                         considered += 1
-                        layout = Layout(t, d, w, b, m, rc, schedule)
+                        layout = Layout(t, d, w, b, m, rc, schedule, v)
+                        problem = layout.problem(model.num_layers)
                         if schedule == "2bw" and m < d:
-                            rejected.append(Rejection(
-                                t, d, w, b, m, rc, schedule,
-                                f"2bw needs m >= d, got m = B/(b w) = {m} < d={d}"))
+                            problem = f"2bw needs m >= d, got m = B/(b w) = {m} < d={d}"
+                        if problem:
+                            rejected.append(Rejection(t, d, w, b, m, rc, schedule, problem))
                             continue
                         memory = cost.memory(layout, every_stage=False)
                         if memory.peak > limit:

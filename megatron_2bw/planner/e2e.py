@@ -1,0 +1,168 @@
+"""End-to-end profile: whole configurations trained for a few iterations with torchrun on
+`pretrain_gpt_2bw.py` (`pretrain_bert_2bw.py` for BERT) with `--mock-data`, the time per
+iteration and peak memory read from the training log (`megatron_2bw.logparse`).
+
+    e2e = run_end_to_end(model, [Layout(1, 2, 1, 4, 4, False, "2bw")], "fp32", log=print)
+    e2e.save("e2e.json")   # an `E2EProfile`: what `plan.py --measured` reads
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from megatron_2bw.arguments import FlagError
+from megatron_2bw.logparse import parse_log
+from megatron_2bw.runtime.ports import free_port
+
+from .cluster import cpu_name
+from .cost import Layout
+from .flags import entry_script, launch_flags, parse_for_validation
+from .model import ModelSpec
+from .profile import E2EProfile, E2ERun
+
+__all__ = ["run_end_to_end", "check_layouts", "REPO"]
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout whose entry scripts the runs launch."""
+
+
+def _mock_data_supported() -> bool:
+    try:
+        from megatron_2bw.data import gpt
+
+        return hasattr(gpt, "build_mock_gpt_datasets")
+    except ImportError:
+        return False
+
+
+def _data_flags(model: ModelSpec, scratch: Path) -> tuple[list[str], ModelSpec]:
+    """--mock-data where the data module has it; else a tiny corpus built once."""
+    if _mock_data_supported():
+        return ["--mock-data", "--vocab-size", str(model.vocab_size)], model
+    from megatron_2bw.data.default import prepare_default_data
+
+    data = prepare_default_data(scratch / "data", vocab_size=512, max_chars=200_000)
+    flags = ["--data-path", data.data_prefix, "--tokenizer-model", data.tokenizer_model,
+             "--data-cache-path", str(scratch / "index-cache")]
+    return flags, dataclasses.replace(model, vocab_size=512)
+
+
+def _command_flags(layout: Layout, model: ModelSpec, precision: str, data_flags: Sequence[str],
+                   train_iters: int, log_interval: int, cpu: bool) -> list[str]:
+    """The entry script's flags for one run."""
+    return [*launch_flags(layout, model, precision, cpu=cpu), *data_flags,
+            "--train-iters", str(train_iters), "--log-interval", str(log_interval),
+            "--eval-iters", "0", "--lr-warmup-iters", "0", "--distributed-timeout-minutes", "5"]
+
+
+def check_layouts(model: ModelSpec, layouts: Sequence[Layout], precision: str, cpu: bool = True,
+                  train_iters: int = 12) -> None:
+    """Each layout's command through the entry script's own validator, before any runs:
+    ValueError `layout <label>: <flag>: <what is wrong>` for the first one it refuses."""
+    for layout in layouts:
+        flags = _command_flags(layout, model, precision, ["--mock-data", "--vocab-size",
+                                                          str(model.vocab_size)],
+                               train_iters, 1, cpu)
+        try:
+            parse_for_validation(flags, model, world_size=layout.world)
+        except FlagError as err:
+            raise ValueError(f"layout {layout.label()}: {err}") from None
+
+
+def run_end_to_end(model: ModelSpec, layouts: Sequence[Layout], precision: str = "fp32",
+                   train_iters: int = 12, log_interval: int = 3, cpu: bool = True,
+                   repeat: int = 1, idle_below: float | None = None,
+                   timeout: float = 600.0, log: Callable[[str], None] = lambda s: None,
+                   scratch: str | os.PathLike | None = None) -> E2EProfile:
+    """Train each layout for `train_iters` iterations with torchrun on this
+    machine (t d w processes) and read its log. With `repeat` > 1 each layout runs that many
+    times and the fastest run is kept: other processes on the machine only ever slow a run
+    down. With `idle_below`, each run first waits (up to 10 minutes) for the 1-minute load
+    average to drop below it."""
+    scratch = Path(scratch or tempfile.mkdtemp(prefix="plan-e2e-"))
+    data_flags, model = _data_flags(model, scratch)
+    profile = E2EProfile(model=model, device_name=cpu_name() if cpu else _cuda_name(),
+                         created=datetime.datetime.now().isoformat(timespec="seconds"))
+    for layout in layouts:
+        runs = []
+        for _ in range(max(repeat, 1)):
+            if idle_below is not None:
+                _wait_for_idle(idle_below, log)
+            runs.append(_run_one(layout, model, precision, data_flags, train_iters,
+                                 log_interval, cpu, timeout, log))
+        timed = [r for r in runs if r.seconds_per_iteration is not None]
+        profile.runs.append(min(timed, key=lambda r: r.seconds_per_iteration) if timed
+                            else runs[-1])
+    return profile
+
+
+def _run_one(layout: Layout, model: ModelSpec, precision: str, data_flags: list[str],
+             train_iters: int, log_interval: int, cpu: bool, timeout: float,
+             log: Callable[[str], None]) -> E2ERun:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--nproc-per-node", str(layout.world),
+               "--master-port", str(free_port()), str(REPO / entry_script(model)),
+               *_command_flags(layout, model, precision, data_flags, train_iters, log_interval,
+                               cpu)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    log(f"running {layout.label()}: {' '.join(command[1:])}")
+    load_before = _load_average()
+    error = None
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        text = done.stdout + done.stderr
+        if done.returncode:
+            error = f"exit {done.returncode}: " + _last_error(text)
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        error = f"timed out after {timeout:.0f} s"
+    records = parse_log(text).iterations
+    times = [r.ms_per_iteration / 1000 for r in records]
+    mems = [r.peak_memory_mib for r in records if r.peak_memory_mib is not None]
+    if not times and error is None:
+        error = f"no iteration logged ({train_iters} iterations, --log-interval {log_interval})"
+    steady = times[1:] or times  # the first interval holds the warm-up
+    run = E2ERun(t=layout.t, d=layout.d, w=layout.w, b=layout.b, m=layout.m,
+                 recompute=layout.recompute, schedule=layout.schedule, precision=precision,
+                 seconds_per_iteration=statistics.median(steady) if steady else None,
+                 peak_memory_bytes=max(mems) * 2**20 if mems else None,
+                 intervals=tuple(times), command=tuple(command[1:]), error=error,
+                 fastest_s=min(steady) if steady else None,
+                 load_average=max(load_before, _load_average()))
+    log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration (load average "
+        f"{run.load_average:.1f})" if run.seconds_per_iteration else f"  -> failed: {error}")
+    return run
+
+
+def _load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _wait_for_idle(below: float, log: Callable[[str], None], limit_s: float = 600.0) -> None:
+    deadline = time.monotonic() + limit_s
+    if _load_average() >= below:
+        log(f"  waiting for the load average ({_load_average():.1f}) to drop below {below}")
+    while _load_average() >= below and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def _last_error(text: str) -> str:
+    lines = [line for line in text.splitlines() if "error" in line.lower()]
+    return lines[-1].strip()[:300] if lines else text.strip().splitlines()[-1][:300] if text else ""
+
+
+def _cuda_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"

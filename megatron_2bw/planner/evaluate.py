@@ -1,0 +1,197 @@
+"""One given layout, predicted: what `tools/plan.py --evaluate` prints beside the planner's
+choice. The layout comes from a Megatron launch command (Megatron-LM's flag names, ours or
+megatron-core's `pretrain_gpt.py`) or from a short form like `t8d4b2v2:megatron+rc`.
+
+    forced = parse_evaluate("torchrun --nnodes 4 --nproc-per-node 8 pretrain_gpt.py "
+                            "--tensor-model-parallel-size 8 --micro-batch-size 1 ...", world=32)
+    result = evaluate(cost, forced.layout)
+    result.tflops_per_gpu, result.memory.peak, result.time_limit
+
+Every number comes from the same CostModel the search ranks with; nothing here is tuned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from .cost import CostModel, Layout, MemoryEstimate, TimeEstimate
+from .model import ModelSpec
+
+__all__ = ["ForcedLayout", "Evaluation", "parse_evaluate", "evaluate", "MODEL_FLAGS"]
+
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+               "ffn_hidden_size", "make_vocab_size_divisible_by")
+"""Model flags a command may carry (argparse dest names)."""
+
+_SHORT = re.compile(r"t(\d+)d(\d+)(?:w(\d+))?b(\d+)(?:v(\d+))?:([a-z0-9]+)(\+rc)?")
+
+
+@dataclass(frozen=True)
+class ForcedLayout:
+    """A layout given by the user, with what the command said beyond it."""
+
+    layout: Layout
+    model_flags: dict = field(default_factory=dict)
+    """Model flags the command gave (dest name -> value); the planner's flags fill the rest."""
+    precision: str | None = None
+    """--fp16 / --bf16 in the command (None: not said)."""
+    distributed_optimizer: bool = False
+    clip_grad: bool = True
+    kind: str | None = None
+    """"gpt" or "bert" when the command names pretrain_bert*.py or pretrain_gpt*.py."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: Layout
+    time: TimeEstimate
+    memory: MemoryEstimate
+    model_flops: float
+    """FLOPs of one iteration, counted as Megatron-LM SC'21 Eq. 3 counts them."""
+    world: int
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.time.iteration / self.world / 1e12
+
+    @property
+    def time_parts(self) -> dict[str, float]:
+        """Seconds of one iteration by cause: the bottleneck stage's compute and sends, its
+        tensor-parallel all-reduces, the schedule's bubble, the step (data-parallel and
+        embedding all-reduces, optimizer)."""
+        t = self.time
+        slowest = max(range(len(t.forward)), key=lambda i: t.forward[i] + t.backward[i])
+        pipeline = t.iteration - t.step
+        bubble = t.bubble_fraction * pipeline
+        tensor_parallel = self.layout.m * t.tensor_parallel[slowest]
+        return {"compute and p2p": pipeline - bubble - tensor_parallel,
+                "tensor-parallel all-reduces": tensor_parallel,
+                "pipeline bubble": bubble, "step (all-reduce, optimizer)": t.step}
+
+    @property
+    def time_limit(self) -> str:
+        """The largest non-compute part (what to attack first)."""
+        parts = dict(self.time_parts)
+        parts.pop("compute and p2p")
+        name = max(parts, key=parts.get)
+        return f"{name} ({parts[name] / self.time.iteration:.0%} of the iteration)"
+
+
+def _command_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add = p.add_argument
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    add("--micro-batch-size", type=int, default=None)
+    add("--global-batch-size", type=int, default=None)
+    add("--pipeline-schedule", default="megatron")
+    add("--recompute-granularity", default=None)
+    add("--checkpoint-activations", action="store_true")  # Megatron-LM before 2022: full
+    add("--fp16", action="store_true")
+    add("--bf16", action="store_true")
+    add("--use-distributed-optimizer", action="store_true")
+    add("--clip-grad", type=float, default=1.0)
+    add("--nnodes", type=str, default=None)
+    add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
+    for dest in MODEL_FLAGS:
+        add("--" + dest.replace("_", "-"), type=int, default=None)
+    return p
+
+
+def _world_of(nnodes: str | None, nproc: int | None, world: int) -> int:
+    if nnodes is None or nproc is None:
+        return world
+    try:
+        return int(nnodes.split(":")[-1]) * nproc
+    except ValueError:
+        raise ValueError(f"--nnodes {nnodes!r} is not a number of nodes") from None
+
+
+def _from_short(text: str, world: int, global_batch: int | None) -> ForcedLayout:
+    match = _SHORT.fullmatch(text.strip())
+    t, d, w, b, v = (int(x) if x else None for x in match.groups()[:5])
+    w = w or world // (t * d)
+    if global_batch is None:
+        raise ValueError(f"{text!r}: give --global-batch-size")
+    layout = _layout(t, d, w, b, v or 1, match.group(6), bool(match.group(7)), global_batch,
+                     world)
+    return ForcedLayout(layout)
+
+
+def _layout(t: int, d: int, w: int, b: int, v: int, schedule: str, recompute: bool,
+            global_batch: int, world: int) -> Layout:
+    from .search import ALL_SCHEDULES
+
+    if min(t, d, w, b, v) < 1:
+        raise ValueError(f"sizes must be >= 1, got t={t} d={d} w={w} b={b} v={v}")
+    if t * d * w != world:
+        raise ValueError(f"t x d x w = {t} x {d} x {w} = {t * d * w} is not the {world} "
+                         f"devices of the cluster (--nodes x --gpus-per-node)")
+    if schedule not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(ALL_SCHEDULES)}")
+    if global_batch % (b * w):
+        raise ValueError(f"global batch {global_batch} is not a multiple of micro batch x data "
+                         f"parallel = {b} x {w}")
+    return Layout(t, d, w, b, global_batch // (b * w), recompute, schedule, v)
+
+
+def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> ForcedLayout:
+    """The layout `text` describes on `world` devices (unless its torchrun part says
+    --nnodes/--nproc-per-node); `global_batch` when the text has none. Bad input raises
+    ValueError with one line."""
+    if _SHORT.fullmatch(text.strip()):
+        return _from_short(text, world, global_batch)
+    try:
+        words = shlex.split(text)
+    except ValueError as err:
+        raise ValueError(f"cannot split the command: {err}") from None
+    try:
+        args, _ = _command_parser().parse_known_args(words)
+    except SystemExit:
+        raise ValueError("a flag of the command lacks its value or has a bad one") from None
+    if args.micro_batch_size is None:
+        raise ValueError("the command has no --micro-batch-size (expected a Megatron launch "
+                         "command, or a layout like t8d4b1v2:megatron+rc)")
+    world = _world_of(args.nnodes, args.nproc_per_node, world)
+    t, d = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if t < 1 or d < 1 or world % (t * d):
+        raise ValueError(f"{world} devices do not split into tensor {t} x pipeline {d}")
+    w = world // (t * d)
+    v = args.num_virtual_stages_per_pipeline_rank or 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        if args.num_layers is None:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs --num-layers")
+        v = args.num_layers // d // args.num_layers_per_virtual_pipeline_stage
+    recompute = args.recompute_granularity == "full" or args.checkpoint_activations
+    B = args.global_batch_size or global_batch or args.micro_batch_size * w
+    layout = _layout(t, d, w, args.micro_batch_size, v, args.pipeline_schedule, recompute, B,
+                     world)
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    kind = ("bert" if re.search(r"pretrain_bert", text) else
+            "gpt" if re.search(r"pretrain_gpt", text) else None)
+    given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
+    return ForcedLayout(layout, given, precision, args.use_distributed_optimizer,
+                        args.clip_grad > 0, kind)
+
+
+def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluation:
+    """Predicted time and memory of `layout`; ValueError (one line) when it cannot run."""
+    model: ModelSpec = cost.model
+    if model.num_attention_heads % layout.t:
+        raise ValueError(f"{model.num_attention_heads} attention heads are not divisible by "
+                         f"t={layout.t}")
+    if model.num_layers % layout.d:
+        raise ValueError(f"{model.num_layers} layers do not split into d={layout.d} stages")
+    problem = layout.problem(model.num_layers)
+    if problem:
+        raise ValueError(problem)
+    if layout.schedule == "2bw" and layout.m < layout.d:
+        raise ValueError(f"2bw needs m >= d, got m={layout.m} < d={layout.d}")
+    time = cost.time(layout, simulate=simulate and layout.d * 3 * (2 * layout.m + 1) <= 4000)
+    flops = model.model_flops_per_iteration(layout.global_batch, layout.recompute)
+    return Evaluation(layout, time, cost.memory(layout), flops, layout.world)

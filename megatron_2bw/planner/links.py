@@ -1,0 +1,86 @@
+"""The intra-node link, measured: all-reduces between two local processes (gloo on CPU, NCCL
+between two GPUs), fitted to the alpha-beta ring model of `cluster.Link.all_reduce`.
+
+    profile.intra_node_link = measure_links()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from megatron_2bw.runtime.ports import free_port
+
+from .cluster import Link
+
+__all__ = ["measure_links", "fit_link"]
+
+
+def _links_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
+                  backend: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = "cuda" if backend == "nccl" else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    results = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            sync()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        results.append((nbytes, min(times)))  # the link itself, not the other processes
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure_links(repeats: int = 10, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24)
+                  ) -> Link:
+    """All-reduces between two local processes (gloo on CPU, NCCL between two GPUs), fitted to
+    the ring model of `Link.all_reduce` with n = 2: time = 2 alpha + n_bytes / beta."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from megatron_2bw.runtime.cpu import cuda_usable
+
+    backend = "nccl" if cuda_usable() and torch.cuda.device_count() >= 2 else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "links.json")
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            mp.spawn(_links_worker, args=(2, free_port(), list(sizes), repeats, backend, out),
+                     nprocs=2, join=True)
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        points = json.loads(Path(out).read_text())
+    return fit_link(points)
+
+
+def fit_link(points: Sequence[tuple[float, float]]) -> Link:
+    """Least squares time = 2 alpha + n / beta over (n bytes, seconds) points."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-15)
+    intercept = max(my - slope * mx, 0.0)
+    return Link(bandwidth=1.0 / slope, latency=intercept / 2)
