@@ -4,7 +4,11 @@
 get_forward_backward_func`` at the chosen schedule, so any Megatron-style training loop uses it.
 """
 
+from megatron_2bw.runtime import jit_import as _jit_import
+
 __version__ = "0.1.0"
+
+_jit_import.register()  # without CUDA, megatron-core's fuser is chosen at its import (no Dynamo)
 
 
 def install(schedule: str = "2bw") -> None:

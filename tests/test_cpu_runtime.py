@@ -147,6 +147,38 @@ def test_install_uninstall_round_trip():
     assert done.returncode == 0 and "round trip ok" in done.stdout, done.stderr[-3000:]
 
 
+_JIT_AT_IMPORT = textwrap.dedent('''
+    import sys
+    import torch
+    import megatron_2bw
+    from megatron_2bw.runtime import cpu
+    compile_ = torch.compile
+    if {cuda!r}:
+        cpu.cuda_usable = lambda: True  # what a GPU machine answers
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_gelu
+    assert torch.compile is compile_
+    print("dynamo imported:", "torch._dynamo" in sys.modules)
+    print("fuser is torch.compile:", jit.jit_fuser is torch.compile)
+    print("bias_gelu is wrapped:", hasattr(fused_bias_gelu.bias_gelu, "__wrapped__"))
+''')
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-machine", "cuda-machine"])
+def test_megatron_fuser_is_chosen_at_import_only_without_cuda(cuda):
+    """Without CUDA, megatron-core's fused functions are left undecorated at its import (no
+    TorchDynamo import); where CUDA is usable its import is untouched (torch.compile)."""
+    if cpu.cuda_usable():
+        pytest.skip("needs a machine without CUDA")
+    done = subprocess.run([sys.executable, "-c", _JIT_AT_IMPORT.format(cuda=cuda)],
+                          cwd=launch.REPO, env=launch.subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"dynamo imported: {cuda}" in done.stdout, done.stdout
+    assert f"fuser is torch.compile: {cuda}" in done.stdout, done.stdout
+    assert f"bias_gelu is wrapped: {cuda}" in done.stdout, done.stdout
+
+
 # ---- megatron-core on 2 gloo processes: workers (run in spawned processes) ------------------
 
 def _config(tp: int = 1, pp: int = 1, **overrides):
