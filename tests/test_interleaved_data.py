@@ -83,3 +83,43 @@ def test_twobw_interleaved_refuses_a_look_ahead_past_the_next_batch():
         interleaved_twobw(4, 4, 0, 0, 2, fill=True, drain=True)
     with pytest.raises(ValueError, match="multiple of the pipeline size"):
         interleaved_flush(4, 6, 0, 0, 2)
+
+
+def _programs(schedule: str, depth: int, m: int, chunks: int, batches: int) -> list[list]:
+    """NCCL-mode programs: each call's list with its exchanges (comm.fuse), stage 0 and stage
+    d-1 being neighbours on the ring of virtual stages."""
+    from megatron_2bw.schedules.comm import fuse
+
+    lists = [_lists(schedule, depth, m, chunks, batches)[s] for s in range(depth)]
+    programs = [[] for _ in range(depth)]
+    for stage in range(depth):
+        calls = _split_calls(lists[stage])
+        for t, actions in enumerate(calls):
+            neighbours = {s: _split_calls(lists[s])[t] for s in ((stage - 1) % depth,
+                                                                  (stage + 1) % depth)}
+            programs[stage] += fuse(actions, stage, depth, neighbours, chunks=chunks)
+    return programs
+
+
+def _split_calls(actions: list) -> list[list]:
+    """A whole-training list cut after each step: one list per call."""
+    calls, current = [], []
+    for a in actions:
+        current.append(a)
+        if a.kind is Kind.STEP:
+            calls.append(current)
+            current = []
+    return calls
+
+
+@pytest.mark.parametrize("depth,m,chunks", LAYOUTS)
+def test_interleaved_programs_run_under_nccl_rendezvous(depth, m, chunks):
+    """Sends meet their receives in order, one group per step: flush keeps the bubble of the
+    buffered simulation, (mV + d - 1)(f + b) per batch; 2BW-interleaved is never slower."""
+    batches, f, b = 3, 1.0, 2.0
+    flush = simulate(_programs("flush", depth, m, chunks, batches), Costs(forward=f, backward=b))
+    assert flush.makespan == pytest.approx(batches * (m * chunks + depth - 1) * (f + b))
+    if 2 * (depth - 1) + (chunks - 1) * depth <= m * chunks:
+        twobw = simulate(_programs("2bw", depth, m, chunks, batches),
+                         Costs(forward=f, backward=b))
+        assert twobw.makespan <= flush.makespan

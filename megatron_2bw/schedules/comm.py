@@ -144,7 +144,49 @@ def fuse(actions: Sequence[Action], stage: int, depth: int,
         pending, held = _sends(c), []
     if pending or early:  # a list without a step (forward only)
         program.append(Exchange(_ordered(pending + early)))
-    return program + held
+    program += held
+    return _one_exchange_per_pair(program) if chunks > 1 else program
+
+
+def _one_exchange_per_pair(program: list[Step]) -> list[Step]:
+    """Interleaved 1F1B: no exchange between a forward and the backward right after it (a
+    steady-state pair); its receives join the exchange before the F and its sends the one
+    after the B, as megatron-core's interleaved schedule posts one
+    ``send_forward_backward_recv_forward_backward`` per pair. On the ring of virtual stages
+    two stages would otherwise each send to the other before receiving from it. A list whose
+    forwards all come before its backwards (every microbatch in the warm-up) has no pair."""
+    kinds = [step.kind for step in program if isinstance(step, Action)]
+    first_backward = kinds.index(Kind.BACKWARD) if Kind.BACKWARD in kinds else len(kinds)
+    if Kind.FORWARD not in kinds[first_backward:]:
+        return program
+    out = list(program)
+    i = 1
+    while i + 1 < len(out):
+        before, step, after = out[i - 1], out[i], out[i + 1]
+        if not (isinstance(step, Exchange) and _is(before, Kind.FORWARD)
+                and _is(after, Kind.BACKWARD)):
+            i += 1
+            continue
+        sends = [t for t in step.transfers if t.op == "send"]
+        receives = [t for t in step.transfers if t.op == "recv"]
+        del out[i]  # out[i - 1] is the F, out[i] the B
+        if receives:
+            if i >= 2 and isinstance(out[i - 2], Exchange):
+                out[i - 2] = Exchange(_ordered([*out[i - 2].transfers, *receives]))
+            else:
+                out.insert(i - 1, Exchange(_ordered(receives)))
+                i += 1
+        if sends:
+            if i + 1 < len(out) and isinstance(out[i + 1], Exchange):
+                out[i + 1] = Exchange(_ordered([*sends, *out[i + 1].transfers]))
+            else:
+                out.insert(i + 1, Exchange(_ordered(sends)))
+        i += 1
+    return out
+
+
+def _is(step: Step, kind: Kind) -> bool:
+    return isinstance(step, Action) and step.kind is kind
 
 
 def _around_weight_grads(sends: list[Transfer], weight_grads: list[Action],

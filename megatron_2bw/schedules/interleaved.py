@@ -19,11 +19,11 @@ A stage then holds two versions as long as its look-ahead stays within the next 
 w_0 <= m*V; with more, batch t+2's forwards would need a third version, so it is refused.
 
 Data only so far: the executor does not run these lists yet (``--pipeline-schedule megatron``
-runs megatron-core's own interleaved schedule). What it lacks is the exchange placement for a
-ring: ``comm.fuse`` places exchanges for a line of stages, and on the ring of interleaving (the
-last stage feeds chunk c+1 of stage 0) two stages each send before they receive from the other
-unless a step's sends and receives to both neighbours go in one group, as megatron-core's
-``P2PCommunicator.send_forward_backward_recv_forward_backward`` posts them.
+runs megatron-core's own interleaved schedule); it needs chunk-indexed stashes, inputs and
+model chunks. Their exchanges (``comm.fuse`` with ``chunks``) hold one group per forward /
+backward pair, as megatron-core posts them, and run under NCCL's rendezvous on the simulator:
+flush in the buffered time, 2BW-interleaved losing about one chunk's f + b per batch boundary
+to the early receive of the look-ahead before the step.
 """
 
 from __future__ import annotations
