@@ -27,6 +27,11 @@ for all of them are built before the first iteration."""
 SCHEDULES = (*schedules.SCHEDULES, "megatron")
 """--pipeline-schedule: ours (megatron_2bw.schedules) and megatron-core's own 1F1B."""
 
+VIRTUAL_STAGE_SCHEDULES = ("megatron", *(s for s in schedules.INTERLEAVED
+                                         if not schedules.keeps_versions(s)))
+"""Schedules that run virtual pipeline stages: megatron-core's interleaved 1F1B and ours
+without weight versions (2BW-interleaved exists as data only)."""
+
 
 class FlagError(ValueError):
     """A bad command-line flag; ``str()`` is the one line the user sees."""
@@ -568,10 +573,14 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
         return
     flag = ("--num-virtual-stages-per-pipeline-rank" if per_rank is not None
             else "--num-layers-per-virtual-pipeline-stage")
-    _require(args.pipeline_schedule == "megatron", flag,
+    _require(args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES, flag,
              f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
-             f"(V = {V}); use --pipeline-schedule megatron")
-    least = 2 if args.overlap_p2p_comm else 3
+             f"(V = {V}); use --pipeline-schedule {' or '.join(VIRTUAL_STAGE_SCHEDULES)}")
+    if args.pipeline_schedule != "megatron":
+        _require(not args.overlap_grad_reduce, "--overlap-grad-reduce",
+                 f"not yet with virtual stages under --pipeline-schedule "
+                 f"{args.pipeline_schedule} (each chunk's reduction is launched at the step)")
+    least = 2 if args.overlap_p2p_comm or args.pipeline_schedule != "megatron" else 3
     _require(pp >= least, "--pipeline-model-parallel-size",
              f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"
              f"{'' if args.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, "

@@ -1,6 +1,6 @@
 """Virtual pipeline stages (Megatron-LM's --num-virtual-stages-per-pipeline-rank V): V model
 chunks per pipeline rank, run by megatron-core's own interleaved 1F1B
-(``--pipeline-schedule megatron``).
+(``--pipeline-schedule megatron``) and by ours (``--pipeline-schedule flush``).
 
 1. On 2 CPU processes, PP=2, 4 layers, 4 microbatches per batch, fp32, no dropout: V = 2 chunks
    per rank train as one chunk per rank does. megatron-core initialises each rank's layers in
@@ -8,9 +8,11 @@ chunks per pipeline rank, run by megatron-core's own interleaved 1F1B
    compared from a common checkpoint instead. A V = 2 run saves at iteration 2; a V = 1 run
    resumed from it (the checkpoint resharded from chunks "model0"/"model1" to one chunk
    "model") gives iterations 3-4's losses and the validation loss of the V = 2 run, and so
-   does a V = 2 run resumed from it (to 1e-6 relative; they agree to the last bit here). The
-   three runs share two spawned processes, one after the other (data loading in the main
-   process: --num-workers 0).
+   does a V = 2 run resumed from it (to 1e-6 relative; they agree to the last bit here).
+   ``--pipeline-schedule flush`` with V = 2 from scratch (our executor, interleaved actions,
+   the ring of exchanges) gives the losses of megatron-core's interleaved run. The runs share
+   two spawned processes, one after the other (data loading in the main process:
+   --num-workers 0).
 2. The flags' rules, as Megatron-LM's validate_args (core_v0.16.1) has them: one FlagError
    line each, before any process starts.
 """
@@ -94,6 +96,8 @@ def _chunked_worker(rank: int, world: int, out: str) -> dict:
         _resume_dir(out / "v2", 2, out / "v1_from_2")
         _resume_dir(out / "v2", 2, out / "v2_from_2")
     dist.barrier()
+    runs["flush"] = _train(["--pipeline-schedule", "flush",
+                            "--num-virtual-stages-per-pipeline-rank", "2"])
     runs["one_chunk"] = _train(["--load", str(out / "v1_from_2")])
     runs["resumed"] = _train(["--num-layers-per-virtual-pipeline-stage", "1",  # V = 2
                               "--load", str(out / "v2_from_2")])
@@ -112,6 +116,9 @@ def test_two_chunks_per_rank_train_as_one_chunk_and_resume(tmp_path):
                         timeout=150)[1]  # the last pipeline stage holds the losses
     (chunked, chunked_valid), (one, one_valid), (resumed, resumed_valid) = (
         runs["chunked"], runs["one_chunk"], runs["resumed"])
+    ours, ours_valid = runs["flush"]
+    _same(ours, chunked, [1, 2, 3, 4])
+    _same({4: ours_valid}, {4: chunked_valid}, [4])
     assert sorted(chunked) == [1, 2, 3, 4] and chunked_valid is not None
     _same(one, chunked, [3, 4])
     _same({4: one_valid}, {4: chunked_valid}, [4])
@@ -143,9 +150,11 @@ def test_virtual_stages_derive_as_in_megatron_lm():
 @pytest.mark.parametrize("flags, flag, words", [
     (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
       "1"], "--num-layers-per-virtual-pipeline-stage", "not both"),
-    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "flush"],
-     "--num-virtual-stages-per-pipeline-rank", "--pipeline-schedule flush does not run virtual "
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "gpipe"],
+     "--num-virtual-stages-per-pipeline-rank", "--pipeline-schedule gpipe does not run virtual "
      "stages yet"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "flush",
+      "--overlap-grad-reduce"], "--overlap-grad-reduce", "not yet with virtual stages"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "2bw"],
      "--num-layers-per-virtual-pipeline-stage", "2bw does not run virtual stages yet"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],

@@ -22,6 +22,7 @@ from .actions import (Action, Comms, Kind, P2P, ScheduleError, communication, fo
 from .comm import Exchange, Step, Transfer, actions_of, fuse, transfers_of, unbatched
 from .flush import flush
 from .gpipe import gpipe
+from .interleaved import forward_slots, interleaved_flush, interleaved_twobw
 from .naive import naive
 from .pipedream import pipedream, pipedream_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
@@ -83,6 +84,20 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 more than one weight version never flush: a call leaves microbatches in flight."""
 
 
+INTERLEAVED: dict[str, Callable[..., list[Action]]] = {"flush": interleaved_flush,
+                                                     "2bw": interleaved_twobw}
+"""Schedules that also run V > 1 model chunks per stage (virtual pipeline stages), with the
+same weights as with one chunk: (depth, m, stage, batch, chunks, fill=, drain=) -> actions."""
+
+
+def _neighbours(stage: int, depth: int, chunks: int) -> list[int]:
+    """The stages `stage` exchanges with: the previous and next one, and with model chunks the
+    ring's wrap-around (the last stage feeds stage 0's next chunk)."""
+    if chunks > 1:
+        return sorted({(stage - 1) % depth, (stage + 1) % depth} - {stage})
+    return [s for s in (stage - 1, stage + 1) if 0 <= s < depth]
+
+
 def keeps_versions(schedule: str) -> bool:
     """Whether `schedule` holds several weight versions and leaves microbatches in flight
     between calls (2bw, pipedream): the executor keeps a version store and the loop drains."""
@@ -99,35 +114,44 @@ def _spec(schedule: str, depth: int, microbatches: int) -> ScheduleSpec:
 
 
 def call_actions(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
-                 fill: bool, drain: bool) -> list[Action]:
+                 fill: bool, drain: bool, chunks: int = 1) -> list[Action]:
     """Stage `stage`'s actions in Megatron call `call` (= batch index), ending with its step.
 
     `fill`: the pipeline is empty when the call starts (first call, or first after a drain).
     `drain`: the call leaves it empty (last call, or before evaluation / a checkpoint).
-    Only 2BW looks at them; the other schedules fill and drain in every call."""
+    Only 2BW looks at them; the other schedules fill and drain in every call. `chunks`: model
+    chunks per stage (`INTERLEAVED` schedules)."""
     spec = _spec(schedule, depth, microbatches)
     if not 0 <= stage < depth:
         raise ValueError(f"stage {stage} outside 0..{depth - 1}")
+    if chunks > 1:
+        if schedule not in INTERLEAVED:
+            raise ValueError(f"{schedule} runs one model chunk per stage; with {chunks}: "
+                             f"{', '.join(sorted(INTERLEAVED))}")
+        return INTERLEAVED[schedule](depth, microbatches, stage, call, chunks, fill=fill,
+                                     drain=drain)
     return spec.generate(depth, microbatches, stage, call, fill=fill, drain=drain)
 
 
 def stage_actions(schedule: str, depth: int, microbatches: int, stage: int, num_batches: int,
-                  *, drains: Iterable[int] = ()) -> list[Action]:
+                  *, drains: Iterable[int] = (), chunks: int = 1) -> list[Action]:
     """Stage `stage`'s whole-training list: the calls 0..num_batches-1 one after another.
     The last call drains, and so do the calls in `drains`."""
     drains = set(drains) | {num_batches - 1}
     actions = []
     for call in range(num_batches):
         actions += call_actions(schedule, depth, microbatches, stage, call,
-                                fill=call == 0 or call - 1 in drains, drain=call in drains)
+                                fill=call == 0 or call - 1 in drains, drain=call in drains,
+                                chunks=chunks)
     return actions
 
 
 def pipeline_actions(schedule: str, depth: int, microbatches: int, num_batches: int, *,
-                     drains: Iterable[int] = ()) -> list[list[Action]]:
+                     drains: Iterable[int] = (), chunks: int = 1) -> list[list[Action]]:
     """All stages' whole-training lists, [stage] -> [Action], validated."""
     drains = tuple(drains)
-    lists = [stage_actions(schedule, depth, microbatches, stage, num_batches, drains=drains)
+    lists = [stage_actions(schedule, depth, microbatches, stage, num_batches, drains=drains,
+                           chunks=chunks)
              for stage in range(depth)]
     validate_schedule(schedule, lists, microbatches, num_batches)
     return lists
@@ -143,19 +167,20 @@ def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: in
 
 
 def call_program(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
-                 fill: bool, drain: bool) -> list[Step]:
+                 fill: bool, drain: bool, chunks: int = 1) -> list[Step]:
     """Stage `stage`'s program in call `call`: `call_actions` with its exchanges (`comm.fuse`).
     Every stage of a pipeline is in the same call with the same `fill` and `drain`, so each
     derives its neighbours' lists and places its sends where they are received."""
     def actions(s: int) -> list[Action]:
-        return call_actions(schedule, depth, microbatches, s, call, fill=fill, drain=drain)
+        return call_actions(schedule, depth, microbatches, s, call, fill=fill, drain=drain,
+                            chunks=chunks)
 
-    neighbours = {s: actions(s) for s in (stage - 1, stage + 1) if 0 <= s < depth}
-    return fuse(actions(stage), stage, depth, neighbours)
+    neighbours = {s: actions(s) for s in _neighbours(stage, depth, chunks)}
+    return fuse(actions(stage), stage, depth, neighbours, chunks=chunks)
 
 
 def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches: int, *,
-                      drains: Iterable[int] = ()) -> list[list[Step]]:
+                      drains: Iterable[int] = (), chunks: int = 1) -> list[list[Step]]:
     """All stages' whole-training programs, [stage] -> [Step]: the calls of
     `pipeline_actions` one after another, each with its exchanges."""
     drains = set(drains) | {num_batches - 1}
@@ -164,16 +189,20 @@ def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches:
         for stage in range(depth):
             programs[stage] += call_program(schedule, depth, microbatches, stage, call,
                                             fill=call == 0 or call - 1 in drains,
-                                            drain=call in drains)
+                                            drain=call in drains, chunks=chunks)
     validate_schedule(schedule, [actions_of(p) for p in programs], microbatches, num_batches)
     return programs
 
 
-def forward_program(depth: int, microbatches: int, stage: int) -> list[Step]:
-    """An evaluation call (forward only) on `stage`: every microbatch forward once, in order,
-    with its exchanges. Actions read version 0 here; the executor uses the newest weights."""
+def forward_program(depth: int, microbatches: int, stage: int, chunks: int = 1) -> list[Step]:
+    """An evaluation call (forward only) on `stage`: every microbatch forward once through
+    each of its `chunks` model chunks, in order (interleaved: `interleaved.forward_slots`), with
+    its exchanges. Actions read version 0 here; the executor uses the newest weights."""
     def forwards() -> list[Action]:
+        if chunks > 1:
+            return [Action(Kind.FORWARD, j, 0, 0, c)
+                    for j, c in forward_slots(depth, microbatches, chunks)]
         return [Action(Kind.FORWARD, j, 0, 0) for j in range(microbatches)]
 
-    neighbours = {s: forwards() for s in (stage - 1, stage + 1) if 0 <= s < depth}
-    return fuse(forwards(), stage, depth, neighbours)
+    neighbours = {s: forwards() for s in _neighbours(stage, depth, chunks)}
+    return fuse(forwards(), stage, depth, neighbours, chunks=chunks)

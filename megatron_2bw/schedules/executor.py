@@ -5,7 +5,12 @@ One executor for every schedule: it runs the stage's program for the call
 (:func:`megatron_2bw.schedules.call_program`: the action list with its fused send/receive
 groups), the weight versions of 2BW and PipeDream (the schedules that keep several,
 ``schedules.keeps_versions``) live in :class:`~megatron_2bw.weights.WeightVersions`; what
-is said of 2BW below holds for both.
+is said of 2BW below holds for both. With virtual stages (V model chunks per stage, flush
+only), an action names its chunk: it runs that chunk's model on that chunk's data iterator,
+and the stash, inbox and outbox are keyed by (microbatch, chunk); "first stage" and "last
+stage" below mean the first and last virtual stage (chunk 0 of stage 0, chunk V-1 of stage
+d-1), and stage 0 exchanges with stage d-1 (the ring: chunk c of the last stage feeds chunk
+c+1 of stage 0).
 Steps are dispatched through a table:
 
     {..}: one batch_isend_irecv group: send what earlier actions left in the outbox, receive
@@ -91,8 +96,10 @@ class _Call:
     """What one Megatron call passes to the schedule, as the handlers need it."""
 
     forward_step_func: Callable
-    data_iterator: object
-    model: torch.nn.Module
+    data_iterators: list
+    """One per model chunk."""
+    models: list
+    """The stage's model chunks (virtual stages c*d + stage); one without virtual stages."""
     config: object
     num_microbatches: int
     losses: list
@@ -103,6 +110,11 @@ class _Call:
     """The call's last B or W: the one whose parameter gradients complete the batch."""
     split_backward: bool = False
     """The call's backwards are split into I and W."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The one model chunk (schedules that keep weight versions run one chunk)."""
+        return self.models[0]
 
     def traversed_twice(self, runner: "PipelineRunner") -> bool:
         """Whether the runner's graphs of this call are traversed by an I and again by a W:
@@ -120,10 +132,14 @@ class PipelineRunner:
         self.pipeline_empty = True  # no call yet, or the last one drained: the next one fills
         self.in_flight_m: int | None = None  # m of the call that left microbatches in flight
         self.drain_next = False
-        self.stash: dict[int, tuple] = {}  # microbatch -> (input, output) until its backward
-        self.weight_grads: dict[int, tuple] = {}  # microbatch -> (output, grad) from I to W
-        self.inbox: dict[tuple[str, int], torch.Tensor] = {}  # received, not used yet
-        self.outbox: dict[tuple[str, int], torch.Tensor] = {}  # made, not sent yet
+        # (microbatch, chunk) -> (input, output) until its backward
+        self.stash: dict[tuple[int, int], tuple] = {}
+        # (microbatch, chunk) -> (output, grad) from I to W
+        self.weight_grads: dict[tuple[int, int], tuple] = {}
+        # (tensor, microbatch, the sender's chunk) -> tensor, as transfers name them
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # received, not used yet
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # made, not sent yet
+        self.chunks = 1
         self.versions: WeightVersions | None = None
         self.comm: StageComm | None = None
         self.timeline: list[TimelineRecord] | None = None  # set to [] to record
@@ -140,11 +156,12 @@ class PipelineRunner:
                  pg_collection=None, force_all_reduce: bool = False):
         from megatron.core.utils import get_model_config
 
-        chunk = _single_chunk(model)
-        config = get_model_config(chunk)
-        self._setup(chunk, config, seq_length if decoder_seq_length is None else decoder_seq_length,
+        models = _chunks(model)
+        config = get_model_config(models[0])
+        self._setup(models, config,
+                    seq_length if decoder_seq_length is None else decoder_seq_length,
                     micro_batch_size)
-        call = _Call(forward_step_func, _single_iterator(data_iterator), chunk, config,
+        call = _Call(forward_step_func, _iterators(data_iterator, len(models)), models, config,
                      num_microbatches, [], torch.zeros([], dtype=torch.int), pg_collection,
                      force_all_reduce)
         if forward_only:
@@ -180,12 +197,17 @@ class PipelineRunner:
             self.deferred.wait_collectives()
 
     # ---- set-up --------------------------------------------------------------------------
-    def _setup(self, chunk, config, seq_length: int, micro_batch_size: int) -> None:
+    def _setup(self, models: list, config, seq_length: int, micro_batch_size: int) -> None:
         from megatron.core import parallel_state as ps
 
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.depth = ps.get_pipeline_model_parallel_world_size()
-        self.is_last = ps.is_pipeline_last_stage()
+        self.is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.chunks = len(models)
+        if self.chunks > 1 and keeps_versions(self.schedule):
+            raise ValueError(f"{self.schedule} runs one model chunk per stage (no virtual "
+                             "pipeline stages yet)")
+        chunk = models[0]
         if keeps_versions(self.schedule) and self.versions is None:
             self.bind(chunk)
         if keeps_versions(self.schedule) and self.step_mode is None:
@@ -231,7 +253,7 @@ class PipelineRunner:
             self.versions.after_step()
         drain = self.drain_next
         program = call_program(self.schedule, self.depth, m, self.stage, batch,
-                               fill=self.pipeline_empty, drain=drain)
+                               fill=self.pipeline_empty, drain=drain, chunks=self.chunks)
         actions = [step for step in program if isinstance(step, Action)]
         call.last_param_grads = next((a for a in reversed(actions)
                                       if a.kind in MAKES_PARAM_GRADS), None)
@@ -260,10 +282,10 @@ class PipelineRunner:
         Megatron does (its autograd graph stays for the backward)."""
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
-        sends = [(t.tensor, t.microbatch) for t in exchange.transfers if t.op == "send"]
+        sends = [t.key for t in exchange.transfers if t.op == "send"]
         outgoing = {key: self.outbox.pop(key) for key in sends}
         self.inbox.update(self.comm.exchange(exchange, outgoing, before))
-        for (tensor, _), output in outgoing.items():
+        for (tensor, _, _), output in outgoing.items():
             if tensor == "activation":
                 deallocate_output_tensor(output, call.config.deallocate_pipeline_outputs)
 
@@ -286,38 +308,62 @@ class PipelineRunner:
             self.timeline.append(TimelineRecord(self.stage, Kind.STEP.value, None, version, start,
                                                 time.perf_counter()))
 
-    def _input(self, microbatch: int) -> torch.Tensor | None:
-        """The previous stage's output for ``microbatch`` (None on the first stage)."""
-        if self.stage == 0:
+    def _first(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the model's first virtual stage (reads data)."""
+        return self.stage == 0 and chunk == 0
+
+    def _last(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the model's last virtual stage (the loss)."""
+        return self.is_last and chunk == self.chunks - 1
+
+    def _input(self, microbatch: int, chunk: int) -> torch.Tensor | None:
+        """The previous virtual stage's output for ``microbatch`` (None on the first): sent by
+        the previous stage's same chunk, or on stage 0 by the last stage's chunk before."""
+        if self._first(chunk):
             return None
-        return self.inbox.pop(("activation", microbatch)).requires_grad_(True)
+        sender = chunk if self.stage > 0 else chunk - 1
+        return self.inbox.pop(("activation", microbatch, sender)).requires_grad_(True)
+
+    def _output_grad(self, microbatch: int, chunk: int) -> torch.Tensor | None:
+        """The next virtual stage's input gradient for ``microbatch`` (None on the last: its
+        output is the loss): sent by the next stage's same chunk, or on the last stage by
+        stage 0's chunk after."""
+        if self._last(chunk):
+            return None
+        sender = chunk + 1 if self.is_last else chunk
+        return self.inbox.pop(("grad", microbatch, sender))
 
     def _forward(self, action: Action, call: _Call) -> None:
         from megatron.core.pipeline_parallel.schedules import forward_step
 
         if self.versions is not None:
             self.versions.use(action.version)
-        k, m = action.microbatch, call.num_microbatches
-        input_tensor = self._input(k)
+        k, m, c = action.microbatch, call.num_microbatches, action.chunk
+        input_tensor = self._input(k, c)
         with _saved_tensors_copied_on_use() if call.traversed_twice(self) else \
                 contextlib.nullcontext():
             output, num_tokens = forward_step(
-                call.forward_step_func, call.data_iterator, call.model, m, input_tensor,
+                call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
                 call.losses, call.config, 1, is_first_microbatch=k % m == 0,
-                current_microbatch=k % m, is_last_stage=self.is_last)
+                current_microbatch=k % m, vp_stage=self._vp_stage(c),
+                is_last_stage=self._last(c))
         call.num_tokens += num_tokens
-        if not self.is_last:
-            self.outbox["activation", k] = output
-        self.stash[k] = (input_tensor, output)
+        if not self._last(c):
+            self.outbox["activation", k, c] = output
+        self.stash[k, c] = (input_tensor, output)
+
+    def _vp_stage(self, chunk: int) -> int | None:
+        """megatron-core's ``vp_stage`` of a chunk: None without virtual stages."""
+        return chunk if self.chunks > 1 else None
 
     def _backward_inputs(self, action: Action) -> tuple:
         """For a B or an I: the microbatch's version in use, and its stashed (input, output)
         with the received output gradient (None on the last stage: the output is the loss)."""
         if self.versions is not None:
             self.versions.use(action.version)
-        k = action.microbatch
-        output_grad = None if self.is_last else self.inbox.pop(("grad", k))
-        input_tensor, output = self.stash.pop(k)
+        k, c = action.microbatch, action.chunk
+        output_grad = self._output_grad(k, c)
+        input_tensor, output = self.stash.pop((k, c))
         return input_tensor, output, output_grad
 
     def _backward(self, action: Action, call: _Call) -> None:
@@ -329,8 +375,8 @@ class PipelineRunner:
         with self._param_grads(action, call):
             input_grad = backward_step(input_tensor, output, output_grad,
                                        ModelType.encoder_or_decoder, call.config)
-        if self.stage > 0:
-            self.outbox["grad", k] = input_grad
+        if not self._first(action.chunk):
+            self.outbox["grad", k, action.chunk] = input_grad
 
     def _input_grad(self, action: Action, call: _Call) -> None:
         """I: the gradient of the stage's input only; the graph stays for the W."""
@@ -343,15 +389,15 @@ class PipelineRunner:
         if self.stage > 0:
             (input_grad,) = _run_backward(output, output_grad, (input_tensor,), keep_graph=True,
                                           accumulate_grad=False)
-            self.outbox["grad", k] = input_grad
-        self.weight_grads[k] = (output, output_grad)
+            self.outbox["grad", k, action.chunk] = input_grad
+        self.weight_grads[k, action.chunk] = (output, output_grad)
 
     def _weight_grad(self, action: Action, call: _Call) -> None:
         """W: the parameter gradients of the graph kept by the microbatch's I."""
         if self.versions is not None:
             self.versions.use(action.version)
-        output, output_grad = self.weight_grads.pop(action.microbatch)
-        params = tuple(p for p in call.model.parameters() if p.requires_grad)
+        output, output_grad = self.weight_grads.pop((action.microbatch, action.chunk))
+        params = tuple(p for p in call.models[action.chunk].parameters() if p.requires_grad)
         with self._param_grads(action, call):
             _run_backward(output, output_grad, params, keep_graph=False, accumulate_grad=True)
 
@@ -364,8 +410,7 @@ class PipelineRunner:
         config = call.config
         last_of_batch = action == call.last_param_grads
         reduce_in_backward = last_of_batch and (config.grad_sync_func is None or self.stage == 0)
-        no_sync = config.no_sync_func or contextlib.nullcontext
-        with contextlib.nullcontext() if reduce_in_backward else no_sync():
+        with contextlib.nullcontext() if reduce_in_backward else _no_sync(config):
             yield
         if last_of_batch and not reduce_in_backward:
             config.grad_sync_func(call.model.parameters())
@@ -378,7 +423,7 @@ class PipelineRunner:
         config = call.config
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
-                [call.model], call.num_tokens if config.calculate_per_token_loss else None,
+                call.models, call.num_tokens if config.calculate_per_token_loss else None,
                 pg_collection=call.pg_collection, force_all_reduce=call.force_all_reduce)
         if self.versions is not None:
             self.versions.fork(action.version)
@@ -394,15 +439,16 @@ class PipelineRunner:
         m = call.num_microbatches
 
         def forward(action: Action, call: _Call) -> None:
-            j = action.microbatch
-            output, _ = forward_step(call.forward_step_func, call.data_iterator, call.model, m,
-                                     self._input(j), call.losses, call.config, 1,
-                                     collect_non_loss_data, is_first_microbatch=j == 0,
-                                     current_microbatch=j, is_last_stage=self.is_last)
-            if not self.is_last:
-                self.outbox["activation", j] = output
+            j, c = action.microbatch, action.chunk
+            output, _ = forward_step(call.forward_step_func, call.data_iterators[c],
+                                     call.models[c], m, self._input(j, c), call.losses,
+                                     call.config, 1, collect_non_loss_data,
+                                     is_first_microbatch=j == 0, current_microbatch=j,
+                                     vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
+            if not self._last(c):
+                self.outbox["activation", j, c] = output
 
-        self._execute(forward_program(self.depth, m, self.stage), call, forward)
+        self._execute(forward_program(self.depth, m, self.stage, self.chunks), call, forward)
         return call.losses
 
     # ---- checkpoints (2BW keeps its older weight version) --------------------------------
@@ -477,6 +523,34 @@ def _run_backward(output: torch.Tensor, output_grad: torch.Tensor, inputs: tuple
         (output,), (output_grad,), keep_graph, False, inputs, True, accumulate_grad)
 
 
+def _no_sync(config):
+    """``config.no_sync_func`` entered for every model chunk (a list with virtual stages)."""
+    functions = config.no_sync_func
+    if functions is None:
+        return contextlib.nullcontext()
+    if not isinstance(functions, (list, tuple)):
+        return functions()
+    stack = contextlib.ExitStack()
+    for function in functions:
+        stack.enter_context(function())
+    return stack
+
+
+def _chunks(model) -> list:
+    """The stage's model chunks as a list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _iterators(data_iterator, chunks: int) -> list:
+    """One data iterator per chunk (Megatron passes a list with virtual stages; one iterator
+    serves a single chunk)."""
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != chunks:
+            raise ValueError(f"{len(data_iterator)} data iterators for {chunks} model chunks")
+        return list(data_iterator)
+    return [data_iterator] * chunks
+
+
 def _single_chunk(model):
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
@@ -484,12 +558,6 @@ def _single_chunk(model):
                              "(no virtual pipeline stages)")
         return model[0]
     return model
-
-
-def _single_iterator(data_iterator):
-    if isinstance(data_iterator, (list, tuple)):
-        return data_iterator[0]
-    return data_iterator
 
 
 def _version_sharded(chunk, versions: WeightVersions, tensors: list[torch.Tensor]) -> dict:

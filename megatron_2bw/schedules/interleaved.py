@@ -18,12 +18,13 @@ t+1, and batch b reads weight version max(b - 1, 0) (1-stale: W(t+1) = W(t) - lr
 A stage then holds two versions as long as its look-ahead stays within the next batch,
 w_0 <= m*V; with more, batch t+2's forwards would need a third version, so it is refused.
 
-Data only so far: the executor does not run these lists yet (``--pipeline-schedule megatron``
-runs megatron-core's own interleaved schedule); it needs chunk-indexed stashes, inputs and
-model chunks. Their exchanges (``comm.fuse`` with ``chunks``) hold one group per forward /
-backward pair, as megatron-core posts them, and run under NCCL's rendezvous on the simulator:
-flush in the buffered time, 2BW-interleaved losing about one chunk's f + b per batch boundary
-to the early receive of the look-ahead before the step.
+The executor runs the flush variant (``--pipeline-schedule flush`` with
+``--num-virtual-stages-per-pipeline-rank V``: the losses of megatron-core's interleaved
+schedule, tests/test_interleaved.py); 2BW-interleaved is data only so far: its weight versions
+and deferred step would have to span the V chunks. Exchanges (``comm.fuse`` with ``chunks``)
+hold one group per forward/backward pair, as megatron-core posts them, and run under NCCL's
+rendezvous on the simulator: flush in the buffered time, 2BW-interleaved losing about one
+chunk's f + b per batch boundary to the early receive of the look-ahead before the step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import Callable
 from .actions import Action, Kind
 from .twobw import twobw_version
 
-__all__ = ["interleaved_slots", "interleaved_flush", "interleaved_twobw", "warmup_slots"]
+__all__ = ["interleaved_slots", "interleaved_flush", "interleaved_twobw", "warmup_slots",
+           "forward_slots"]
 
 
 def warmup_slots(depth: int, stage: int, chunks: int) -> int:
@@ -47,6 +49,12 @@ def _slot(depth: int, chunks: int, slot: int, *,
     group, within = divmod(slot, depth * chunks)
     chunk = within // depth
     return group * depth + within % depth, chunks - 1 - chunk if backward else chunk
+
+
+def forward_slots(depth: int, microbatches: int, chunks: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of one batch's forwards in slot order (an evaluation call)."""
+    _check(depth, microbatches, chunks)
+    return [_slot(depth, chunks, s, backward=False) for s in range(microbatches * chunks)]
 
 
 def _check(depth: int, microbatches: int, chunks: int) -> None:

@@ -35,8 +35,10 @@ class StageComm:
 
         self.group = ps.get_pipeline_model_parallel_group()
         self.stage = ps.get_pipeline_model_parallel_rank()
-        self.ranks = {self.stage - 1: ps.get_pipeline_model_parallel_prev_rank(),
-                      self.stage + 1: ps.get_pipeline_model_parallel_next_rank()}
+        depth = ps.get_pipeline_model_parallel_world_size()
+        # megatron-core's previous and next ranks wrap around: the ring of virtual stages
+        self.ranks = {(self.stage - 1) % depth: ps.get_pipeline_model_parallel_prev_rank(),
+                      (self.stage + 1) % depth: ps.get_pipeline_model_parallel_next_rank()}
         self.shape = tensor_shape
         self.dtype = dtype
         self.device = device
@@ -45,14 +47,14 @@ class StageComm:
     def _who(self, stage: int) -> str:
         return f"rank {self.ranks[stage]} (stage {stage})"
 
-    def exchange(self, exchange: Exchange, outgoing: dict[tuple[str, int], torch.Tensor],
-                 before: str) -> dict[tuple[str, int], torch.Tensor]:
-        """Run one fused group: send ``outgoing[(tensor, microbatch)]`` for each send, and
-        return the received tensors by (tensor, microbatch). ``before`` names the action that
-        follows, for error messages."""
+    def exchange(self, exchange: Exchange, outgoing: dict[tuple[str, int, int], torch.Tensor],
+                 before: str) -> dict[tuple[str, int, int], torch.Tensor]:
+        """Run one fused group: send ``outgoing[transfer.key]`` for each send, and return the
+        received tensors by their transfers' keys (tensor, microbatch, the sender's chunk).
+        ``before`` names the action that follows, for error messages."""
         ops, received = [], {}
         for t in exchange.transfers:
-            key = (t.tensor, t.microbatch)
+            key = t.key
             if t.op == "send":
                 tensor = self._checked(outgoing[key], t)
                 ops.append(dist.P2POp(dist.isend, tensor, self.ranks[t.peer], self.group))
