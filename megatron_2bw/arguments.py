@@ -27,10 +27,9 @@ for all of them are built before the first iteration."""
 SCHEDULES = (*schedules.SCHEDULES, "megatron")
 """--pipeline-schedule: ours (megatron_2bw.schedules) and megatron-core's own 1F1B."""
 
-VIRTUAL_STAGE_SCHEDULES = ("megatron", *(s for s in schedules.INTERLEAVED
-                                         if not schedules.keeps_versions(s)))
-"""Schedules that run virtual pipeline stages: megatron-core's interleaved 1F1B and ours
-without weight versions (2BW-interleaved exists as data only)."""
+VIRTUAL_STAGE_SCHEDULES = ("megatron", *schedules.INTERLEAVED)
+"""Schedules that run virtual pipeline stages: megatron-core's interleaved 1F1B, and ours
+that have an interleaved form (flush, 2BW-interleaved)."""
 
 
 class FlagError(ValueError):
@@ -592,11 +591,16 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
     batches = [("--global-batch-size", args.global_batch_size)]
     if args.rampup_batch_size is not None:
         batches += [("--rampup-batch-size", size) for size in args.rampup_batch_size[:2]]
+    look_ahead = schedules.interleaved.warmup_slots(pp, 0, V)
     for name, size in batches:
         m = size // (b * dp)
         _require(m % pp == 0, name,
                  f"virtual stages run microbatches in groups of the pipeline depth {pp}: "
                  f"{size} / ({b} x {dp}) = {m} microbatches is not a multiple of {pp}")
+        _require(args.pipeline_schedule != "2bw" or m * V >= look_ahead, name,
+                 f"2bw with {V} virtual stages keeps two weight versions only when the first "
+                 f"stage's {look_ahead} warm-up forwards (2(d-1) + (V-1)d) fit in one batch: "
+                 f"m x V = {m} x {V} < {look_ahead}")
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:

@@ -10,7 +10,9 @@ chunks per pipeline rank, run by megatron-core's own interleaved 1F1B
    "model") gives iterations 3-4's losses and the validation loss of the V = 2 run, and so
    does a V = 2 run resumed from it (to 1e-6 relative; they agree to the last bit here).
    ``--pipeline-schedule flush`` with V = 2 from scratch (our executor, interleaved actions,
-   the ring of exchanges) gives the losses of megatron-core's interleaved run. The runs share
+   the ring of exchanges) gives the losses of megatron-core's interleaved run, and
+   ``--pipeline-schedule 2bw`` with V = 2 (2BW-interleaved) resumed from the checkpoint gives
+   those of 2bw with V = 1. The runs share
    two spawned processes, one after the other (data loading in the main process:
    --num-workers 0).
 2. The flags' rules, as Megatron-LM's validate_args (core_v0.16.1) has them: one FlagError
@@ -51,6 +53,7 @@ def _train(flags: list[str]) -> tuple[dict, float | None]:
     from megatron.core import parallel_state as ps
 
     from megatron_2bw import entry
+    from megatron_2bw.schedules import executor
     from megatron_2bw.training.loop import Trainer
 
     args = parse_args(TINY + flags, world_size=2)
@@ -73,6 +76,7 @@ def _train(flags: list[str]) -> tuple[dict, float | None]:
     trainer.housekeeping.close()
     trainer.logger.close()
     ps.destroy_model_parallel()
+    executor.reset_runners()  # a schedule's runner keeps its state across calls
     return losses, last["valid_loss"]
 
 
@@ -101,6 +105,10 @@ def _chunked_worker(rank: int, world: int, out: str) -> dict:
     runs["one_chunk"] = _train(["--load", str(out / "v1_from_2")])
     runs["resumed"] = _train(["--num-layers-per-virtual-pipeline-stage", "1",  # V = 2
                               "--load", str(out / "v2_from_2")])
+    for name, chunks in (("2bw_v2", ["--num-virtual-stages-per-pipeline-rank", "2"]),
+                         ("2bw_v1", [])):
+        runs[name] = _train(["--pipeline-schedule", "2bw", "--no-deferred-step", *chunks,
+                             "--load", str(out / "v2_from_2")])
     return runs
 
 
@@ -119,6 +127,12 @@ def test_two_chunks_per_rank_train_as_one_chunk_and_resume(tmp_path):
     ours, ours_valid = runs["flush"]
     _same(ours, chunked, [1, 2, 3, 4])
     _same({4: ours_valid}, {4: chunked_valid}, [4])
+    # 2BW-interleaved: 2bw's 1-stale weights with V = 2 as with V = 1 (whose weights equal the
+    # single-process 1-stale reference: test_schedules_exact), not the synchronous ones
+    (twobw, twobw_valid), (twobw_one, twobw_one_valid) = runs["2bw_v2"], runs["2bw_v1"]
+    _same(twobw, twobw_one, [3, 4])
+    _same({4: twobw_valid}, {4: twobw_one_valid}, [4])
+    assert abs(twobw[4] - chunked[4]) > 1e-4 * abs(chunked[4]), (twobw, chunked)
     assert sorted(chunked) == [1, 2, 3, 4] and chunked_valid is not None
     _same(one, chunked, [3, 4])
     _same({4: one_valid}, {4: chunked_valid}, [4])
@@ -147,6 +161,15 @@ def test_virtual_stages_derive_as_in_megatron_lm():
     assert model_keys([object()] * 3) == ["model0", "model1", "model2"]
 
 
+def _world(flags: list[str]) -> int:
+    """Enough ranks for the flags: the pipeline size, times 2 data-parallel replicas for the
+    distributed optimizer."""
+    pp = 2
+    if "--pipeline-model-parallel-size" in flags:
+        pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    return pp * (2 if "--use-distributed-optimizer" in flags else 1)
+
+
 @pytest.mark.parametrize("flags, flag, words", [
     (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
       "1"], "--num-layers-per-virtual-pipeline-stage", "not both"),
@@ -155,8 +178,11 @@ def test_virtual_stages_derive_as_in_megatron_lm():
      "stages yet"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "flush",
       "--overlap-grad-reduce"], "--overlap-grad-reduce", "not yet with virtual stages"),
-    (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "2bw"],
-     "--num-layers-per-virtual-pipeline-stage", "2bw does not run virtual stages yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "pipedream"],
+     "--num-layers-per-virtual-pipeline-stage", "pipedream does not run virtual stages yet"),
+    (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "2bw",
+      "--num-virtual-stages-per-pipeline-rank", "2"],  # m = 4: 4 x 2 < 2 x 3 + 4
+     "--global-batch-size", "10 warm-up forwards (2(d-1) + (V-1)d) fit in one batch"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "1"],
      "--pipeline-model-parallel-size", "more than 1 pipeline stages"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"],
@@ -177,6 +203,6 @@ def test_virtual_stages_derive_as_in_megatron_lm():
 ])
 def test_virtual_stage_refusals_are_one_flag_line(flags, flag, words):
     with pytest.raises(FlagError) as error:
-        _parse(flags, world_size=2 if "--use-distributed-optimizer" not in flags else 4)
+        _parse(flags, world_size=_world(flags))
     message = str(error.value)
     assert error.value.flag == flag and words in message and "\n" not in message, message

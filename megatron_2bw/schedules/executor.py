@@ -5,8 +5,8 @@ One executor for every schedule: it runs the stage's program for the call
 (:func:`megatron_2bw.schedules.call_program`: the action list with its fused send/receive
 groups), the weight versions of 2BW and PipeDream (the schedules that keep several,
 ``schedules.keeps_versions``) live in :class:`~megatron_2bw.weights.WeightVersions`; what
-is said of 2BW below holds for both. With virtual stages (V model chunks per stage, flush
-only), an action names its chunk: it runs that chunk's model on that chunk's data iterator,
+is said of 2BW below holds for both. With virtual stages (V model chunks per stage: flush
+and 2BW, whose one weight version spans the V chunks), an action names its chunk: it runs that chunk's model on that chunk's data iterator,
 and the stash, inbox and outbox are keyed by (microbatch, chunk); "first stage" and "last
 stage" below mean the first and last virtual stage (chunk 0 of stage 0, chunk V-1 of stage
 d-1), and stage 0 exchanges with stage d-1 (the ring: chunk c of the last stage feeds chunk
@@ -204,14 +204,10 @@ class PipelineRunner:
         self.depth = ps.get_pipeline_model_parallel_world_size()
         self.is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.chunks = len(models)
-        if self.chunks > 1 and keeps_versions(self.schedule):
-            raise ValueError(f"{self.schedule} runs one model chunk per stage (no virtual "
-                             "pipeline stages yet)")
-        chunk = models[0]
         if keeps_versions(self.schedule) and self.versions is None:
-            self.bind(chunk)
+            self.bind(models)
         if keeps_versions(self.schedule) and self.step_mode is None:
-            self._choose_step_mode(chunk, config)
+            self._choose_step_mode(models, config)
         seq = seq_length // ps.get_context_parallel_world_size()
         if config.sequence_parallel:
             seq //= ps.get_tensor_model_parallel_world_size()
@@ -220,14 +216,15 @@ class PipelineRunner:
             self.comm = StageComm(shape, config.pipeline_dtype, distributed.training_device(),
                                   distributed.timeout())
 
-    def _choose_step_mode(self, chunk, config) -> None:
+    def _choose_step_mode(self, models: list, config) -> None:
         import torch.distributed as dist
 
         reason = "no optimizer attached" if self.optimizer is None else \
             "--no-deferred-step" if not self.defer else \
-            why_not_deferred(self.optimizer, config, chunk)
+            "virtual stages (the deferred step serves one model chunk)" if len(models) > 1 else \
+            why_not_deferred(self.optimizer, config, models[0])
         if reason is None:
-            self.deferred = DeferredStep(self.optimizer, config, chunk,
+            self.deferred = DeferredStep(self.optimizer, config, models[0],
                                          timeout=distributed.timeout())
             self.step_mode = "deferred"
         else:
@@ -236,10 +233,12 @@ class PipelineRunner:
             print(f" {self.schedule} optimizer step on stage {self.stage}: {self.step_mode}",
                   flush=True)
 
-    def bind(self, chunk) -> None:
-        """Create the 2BW weight versions of ``chunk``'s parameters (version 0 = current)."""
+    def bind(self, model) -> None:
+        """Create the 2BW weight versions of the parameters of ``model`` (a chunk, or the
+        stage's list of chunks: one version spans them all); version 0 = current."""
         if keeps_versions(self.schedule) and self.versions is None:
-            self.versions = WeightVersions(chunk.parameters())
+            self.versions = WeightVersions(p for chunk in _chunks(model)
+                                           for p in chunk.parameters())
 
     # ---- training call -------------------------------------------------------------------
     def _train_call(self, call: _Call) -> list:
@@ -457,14 +456,13 @@ class PipelineRunner:
         (batch ``batches_done`` still reads it) and the version numbers."""
         if not keeps_versions(self.schedule):
             return
-        chunk = _single_chunk(model)
-        self.bind(chunk)
+        self.bind(model)
         older = self.versions.older_version()
         older_version, older_tensors = older if older is not None else (None, self.versions.slots[
             self.versions.pointed_slot])
         sharded["twobw_versions"] = {"batches_done": self.batches_done,
                                      "newest": self.versions.newest, "older": older_version}
-        sharded["twobw_older_weights"] = _version_sharded(chunk, self.versions, older_tensors)
+        sharded["twobw_older_weights"] = _version_sharded(model, self.versions, older_tensors)
 
     def prepare_load(self, model: list, sharded: dict, path: str) -> None:
         """Loading counterpart of :meth:`checkpoint_extra`: the older version is read into the
@@ -473,12 +471,11 @@ class PipelineRunner:
 
         if not keeps_versions(self.schedule):
             return
-        chunk = _single_chunk(model)
-        self.bind(chunk)
+        self.bind(model)
         if "twobw_versions" not in dist_checkpointing.load_common_state_dict(path):
             return
         sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None}
-        sharded["twobw_older_weights"] = _version_sharded(chunk, self.versions,
+        sharded["twobw_older_weights"] = _version_sharded(model, self.versions,
                                                           self.versions.spare_tensors())
 
     def checkpoint_loaded(self, model: list, loaded: dict) -> None:
@@ -551,21 +548,16 @@ def _iterators(data_iterator, chunks: int) -> list:
     return [data_iterator] * chunks
 
 
-def _single_chunk(model):
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise ValueError("megatron-2bw schedules run one model chunk per stage "
-                             "(no virtual pipeline stages)")
-        return model[0]
-    return model
-
-
-def _version_sharded(chunk, versions: WeightVersions, tensors: list[torch.Tensor]) -> dict:
+def _version_sharded(model, versions: WeightVersions, tensors: list[torch.Tensor]) -> dict:
     """The model's sharded tensors re-pointed at one weight version's ``tensors`` under
-    ``twobw_older.`` keys. (megatron's ShardedTensors hold the Parameter itself, whose storage
-    moves between versions, so each is given its version's tensor explicitly.)"""
+    ``twobw_older.`` keys, one dict per chunk ("chunk0", ...) with virtual stages.
+    (megatron's ShardedTensors hold the Parameter itself, whose storage moves between
+    versions, so each is given its version's tensor explicitly.)"""
     index_of = {id(p): i for i, p in enumerate(versions.params)}
-    return _repointed(chunk.module.sharded_state_dict(), index_of, tensors)
+    chunks = _chunks(model)
+    by_chunk = [_repointed(chunk.module.sharded_state_dict(), index_of, tensors)
+                for chunk in chunks]
+    return by_chunk[0] if len(chunks) == 1 else {f"chunk{i}": d for i, d in enumerate(by_chunk)}
 
 
 def _repointed(sharded: dict, index_of: dict, tensors: list) -> dict:

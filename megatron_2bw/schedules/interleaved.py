@@ -18,13 +18,14 @@ t+1, and batch b reads weight version max(b - 1, 0) (1-stale: W(t+1) = W(t) - lr
 A stage then holds two versions as long as its look-ahead stays within the next batch,
 w_0 <= m*V; with more, batch t+2's forwards would need a third version, so it is refused.
 
-The executor runs the flush variant (``--pipeline-schedule flush`` with
-``--num-virtual-stages-per-pipeline-rank V``: the losses of megatron-core's interleaved
-schedule, tests/test_interleaved.py); 2BW-interleaved is data only so far: its weight versions
-and deferred step would have to span the V chunks. Exchanges (``comm.fuse`` with ``chunks``)
-hold one group per forward/backward pair, as megatron-core posts them, and run under NCCL's
-rendezvous on the simulator: flush in the buffered time, 2BW-interleaved losing about one
-chunk's f + b per batch boundary to the early receive of the look-ahead before the step.
+The executor runs both (``--num-virtual-stages-per-pipeline-rank V`` with
+``--pipeline-schedule flush`` or ``2bw``; tests/test_interleaved.py): flush gives the losses of
+megatron-core's interleaved schedule, 2BW-interleaved those of 2bw with one chunk. Under
+2BW-interleaved one weight version spans the stage's V chunks and the optimizer step runs where
+the loop calls it (the deferred step serves one chunk). Exchanges (``comm.fuse`` with
+``chunks``) hold one group per forward/backward pair, as megatron-core posts them, and run under
+NCCL's rendezvous on the simulator: flush in the buffered time, 2BW-interleaved losing about
+one chunk's f + b per batch boundary to the early receive of the look-ahead before the step.
 """
 
 from __future__ import annotations
