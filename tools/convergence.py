@@ -77,7 +77,14 @@ def plot(logs: dict[str, ParsedLog], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     styles = {"2bw": dict(color="C3", label="2BW (PipeDream-2BW)"),
-              "flush": dict(color="C0", linestyle="--", label="vanilla (PipeDream-Flush)")}
+              "flush": dict(color="C0", linestyle="--", label="vanilla (PipeDream-Flush)"),
+              "pipedream": dict(color="C2", label="PipeDream (weight stashing)"),
+              "pipemare": dict(color="C4", label="PipeMare"),
+              # the synchronous schedules give flush's weights: their lines lie on flush's
+              "zb-h1": dict(color="C1", linestyle=":", label="ZB-H1 (= flush)"),
+              "gpipe": dict(color="C5", linestyle="-.", label="GPipe (= flush)"),
+              "megatron": dict(color="C7", linestyle=":", label="Megatron 1F1B (= flush)"),
+              "naive": dict(color="C8", linestyle="--", label="naive (= flush)")}
     fig, (train, valid) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for schedule, log in logs.items():
         style = styles.get(schedule, dict(label=schedule))
