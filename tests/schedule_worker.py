@@ -81,12 +81,14 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
     return [str(f) for f in flags]
 
 
-def _global_name(name: str, stage: int, depth: int, num_layers: int) -> str:
-    """A stage's parameter name as it is in the PP=1 model: stage s holds global layers
-    s*L/d .. (s+1)*L/d - 1, numbered from 0 inside the stage."""
+def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int = 0,
+                 chunks: int = 1) -> str:
+    """A chunk's parameter name as it is in the PP=1 model: chunk c of stage s is virtual
+    stage v = c*d + s and holds global layers v*L/(dV) .. (v+1)*L/(dV) - 1, numbered from 0
+    inside the chunk."""
     parts = name.removeprefix("module.").split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + stage * num_layers // depth)
+        parts[2] = str(int(parts[2]) + (chunk * depth + stage) * num_layers // (depth * chunks))
     return ".".join(parts)
 
 
@@ -95,17 +97,17 @@ def _split_dim(param: torch.nn.Parameter) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
-def _load_slice(chunk, init: dict, tie: bool, num_layers: int) -> None:
-    """Copy this rank's slice of the full initial weights into its parameters. With tied
-    embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
+def _load_slice(model: list, init: dict, tie: bool, num_layers: int) -> None:
+    """Copy this rank's slice of the full initial weights into its chunks' parameters. With
+    tied embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
     depth = ps.get_pipeline_model_parallel_world_size()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for name, p in chunk.named_parameters():
-            full_name = _global_name(name, stage, depth, num_layers)
+        for c, name, p in _chunk_params(model):
+            full_name = _global_name(name, stage, depth, num_layers, c, len(model))
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
             full = init[full_name]
@@ -115,6 +117,13 @@ def _load_slice(chunk, init: dict, tie: bool, num_layers: int) -> None:
             if full.shape != p.shape:
                 raise ValueError(f"{name}: slice {tuple(full.shape)} != parameter {tuple(p.shape)}")
             p.copy_(full)
+
+
+def _chunk_params(model: list):
+    """(chunk index, name, parameter) over the stage's model chunks."""
+    for c, chunk in enumerate(model):
+        for name, p in chunk.module.named_parameters():
+            yield c, name, p
 
 
 def _data(model: Model, m: int):
@@ -185,7 +194,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                        vocab_size=model_spec.vocab_size)
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
-    _load_slice(model[0].module, torch.load(init_path), tie, model_spec.num_layers)
+    _load_slice(model, torch.load(init_path), tie, model_spec.num_layers)
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer)
@@ -198,7 +207,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
         _inject_stall(run["stall"]["exchange"])
 
     started = time.perf_counter()
-    data = _data(model_spec, args.num_microbatches)
+    data = [_data(model_spec, args.num_microbatches) for _ in model]  # one stream per chunk
+    data = data[0] if len(data) == 1 else data
     losses = [record["lm loss"] for record in train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
         defer=run.get("deferred", True))]
@@ -206,8 +216,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
         seconds = time.perf_counter() - started
 
     params = {}
-    for name, p in model[0].module.named_parameters():
-        key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers)
+    for c, name, p in _chunk_params(model):
+        key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c, len(model))
         if key == "output_layer.weight" and tie:
             key = "tied:output_layer.weight"  # the last stage's copy of the word embeddings
         params[key] = (p.detach().clone(), _split_dim(p))

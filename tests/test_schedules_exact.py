@@ -127,6 +127,11 @@ class Case:
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
 ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and d=4 below
+TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
+INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layer 2c + s
+    Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS),
+    Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS),  # its step runs at the loop
+]
 TWOBW_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3),
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, deferred=False),
@@ -159,8 +164,8 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
 def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
-    for label, cases in (("sync", SYNC_CASES + ZBH1_CASES),
-                         ("2bw", TWOBW_CASES + PIPEDREAM_CASES)):
+    for label, cases in (("sync", SYNC_CASES + ZBH1_CASES + INTERLEAVED_CASES[:1]),
+                         ("2bw", TWOBW_CASES + PIPEDREAM_CASES + INTERLEAVED_CASES[1:])):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
@@ -177,7 +182,8 @@ def _groups() -> dict:
 
 def _reference_jobs() -> dict:
     jobs = {}
-    for case in SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES:
+    for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
+                 + INTERLEAVED_CASES):
         for rule in {"sync", "2bw", case.rule}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
@@ -374,6 +380,22 @@ def test_pipedream_matches_per_stage_update_reference(launch, case):
     """Each stage's step after its own backwards of a batch; the look-ahead forwards of the
     batch read the stage's previous version (tests/reference.py's "pipedream" rule)."""
     launch.finished(f"2bw-world{case.world}")
+    _check_against_reference(launch, case)
+
+
+# ---- 2c. virtual stages (interleaved) ---------------------------------------------------------
+
+@pytest.mark.parametrize("case", INTERLEAVED_CASES, ids=lambda case: case.name)
+def test_interleaved_schedules_match_their_references(launch, case):
+    """Two model chunks per stage (chunk c of stage s holds layer 2c + s of the PP=1 model):
+    interleaved flush gives the gradient-accumulation reference's weights, 2BW-interleaved the
+    1-stale reference's, its step run where the loop calls it."""
+    launch.finished(f"{'sync' if case.rule == 'sync' else '2bw'}-world{case.world}")
+    if case.schedule == "2bw":
+        modes = {torch.load(path)["step_mode"]
+                 for path in (launch.out / case.name).glob("rank*.pt")}
+        assert modes == {"at the loop's optimizer.step() (virtual stages (the deferred step "
+                         "serves one model chunk))"}, modes
     _check_against_reference(launch, case)
 
 
