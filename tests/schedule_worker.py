@@ -97,7 +97,7 @@ def _split_dim(param: torch.nn.Parameter) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
-def _load_slice(model: list, init: dict, tie: bool, num_layers: int) -> None:
+def _load_slice(model, init: dict, tie: bool, num_layers: int) -> None:
     """Copy this rank's slice of the full initial weights into its chunks' parameters. With
     tied embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
     from megatron.core import parallel_state as ps
@@ -107,7 +107,8 @@ def _load_slice(model: list, init: dict, tie: bool, num_layers: int) -> None:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for c, name, p in _chunk_params(model):
-            full_name = _global_name(name, stage, depth, num_layers, c, len(model))
+            chunks = len(model) if isinstance(model, (list, tuple)) else 1
+            full_name = _global_name(name, stage, depth, num_layers, c, chunks)
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
             full = init[full_name]
@@ -119,10 +120,11 @@ def _load_slice(model: list, init: dict, tie: bool, num_layers: int) -> None:
             p.copy_(full)
 
 
-def _chunk_params(model: list):
-    """(chunk index, name, parameter) over the stage's model chunks."""
-    for c, chunk in enumerate(model):
-        for name, p in chunk.module.named_parameters():
+def _chunk_params(model):
+    """(chunk index, name, parameter) over the stage's model chunks: a list of DDP-wrapped
+    chunks, or one bare model."""
+    for c, chunk in enumerate(model if isinstance(model, (list, tuple)) else [model]):
+        for name, p in getattr(chunk, "module", chunk).named_parameters():
             yield c, name, p
 
 
