@@ -350,6 +350,19 @@ def test_flags_carry_no_clipping_and_the_in_place_step():
     assert "--no-deferred-step" not in flush  # only 2bw defers
 
 
+def test_flags_of_interleaved_layouts_give_their_virtual_stages():
+    """A layout with v model chunks per stage launches with that many virtual stages, and
+    the training's validator accepts it (interleaved 1F1B: L a multiple of d v, m of d)."""
+    model = ModelSpec("gpt", num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
+                      vocab_size=128)
+    layout = Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="megatron", v=2)
+    flags = launch_flags(layout, model, "bf16") + ["--mock-data", "--train-iters", "1"]
+    args = parse_for_validation(flags, model, world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    single = launch_flags(dataclasses.replace(layout, v=1), model, "bf16")
+    assert "--num-virtual-stages-per-pipeline-rank" not in single
+
+
 def _fake_bin(directory: Path, name: str, body: str) -> None:
     path = directory / name
     path.write_text("#!/bin/bash\n" + body + "\n")

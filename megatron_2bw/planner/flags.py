@@ -137,6 +137,8 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
     if layout.recompute:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
+    if layout.v > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.v)]
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     if not clip_grad:
