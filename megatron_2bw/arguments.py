@@ -196,9 +196,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="megatron",
                    help="2bw: PipeDream-2BW; flush: PipeDream-Flush; gpipe; pipedream: "
                         "PipeDream-1F1B with weight stashing (each stage updates after its own "
-                        "backwards of a batch); zb-h1: zero-bubble ZB-H1 (split backward, the "
-                        "weights of flush); naive: inter-layer model parallelism without "
-                        "pipelining; megatron: Megatron's own 1F1B")
+                        "backwards of a batch); pipemare: PipeMare, pipedream without weight "
+                        "stashing (a backward reads the newest weights); zb-h1: zero-bubble "
+                        "ZB-H1 (split backward, the weights of flush); naive: inter-layer model "
+                        "parallelism without pipelining; megatron: Megatron's own 1F1B")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "
@@ -734,6 +735,9 @@ def _validate_training(args: argparse.Namespace) -> None:
     _require(args.recompute_granularity is None or args.pipeline_schedule != "zb-h1",
              "--recompute-granularity", "not with --pipeline-schedule zb-h1: the recomputation's "
              "nested backward ignores the split into input and weight gradients")
+    _require(args.recompute_granularity is None or args.pipeline_schedule != "pipemare",
+             "--recompute-granularity", "not with --pipeline-schedule pipemare: recomputing at "
+             "the backward would redo the forward with the backward's newer weights")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
     if args.ckpt_keep is not None:

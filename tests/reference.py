@@ -123,11 +123,14 @@ def _loss(gpt, data: dict) -> torch.Tensor:
 
 
 def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
-               model: Model, data=None, weights_of=None) -> tuple[dict, list[float]]:
+               model: Model, data=None, weights_of=None,
+               backward_weights=None) -> tuple[dict, list[float]]:
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
     time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
     ``microbatch(model, batch, r, j)``; ``weights_of(j)``, when given, loads the weights
-    microbatch j reads before it runs."""
+    microbatch j reads before it runs; ``backward_weights()``, when given, points the
+    parameters at other weights between the forward and the backward (the saved activations
+    stay the forward's)."""
     data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
@@ -138,6 +141,8 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
             if weights_of is not None:
                 weights_of(j)
             loss = _loss(gpt, data(r, j))
+            if backward_weights is not None:
+                backward_weights()
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
         losses.append(total / microbatches)
@@ -172,8 +177,8 @@ def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: 
 def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
                   iterations: int, tie: bool, model: Model = MODEL,
                   lrs: list[float] | None = None, depth: int = 1) -> dict:
-    """Train the full model from `init` with `rule` ("sync", "2bw" or "pipedream" over `depth`
-    stages); returns the final weights (names as in a PP=1 GPTModel), per-iteration losses
+    """Train the full model from `init` with `rule` ("sync", "2bw", or "pipedream" or
+    "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel), per-iteration losses
     [t][replica] and grad norms. `microbatches` as a list: batch t has microbatches[t] per
     replica, read from the streams (``stream_microbatch``). `lrs`: step t's learning rate
     (instead of `model`'s warm-up)."""
@@ -182,7 +187,8 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
     if lrs is not None and len(lrs) != iterations:
         raise ValueError(f"{len(lrs)} learning rates for {iterations} iterations")
-    split_tie = tie and rule == "pipedream"  # the two copies are read at different versions
+    per_stage = rule in ("pipedream", "pipemare")
+    split_tie = tie and per_stage  # the two copies are read at different versions
     gpt = _gpt(model, tie and not split_tie)
     params = dict(gpt.named_parameters())
     with torch.no_grad():
@@ -212,9 +218,16 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                 version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j)
                 p.copy_(current[n] if version == t else previous[n])
 
-        if rule == "pipedream":
-            grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model,
-                                             weights_of=pipedream_weights)
+        def newest_weights(current=current) -> None:
+            """PipeMare's backward: every stage at W(t); ``.data`` is re-pointed, not copied
+            into, as autograd holds the parameters the forward saved."""
+            for n, p in params.items():
+                p.data = current[n].clone()
+
+        if per_stage:
+            grads, batch_losses = _gradients(
+                gpt, params, t, replicas, microbatches, model, weights_of=pipedream_weights,
+                backward_weights=newest_weights if rule == "pipemare" else None)
         elif sizes is None:
             grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
         else:

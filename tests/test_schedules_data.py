@@ -59,8 +59,10 @@ def test_every_schedule_validates_on_the_grid():
     for name, d, m, n in cases():
         lists = pipeline_actions(name, d, m, n)  # validates
         spec = SCHEDULES[name]
+        backward = spec.backward_version_of
         validate(lists, m, n, version_of=lambda i, k: spec.version_of(d, m, i, k),
-                 max_versions=spec.max_versions)
+                 backward_version_of=None if backward is None else
+                 lambda i, k: backward(d, m, i, k), max_versions=spec.max_versions)
         passes = 3 if name == "zb-h1" else 2  # F, I, W per microbatch, or F, B
         for actions in lists:
             assert len(actions) == passes * n * m + n
@@ -219,10 +221,10 @@ def test_2bw_pipeline_wide_step_costs_the_gradient_walk_back():
 
 def test_memory_declared_by_each_schedule():
     """Peak stashed activations: m for GPipe; min(d-i, m) at stage i for Flush (d-i when m>=d)
-    and ZB-H1 (1F1B's order of F and I); d-i for 2BW and PipeDream; 1 for naive. Pending
+    and ZB-H1 (1F1B's order of F and I); d-i for 2BW, PipeDream and PipeMare; 1 for naive. Pending
     weight gradients: ZB-H1's stage i delays W by i microbatches, so right after I(j) the W's of
     j-i..j wait: min(i+1, m); none elsewhere. Weight versions alive: 2 for 2BW (from the
-    second batch on) and for PipeDream but on its last stage, 1 otherwise. The simulator
+    second batch on) and for PipeDream and PipeMare but on their last stage, 1 otherwise. The simulator
     measures them; each schedule declares them."""
     for name, d, m, n in cases():
         result = simulate(pipeline_actions(name, d, m, n), COSTS)
@@ -232,12 +234,12 @@ def test_memory_declared_by_each_schedule():
         expected = {"gpipe": [m] * d, "flush": [min(d - i, m) for i in range(d)],
                     "zb-h1": [min(d - i, m) for i in range(d)],
                     "2bw": [d - i for i in range(d)], "pipedream": [d - i for i in range(d)],
-                    "naive": [1] * d}[name]
+                    "pipemare": [d - i for i in range(d)], "naive": [1] * d}[name]
         assert list(result.peak_stash) == expected
         pending = [min(i + 1, m) for i in range(d)] if name == "zb-h1" else [0] * d
         assert list(result.peak_weight_grads) == pending
         versions = [spec.max_versions] * d
-        if name == "pipedream":  # the last stage has no look-ahead forward: synchronous
+        if name in ("pipedream", "pipemare"):  # the last stage has no look-ahead: synchronous
             versions[-1] = 1
         assert list(result.max_versions) == versions
 
@@ -560,3 +562,27 @@ def test_zbh1_refuses_activation_recomputation():
     for granularity in (["full", "--recompute-method", "uniform"], ["selective"]):
         with pytest.raises(FlagError, match="not with --pipeline-schedule zb-h1"):
             parse_args(flags + ["--recompute-granularity", *granularity], world_size=2)
+
+
+def test_pipemare_backwards_read_the_newest_version_and_forwards_pipedreams():
+    """PipeMare is pipedream's action order with the stash of weights dropped: each forward
+    reads the version pipedream's does (newest made before it on its stage), each backward
+    the newest made before it; they differ exactly for the look-ahead microbatches
+    (j < d - i - 1) of every batch after the first."""
+    d, m, n = 4, 4, 3
+    pipedream, pipemare = pipeline_actions("pipedream", d, m, n), pipeline_actions("pipemare", d, m, n)
+    for stage in range(d):
+        newest, forward_of, differ = 0, {}, set()
+        assert [(a.kind, a.microbatch) for a in pipedream[stage]] == \
+            [(a.kind, a.microbatch) for a in pipemare[stage]]
+        for theirs, a in zip(pipedream[stage], pipemare[stage]):
+            if a.kind is Kind.STEP:
+                newest = a.version
+            elif a.kind is Kind.FORWARD:
+                assert a.version == theirs.version == newest
+                forward_of[a.microbatch] = a.version
+            else:
+                assert a.version == newest and theirs.version == forward_of[a.microbatch]
+                if a.version != forward_of[a.microbatch]:
+                    differ.add((a.microbatch // m, a.microbatch % m))
+        assert differ == {(t, j) for t in range(1, n) for j in range(d - stage - 1)}, stage

@@ -110,14 +110,14 @@ class Case:
 
     def reference(self, rule: str | None = None) -> str:
         rule = rule or self.rule
-        return (f"{rule}{f'-d{self.d}' if rule == 'pipedream' else ''}-w{self.w}-m{self.m}"
+        return (f"{rule}{f'-d{self.d}' if rule in PER_STAGE else ''}-w{self.w}-m{self.m}"
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}")
 
     @property
     def rule(self) -> str:
         """The update rule of tests/reference.py the schedule follows."""
-        return self.schedule if self.schedule in ("2bw", "pipedream") else "sync"
+        return self.schedule if self.schedule in ("2bw", *PER_STAGE) else "sync"
 
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
@@ -127,6 +127,8 @@ class Case:
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
 ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and d=4 below
+PER_STAGE = ("pipedream", "pipemare")
+"""Rules of tests/reference.py that hold weights per stage (they need the depth)."""
 TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
 INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layer 2c + s
     Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS),
@@ -154,6 +156,10 @@ PIPEDREAM_CASES = [
     Case("pipedream", d=4, m=4, w=1, iters=6, recompute=True),
     Case("pipedream", d=4, m=8, w=1, iters=6, deferred=False),
 ]
+PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
+    Case("pipemare", d=2, m=2, w=1, iters=6),
+    Case("pipemare", d=4, m=4, w=1, iters=6, tie=False),
+]
 FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
 FAILURES = {  # group -> (run, stage whose send fails, which send of that process)
     "send-fails": (Case("2bw", d=4, m=4, w=1, iters=3), 1, 3),
@@ -165,7 +171,8 @@ def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
     for label, cases in (("sync", SYNC_CASES + ZBH1_CASES + INTERLEAVED_CASES[:1]),
-                         ("2bw", TWOBW_CASES + PIPEDREAM_CASES + INTERLEAVED_CASES[1:])):
+                         ("2bw", TWOBW_CASES + PIPEDREAM_CASES + PIPEMARE_CASES
+                          + INTERLEAVED_CASES[1:])):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
@@ -183,8 +190,8 @@ def _groups() -> dict:
 def _reference_jobs() -> dict:
     jobs = {}
     for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
-                 + INTERLEAVED_CASES):
-        for rule in {"sync", "2bw", case.rule}:
+                 + INTERLEAVED_CASES + PIPEMARE_CASES):
+        for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
                 "iterations": case.iters, "tie": case.tie, "model": case.model,
@@ -317,16 +324,22 @@ def _check_against_reference(launch: Launch, case: Case) -> float:
     error = relative_error(weights, ref["weights"])
     assert error <= TOLERANCE, (f"{case.name}: relative error {error:.3g} > {TOLERANCE} against "
                                 f"{case.reference()}; {_worst_tensor(weights, ref['weights'])}")
-    other = "sync" if case.rule == "2bw" else "2bw"
-    distance = relative_error(weights, _reference(launch.out, case.reference(other))["weights"])
-    assert distance > DISTINCT, f"{case.name}: {distance:.3g} from the {other} reference"
+    others = ["sync" if case.rule == "2bw" else "2bw"] + (["pipedream"] if case.rule == "pipemare"
+                                                         else [])
+    distances = {}
+    for other in others:
+        distances[other] = relative_error(
+            weights, _reference(launch.out, case.reference(other))["weights"])
+        assert distances[other] > DISTINCT, \
+            f"{case.name}: {distances[other]:.3g} from the {other} reference"
     assert sorted(losses) == list(range(case.w))
     for replica, seen in losses.items():
         expected = [batch[replica] for batch in ref["losses"]]
         assert len(seen) == case.iters and all(math.isfinite(x) for x in seen)
         assert max(abs(a - b) for a, b in zip(seen, expected)) < 1e-5, \
             f"{case.name}: replica {replica} losses {seen}, reference {expected}"
-    print(f"\n{case.name}: relative error {error:.2e} (the {other} rule: {distance:.2e})")
+    far = ", ".join(f"the {other} rule: {d:.2e}" for other, d in distances.items())
+    print(f"\n{case.name}: relative error {error:.2e} ({far})")
     return error
 
 
@@ -396,6 +409,16 @@ def test_interleaved_schedules_match_their_references(launch, case):
                  for path in (launch.out / case.name).glob("rank*.pt")}
         assert modes == {"at the loop's optimizer.step() (virtual stages (the deferred step "
                          "serves one model chunk))"}, modes
+    _check_against_reference(launch, case)
+
+
+# ---- 2d. PipeMare (no weight stashing) ---------------------------------------------------------
+
+@pytest.mark.parametrize("case", PIPEMARE_CASES, ids=lambda case: case.name)
+def test_pipemare_matches_its_reference(launch, case):
+    """The look-ahead forwards read the stage's previous version and their backwards the
+    newest (tests/reference.py's "pipemare" rule); the stashing rule (pipedream) is far."""
+    launch.finished(f"2bw-world{case.world}")
     _check_against_reference(launch, case)
 
 

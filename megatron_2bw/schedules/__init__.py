@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW,
-PipeDream with weight stashing, ZB-H1 (zero bubble, split backward) and naive model
-parallelism, one Megatron call (one batch) at a time or for a whole training.
+PipeDream with weight stashing, PipeMare (no stashing), ZB-H1 (zero bubble, split backward)
+and naive model parallelism, one Megatron call (one batch) at a time or for a whole training.
 
     call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
     pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
@@ -25,6 +25,7 @@ from .gpipe import gpipe
 from .interleaved import forward_slots, interleaved_flush, interleaved_twobw
 from .naive import naive
 from .pipedream import pipedream, pipedream_version
+from .pipemare import pipemare, pipemare_backward_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
 from .twobw import twobw, twobw_version
 from .zbh1 import zbh1
@@ -58,6 +59,9 @@ class ScheduleSpec:
     weight_grads: Callable[[int, int, int], int] = lambda d, m, i: 0
     """(depth, microbatches, stage) -> peak microbatches whose input gradient ran and whose
     weight gradient has not (0 for schedules with a fused backward)."""
+    backward_version_of: Callable[[int, int, int, int], int] | None = None
+    """Like `version_of`, for the backward (B, I, W) where it reads another version than its
+    forward (no weight stashing); None: the forward's."""
 
 
 def _batch_reads(version_of_batch: Callable[[int], int]) -> Callable[[int, int, int, int], int]:
@@ -75,6 +79,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     # forwards of the batch read; the same 1F1B stash as 2BW.
     "pipedream": ScheduleSpec("pipedream", pipedream, pipedream_version, 2,
                               lambda d, m, i: d - i),
+    # PipeMare: pipedream's order and forwards, backwards at the newest version.
+    "pipemare": ScheduleSpec("pipemare", pipemare, pipedream_version, 2, lambda d, m, i: d - i,
+                             backward_version_of=pipemare_backward_version),
     "naive": ScheduleSpec("naive", naive, _batch_reads(lambda b: b), 1, lambda d, m, i: 1),
     # ZB-H1 (Qi et al., ICLR 2024, Section 2.1): flush's order and stash, W(j-i) after I(j).
     "zb-h1": ScheduleSpec("zb-h1", zbh1, _batch_reads(lambda b: b), 1,
@@ -161,8 +168,11 @@ def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: in
                       num_batches: int) -> None:
     """`validate` with the schedule's version rule and weight-version bound."""
     depth, spec = len(lists), _spec(schedule, len(lists), microbatches)
+    backward = spec.backward_version_of
     validate(lists, microbatches, num_batches,
              version_of=lambda stage, k: spec.version_of(depth, microbatches, stage, k),
+             backward_version_of=None if backward is None else
+             lambda stage, k: backward(depth, microbatches, stage, k),
              max_versions=spec.max_versions)
 
 

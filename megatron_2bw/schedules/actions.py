@@ -227,11 +227,13 @@ def format_grid(schedule: Sequence[Sequence[Action]],
 
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batches: int, *,
              version_of: Callable[[int, int], int] | None = None,
+             backward_version_of: Callable[[int, int], int] | None = None,
              max_versions: int | None = None) -> None:
     """Raise `ScheduleError` unless on every stage and for every model chunk (V = one more than
     the largest chunk in the schedule): each microbatch of the `num_batches` batches has exactly
     one F and then either one B or one I and later one W, all with the same version
-    (`version_of(stage, microbatch)` if given); a forward reads a version already made; the
+    (`version_of(stage, microbatch)` if given), or, with `backward_version_of`, the backward's
+    (B, I, W) that version instead (no weight stashing); a forward reads a version already made; the
     step after batch b comes after all of b's backwards (B or W), one per batch in order; and
     at most `max_versions` weight versions are alive (the newest plus those read by
     microbatches forwarded and not yet through their B or W). Across stages: each stage
@@ -239,12 +241,13 @@ def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batche
     chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
     for stage, actions in enumerate(schedule):
         _validate_stage(schedule, stage, microbatches, num_batches, chunks, version_of,
-                        max_versions)
+                        backward_version_of, max_versions)
     _check_channel_order(schedule, chunks)
 
 
 def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatches: int,
                     num_batches: int, chunks: int, version_of: Callable[[int, int], int] | None,
+                    backward_version_of: Callable[[int, int], int] | None,
                     max_versions: int | None) -> None:
     """`validate`'s checks on one stage's list."""
     actions, total = schedule[stage], microbatches * num_batches
@@ -265,9 +268,11 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
             if a.batch != a.microbatch // microbatches:
                 fail(j, f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
                         f"{a.microbatch // microbatches} with m={microbatches}")
-            if version_of is not None and a.version != version_of(stage, a.microbatch):
+            rule = version_of if a.kind is Kind.FORWARD or backward_version_of is None \
+                else backward_version_of
+            if rule is not None and a.version != rule(stage, a.microbatch):
                 fail(j, f"microbatch {a.microbatch} reads version "
-                        f"{version_of(stage, a.microbatch)} on this stage")
+                        f"{rule(stage, a.microbatch)} on this stage")
         if a.kind is Kind.FORWARD:
             if key in stashed or key in pending or key in done:
                 fail(j, "second forward of this microbatch")
@@ -278,7 +283,7 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
             if key not in stashed:
                 fail(j, "second backward of this microbatch" if key in pending or key in done
                      else "backward without a forward before it")
-            if stashed.pop(key) != a.version:
+            if stashed.pop(key) != a.version and backward_version_of is None:
                 fail(j, "backward reads another version than its forward")
             if a.kind is Kind.INPUT_GRAD:
                 pending[key] = a.version

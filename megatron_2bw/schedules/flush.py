@@ -15,20 +15,24 @@ __all__ = ["flush", "one_f_one_b"]
 
 
 def one_f_one_b(depth: int, microbatches: int, stage: int, batch: int, *, fill: bool,
-                drain: bool, version_of: Callable[[int], int]) -> list[Action]:
+                drain: bool, version_of: Callable[[int], int],
+                backward_version_of: Callable[[int], int] | None = None) -> list[Action]:
     """The 1F1B order of stage `stage` for the backwards of `batch`, then the step.
 
     With `fill` the list starts with the warm-up forwards of the batch (pipeline empty before);
     without, they ran in the previous call. With `drain` no forward beyond `batch` runs (the
     cool-down); without, the forwards run `lag` microbatches into the next batch.
-    `version_of(k)` is the weight version (global) microbatch k reads, in its forward and its
-    backward.
+    `version_of(k)` is the weight version (global) microbatch k reads, in its forward and, unless
+    `backward_version_of(k)` says otherwise (no weight stashing), in its backward.
     """
     lag = min(depth - stage - 1, microbatches)  # warm-up forwards w_i
     first = batch * microbatches
 
+    backward_version_of = backward_version_of or version_of
+
     def action(kind: Kind, k: int) -> Action:
-        return Action(kind, k, k // microbatches, version_of(k))
+        rule = version_of if kind is Kind.FORWARD else backward_version_of
+        return Action(kind, k, k // microbatches, rule(k))
 
     actions = [action(Kind.FORWARD, first + j) for j in range(lag)] if fill else []
     for j in range(microbatches):
