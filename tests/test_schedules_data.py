@@ -549,18 +549,20 @@ def test_golden(name, d, m, n, drains):
                                                                             drains=drains)
 
 
-def test_zbh1_refuses_activation_recomputation():
-    """Megatron's reentrant recomputation runs a nested backward that would make parameter
-    gradients in I and again in W: the flags refuse the combination in one line."""
+@pytest.mark.parametrize("schedule", ["zb-h1", "pipemare"])
+def test_schedules_refuse_activation_recomputation(schedule):
+    """zb-h1: Megatron's reentrant recomputation runs a nested backward that would make
+    parameter gradients in I and again in W; pipemare: it would redo the forward with the
+    backward's newer weights. The flags refuse the combination in one line."""
     from megatron_2bw.arguments import FlagError, parse_args
 
     flags = ["--cpu", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
              "--global-batch-size", "8", "--mock-data", "--lr", "1e-3", "--train-iters", "2",
-             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule]
     assert parse_args(flags, world_size=2).num_microbatches == 4
     for granularity in (["full", "--recompute-method", "uniform"], ["selective"]):
-        with pytest.raises(FlagError, match="not with --pipeline-schedule zb-h1"):
+        with pytest.raises(FlagError, match=f"not with --pipeline-schedule {schedule}"):
             parse_args(flags + ["--recompute-granularity", *granularity], world_size=2)
 
 
