@@ -23,7 +23,8 @@ from megatron_2bw.logparse import parse_log
 from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec, PlanRequest,
                                   Profile, preset, search, write_plan)
 from megatron_2bw.planner.cluster import Link
-from megatron_2bw.planner.cost import simulated_iteration, _simulate_normalized
+from megatron_2bw.planner.cost import ALL_SCHEDULES, simulated_iteration, _simulate_normalized
+from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.planner.accuracy import compare, format_accuracy
 from megatron_2bw.planner.flags import launch_flags, parse_for_validation
 from megatron_2bw.planner.profile import E2ERun, Sample
@@ -191,6 +192,11 @@ def test_data_parallel_all_reduce_inside_a_node_when_it_fits():
     ("flush", 2, 4, (4 + 2 - 1) * 3),
     ("naive", 4, 8, 8 * 4 * 3),         # d-fold: one stage at a time
     ("2bw", 4, 8, 8 * 3),               # steady state without a pipeline-wide step: no bubble
+    ("pipedream", 4, 8, 8 * 3),         # no flush either: the same steady state
+    ("pipemare", 4, 8, 8 * 3),
+    # ZB-H1 (Qi et al. 2024, Section 2.1): m (F + B) + (d - 1)(F + I - W), I = W = B/2 = 1.
+    ("zb-h1", 4, 8, 8 * 3 + 3 * (1 + 1 - 1)),
+    ("zb-h1", 2, 4, 4 * 3 + 1 * (1 + 1 - 1)),
 ])
 def test_uniform_pipeline_iteration_closed_form_and_simulator(schedule, d, m, expected):
     forward, backward = [1.0] * d, [2.0] * d
@@ -203,6 +209,49 @@ def test_uniform_pipeline_iteration_closed_form_and_simulator(schedule, d, m, ex
     bubble = 1 - work / expected
     if schedule in ("gpipe", "flush"):
         assert bubble == pytest.approx((d - 1) / (m + d - 1))
+
+
+def test_new_schedules_memory_by_hand():
+    # PipeDream-1F1B with weight stashing: two versions and 2BW's stash d - i; ZB-H1: one
+    # version, and the executor keeps d - i stashed plus i + 1 pending-W graphs, one shared at
+    # the I: d on every stage (m >= d); flush d - i, all with the same bytes per microbatch.
+    cost = CostModel(SMALL, preset("dgx-a100", nodes=1), "bf16")
+    d, m = 2, 4
+    memory = {s: cost.memory(Layout(1, d, 1, 2, m, False, s)).stages
+              for s in ("flush", "pipedream", "zb-h1")}
+    for i in range(d):
+        flush, pipedream, zbh1 = (memory[s][i] for s in ("flush", "pipedream", "zb-h1"))
+        assert pipedream.extra_versions == pipedream.weights == flush.weights > 0
+        assert zbh1.extra_versions == flush.extra_versions == 0
+        assert (flush.stashed_microbatches, pipedream.stashed_microbatches,
+                zbh1.stashed_microbatches) == (d - i, d - i, d)
+        assert pipedream.activations == flush.activations
+        assert zbh1.activations == pytest.approx(flush.activations * d / (d - i))
+        assert pipedream.total - flush.total == pytest.approx(
+            pipedream.extra_versions + pipedream.gradient_copy)
+
+
+def test_every_planner_schedule_is_accepted_by_the_training_parser():
+    model = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                      vocab_size=128)
+    assert set(ALL_SCHEDULES) == set(SCHEDULE_SPECS) | {"megatron"}
+    for schedule in ALL_SCHEDULES:
+        for recompute in (False, True):
+            layout = Layout(t=1, d=2, w=1, b=1, m=2, recompute=recompute, schedule=schedule)
+            flags = launch_flags(layout, model, "bf16") + ["--mock-data", "--train-iters", "1"]
+            # The planner refuses exactly what the training's parser refuses.
+            if layout.problem(model.num_layers):
+                with pytest.raises(FlagError, match=schedule):
+                    parse_for_validation(flags, model, world_size=2)
+            else:
+                args = parse_for_validation(flags, model, world_size=2)
+                assert args.pipeline_schedule == schedule
+    assert Layout(1, 2, 1, 1, 2, True, "zb-h1").problem(4)
+    plan = search(PlanRequest(model, preset("dgx-a100", nodes=1), 16, micro_batch_sizes=(1, 2),
+                              simulate_top=0))
+    assert not any(c.layout.schedule == "zb-h1" and c.layout.recompute for c in plan.ranked)
+    assert any(r.schedule == "zb-h1" and r.recompute and "recomputation" in r.reason
+               for r in plan.rejected)
 
 
 def test_2bw_with_pipeline_wide_step_waits_for_the_backward_wave():
@@ -268,7 +317,7 @@ def test_slow_network_keeps_tensor_parallelism_inside_a_node():
 def test_2bw_excluded_when_asked():
     cluster = preset("paper", nodes=8)
     allowed = ("flush", "gpipe", "naive", "megatron")
-    with_2bw = search(PlanRequest(GPT_8B, cluster, 512, "fp16"))
+    with_2bw = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed + ("2bw",)))
     without = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed))
     assert with_2bw.best.layout.schedule == "2bw"
     assert without.ranked and all(c.layout.schedule in allowed for c in without.ranked)
@@ -809,3 +858,38 @@ def test_first_and_last_stage_bound_the_middle_ones(schedule):
         bounding = cost.memory(layout, every_stage=False)
         assert [s.stage for s in bounding.stages] == [0, 7]
         assert bounding.peak == every.peak
+
+
+def test_selective_recomputation_replays_the_attention_core_and_sequence_parallel_flags():
+    # Selective recomputation (Korthikanti et al. 2022, Section 5) adds to each layer's
+    # backward the attention core's forward: QK^T and attention x V, 2 b a s^2 (h/a) / t FLOPs
+    # each at the rate of their shape (smallest dimension h/a), and the softmax and dropout's
+    # bytes over the a/t score matrices (each read and written in 2 bytes, plus the dropout
+    # mask's 1: 2 x 2 + 2 x 2 + 1).
+    model = ModelSpec("gpt", num_layers=8, hidden_size=1024, num_attention_heads=16,
+                      seq_length=2048, vocab_size=50257)
+    cluster = preset("dgx-a100", nodes=1)
+    cost = CostModel(model, cluster, "bf16")
+    plain = Layout(t=2, d=2, w=2, b=1, m=4, recompute=False, schedule="flush")
+    selective = dataclasses.replace(plain, selective=True)
+    s, h, a, t, b = 2048, 1024, 16, 2, 1
+    bmm = 2 * b * a * s * s * (h // a) / t
+    scores = a * s * s * b / t
+    core = 2 * bmm / cluster.gemm_flops("bf16", h // a) + scores * 9 / cluster.stream_bandwidth
+    layers = model.num_layers // plain.d
+    added = cost.time(selective).backward[0] - cost.time(plain).backward[0]
+    assert added == pytest.approx(layers * core, rel=1e-9)
+    assert cost.time(selective).forward == cost.time(plain).forward
+
+    flags = launch_flags(selective, model, "bf16", sequence_parallel=True)
+    assert flags[flags.index("--recompute-granularity") + 1] == "selective"
+    assert "--sequence-parallel" in flags
+    assert "--sequence-parallel" not in launch_flags(dataclasses.replace(selective, t=1, w=4),
+                                                     model, "bf16", sequence_parallel=True)
+    args = parse_for_validation(launch_flags(selective, model, "bf16")
+                                + ["--mock-data", "--train-iters", "1"], model, world_size=8)
+    assert args.recompute_granularity == "selective"
+    plan = search(PlanRequest(model, cluster, 16, micro_batch_sizes=(1,), simulate_top=0,
+                              selective_recompute=True))
+    chosen = [c.layout for c in plan.ranked if c.layout.selective]
+    assert chosen and not any(L.recompute or L.schedule in ("zb-h1", "pipemare") for L in chosen)

@@ -183,6 +183,10 @@ def plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-fraction", type=fraction, default=0.9)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="every layout with t > 1 runs --sequence-parallel (CUDA only)")
+    g.add_argument("--selective-recompute", action="store_true",
+                   help="also try --recompute-granularity selective where full is off")
     g.add_argument("--no-clip-grad", action="store_true",
                    help="the run uses --clip-grad 0 (no pipeline-wide norm before each step)")
     g.add_argument("--no-deferred-step", action="store_true",
@@ -273,6 +277,7 @@ def _forced_layout(args, cluster):
     args.global_batch_size = forced.layout.global_batch
     args.model = forced.kind or args.model
     args.use_distributed_optimizer |= forced.distributed_optimizer
+    args.sequence_parallel |= forced.sequence_parallel
     args.no_clip_grad |= not forced.clip_grad
     world = forced.layout.world
     if world != cluster.num_gpus:
@@ -301,10 +306,12 @@ def run_plan(argv) -> int:
         distributed_optimizer=args.use_distributed_optimizer, clip_grad=not args.no_clip_grad,
         deferred_step=not args.no_deferred_step, max_tensor_parallel=args.max_tensor_parallel,
         simulate_top=0 if args.closed_form else args.simulate_top,
-        virtual_stages=args.virtual_stages)
+        virtual_stages=args.virtual_stages, selective_recompute=args.selective_recompute,
+        sequence_parallel=args.sequence_parallel)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      distributed_optimizer=args.use_distributed_optimizer,
-                     clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step)
+                     clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step,
+                     sequence_parallel=args.sequence_parallel)
     if forced is not None:
         return _run_evaluate(args, forced.layout, request, cost, started)
     plan = search(request, cost)
@@ -407,7 +414,7 @@ def _run_evaluate(args, layout: Layout, request: PlanRequest, cost: CostModel,
 
 # ---- profile ----------------------------------------------------------------------------
 
-_LAYOUT_RE = re.compile(r"t(\d+)d(\d+)w(\d+)b(\d+):([a-z0-9]+)(\+rc)?")
+_LAYOUT_RE = re.compile(r"t(\d+)d(\d+)w(\d+)b(\d+):([a-z0-9-]+)(\+rc)?")
 
 
 def parse_layout(text: str, global_batch: int) -> Layout:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
+from megatron_2bw.schedules import keeps_versions
 
 from .cluster import Cluster
 from .model import ModelSpec
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from .profile import Profile
 
 __all__ = ["Layout", "StageMemory", "MemoryEstimate", "TimeEstimate", "CostModel",
-           "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES", "simulated_iteration", "kernels"]
+           "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES", "ALL_SCHEDULES", "NO_RECOMPUTE",
+           "simulated_iteration", "kernels"]
 
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes of a parameter and of an activation element."""
@@ -47,10 +49,29 @@ SCHEDULE_NOTES = {
     "gpipe": "GPipe: all forwards, then all backwards; exact; stash m; bubble "
              "(d - 1)/(m + d - 1)",
     "naive": "no pipelining: one stage busy at a time; exact; stash 1; bubble (d - 1)/d",
+    "pipedream": "PipeDream-1F1B with weight stashing: no flush, bubble only when training "
+                 "starts; 2 weight versions at m >= d; each stage updates after its own "
+                 "backwards (stale by up to d - 1 - i microbatches' look-ahead); stash d - i",
+    "pipemare": "PipeMare: PipeDream's order and forwards, backwards at the newest weights "
+                "(no stash of versions for the backward); no flush; 2 versions at m >= d; "
+                "stash d - i; no recomputation",
+    "zb-h1": "ZB-H1: flush's order with the backward split into input (I) and weight (W) "
+             "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
+             "d - i plus min(i + 1, m) pending W (whole graphs here: min(d, m) in all); bubble "
+             "(d - 1)(F + I - W) (Qi et al., ICLR 2024, Section 2.1); no recomputation",
     "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
                 "stash d + (d - 1)/V on stage 0; bubble (d - 1)/(V m) (SC'21 Section 2.2)",
 }
 """What each schedule costs and means, as the time and memory models charge it."""
+
+ALL_SCHEDULES = tuple(SCHEDULE_SPECS) + ("megatron",)
+"""Every `--pipeline-schedule` the training accepts: this package's registry and megatron-core's
+own 1F1B."""
+
+NO_RECOMPUTE = ("zb-h1", "pipemare")
+"""Schedules the training runs without recomputation (megatron_2bw.arguments refuses
+--recompute-granularity with them: zb-h1's W and pipemare's newer backward weights would replay
+the forward differently)."""
 
 GRAD_BYTES = 4
 """megatron-core's DDP keeps `main_grad` in fp32 (`grad_reduce_in_fp32=True` in
@@ -81,10 +102,14 @@ class Layout:
     recompute: bool
     """Full activation recomputation, one layer per checkpoint."""
     schedule: str
-    """`--pipeline-schedule`: 2bw, flush, gpipe, naive or megatron (Megatron's 1F1B)."""
+    """`--pipeline-schedule`: one of ALL_SCHEDULES ("megatron": megatron-core's 1F1B)."""
     v: int = 1
     """Virtual stages (model chunks) per pipeline rank: Megatron's interleaved 1F1B when > 1
     (`--num-virtual-stages-per-pipeline-rank`; SC'21 Section 2.2.2)."""
+    selective: bool = False
+    """Selective recomputation (`--recompute-granularity selective`): the attention core is
+    replayed in the backward and keeps nothing (Korthikanti et al. 2022, Section 5); exclusive
+    with `recompute`."""
 
     @property
     def world(self) -> int:
@@ -96,12 +121,20 @@ class Layout:
 
     def label(self) -> str:
         return (f"t{self.t} d{self.d} w{self.w} b{self.b} m{self.m} {self.schedule}"
-                + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else ""))
+                + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else "")
+                + (" sel" if self.selective else ""))
 
     def problem(self, num_layers: int) -> str | None:
-        """Why megatron-core cannot run these virtual stages (None: it can): V > 1 needs
-        --pipeline-schedule megatron, d >= 2, L a multiple of d V and m of d
-        (megatron_2bw.arguments._validate_virtual_stages)."""
+        """Why the training refuses this layout (None: it runs it), as megatron_2bw.arguments
+        validates: schedules with several weight versions need m >= d; those in NO_RECOMPUTE
+        run without recomputation; V > 1 needs --pipeline-schedule megatron, d >= 2, L a
+        multiple of d V and m of d (_validate_virtual_stages)."""
+        if keeps_versions(self.schedule) and self.m < self.d:
+            return f"{self.schedule} needs m >= d, got m = B/(b w) = {self.m} < d={self.d}"
+        if self.recompute and self.selective:
+            return "full and selective recomputation exclude each other"
+        if self.schedule in NO_RECOMPUTE and (self.recompute or self.selective):
+            return f"{self.schedule} runs without recomputation"
         if self.v == 1:
             return None
         if self.schedule != "megatron":
@@ -249,6 +282,10 @@ class CostModel:
     """2BW defers a step whose norm or embedding all-reduce spans the pipeline to the first
     reader of its result (megatron_2bw.deferred): no wait, one more fp32 gradient copy. fp16's
     found-inf check is not deferred."""
+    sequence_parallel: bool = False
+    """`--sequence-parallel` (t > 1; off at t = 1 as in Megatron-LM): LayerNorms and dropouts
+    on 1/t of the sequence, their activations split over t; each all-reduce becomes a
+    reduce-scatter and an all-gather of the same volume (Korthikanti et al. 2022, 4.2.2)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -277,9 +314,11 @@ class CostModel:
             optimizer_bytes /= layout.w
         layer_full = self._activation_bytes("layer", b, t, recompute=False)
         layer_kept = (self._activation_bytes("layer", b, t, recompute=True) if layout.recompute
-                      else layer_full)
+                      else self._layer_options(layer_full, layout, "bytes"))
         overhead = self.profile.runtime_overhead_bytes if self.profile else 0.0
         embedding = self._activation_bytes("embedding", b, t)
+        if self._sequence_parallel(t):
+            embedding /= t  # its dropout runs on 1/t of the sequence
         head = self._activation_bytes("head", b, t)
         logits_gradient = model.logits_gradient_bytes(b, t)
         stages = []
@@ -295,7 +334,11 @@ class CostModel:
             # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
             stash = _stash(layout, spec, i)
-            transient = (layer_full if layout.recompute else 0.0) + last * logits_gradient
+            # A recomputed layer (or attention core) exists again during its backward.
+            replayed = (layer_full if layout.recompute
+                        else self._layer_options(layer_full, layout, "bytes", selective=False)
+                        - layer_kept)
+            transient = replayed + last * logits_gradient
             stages.append(StageMemory(
                 stage=i, parameters=params,
                 weights=params * e,
@@ -311,8 +354,9 @@ class CostModel:
         return MemoryEstimate(tuple(stages))
 
     def _deferred(self, schedule: str, d: int) -> bool:
-        """Whether 2BW's step is deferred (it is whenever it would span the pipeline)."""
-        return (schedule == "2bw" and d > 1 and self.deferred_step
+        """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
+        pipeline)."""
+        return (keeps_versions(schedule) and d > 1 and self.deferred_step
                 and self.precision != "fp16")
 
     # ---- time -----------------------------------------------------------------------------
@@ -349,6 +393,10 @@ class CostModel:
         p2p = pp_link.latency if d > 1 else 0.0
 
         lf, lb = self._compute("layer", b, t, rc)
+        if not rc:
+            lf, lb = (self._layer_options(lf, layout, "time"),
+                      self._layer_options(lb, layout, "time"))
+            lb += self._replayed_core(lf, layout)
         ef, eb = self._compute("embedding", b, t, False)
         hf, hb = self._compute("head", b, t, False)
         forward, backward, tp_time = [], [], []
@@ -421,7 +469,15 @@ class CostModel:
             # bubble fraction (d - 1)/(V m)); V = 1 is the flush above.
             return (m * bottleneck + (sum(work) - bottleneck) / v
                     + 2 * (d - 1) * p2p + step)
-        if schedule == "2bw":
+        if schedule == "zb-h1":
+            # Flush's fill and drain less two weight gradients per stage off the bottleneck:
+            # uniform stages give m (F + B) + (d - 1)(F + I - W) with B = I + W (Section 2.1,
+            # while W <= min(F, I)); W is half the backward (the simulator's default split), so
+            # each other stage adds F + I - W = its forward.
+            slowest = work.index(bottleneck)
+            fill = sum(f for i, f in enumerate(forward) if i != slowest)
+            return m * bottleneck + fill + 2 * (d - 1) * p2p + step
+        if keeps_versions(schedule):
             # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
             # (global gradient norm) waits for stage 0's last backward: after the last stage's,
             # the backward wave runs through stages d - 2, ..., 0.
@@ -433,6 +489,40 @@ class CostModel:
         raise ValueError(f"unknown schedule {schedule!r}")
 
     # ---- parts ----------------------------------------------------------------------------
+    def _sequence_parallel(self, t: int) -> bool:
+        return self.sequence_parallel and t > 1
+
+    def _layer_options(self, plain: float, layout: Layout, what: str,
+                       selective: bool | None = None) -> float:
+        """A layer's activation bytes (`what="bytes"`) or its forward or backward seconds
+        ("time") without full recomputation, scaled from `plain` (no sequence parallelism, no
+        selective recomputation: the profile's or the closed form's) by the closed forms'
+        ratio, so that a profile taken without them carries over."""
+        b, t, e = layout.b, layout.t, self.element_bytes
+        sp = self._sequence_parallel(t)
+        selective = layout.selective if selective is None else selective
+        if what == "bytes":
+            ratio = (self.model.layer_activation_bytes(b, t, e, sequence_parallel=sp,
+                                                       selective_recompute=selective)
+                     / self.model.layer_activation_bytes(b, t, e))
+        else:
+            ratio = (self.kernel_time("layer", b, t, sequence_parallel=sp)
+                     / self.kernel_time("layer", b, t))
+        return plain * ratio
+
+    def _replayed_core(self, layer_forward: float, layout: Layout) -> float:
+        """Seconds selective recomputation adds to a layer's backward: the attention core's
+        forward, its share of the layer's forward by the closed forms."""
+        if not layout.selective:
+            return 0.0
+        b, t = layout.b, layout.t
+        gemms, streamed = self.model.attention_core_kernels(b, t, self.element_bytes)
+        rate = self.cluster.gemm_flops
+        core = (sum(flops / rate(self.precision, n) for flops, n in gemms)
+                + streamed / self.cluster.stream_bandwidth)
+        whole = self.kernel_time("layer", b, t, sequence_parallel=self._sequence_parallel(t))
+        return layer_forward * core / whole
+
     def _compute(self, part: str, b: int, t: int, recompute: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one part on one of t ranks, no communication: the
         profile's when there is one, else `kernel_time`."""
@@ -446,11 +536,12 @@ class CostModel:
         backward = 2 * forward + (forward if recompute else 0.0)
         return forward, backward
 
-    def kernel_time(self, part: str, b: int, t: int) -> float:
+    def kernel_time(self, part: str, b: int, t: int, sequence_parallel: bool = False) -> float:
         """Forward seconds of a part on one of t ranks from its kernels: each GEMM's FLOPs at
         the rate of its shape (Cluster.gemm_flops), plus element-wise bytes at the sustained
         memory bandwidth."""
-        gemms, streamed = kernels(self.model, part, b, t, self.element_bytes)
+        gemms, streamed = kernels(self.model, part, b, t, self.element_bytes,
+                                  sequence_parallel=sequence_parallel)
         rate = self.cluster.gemm_flops
         return (sum(flops / rate(self.precision, n) for flops, n in gemms)
                 + streamed / self.cluster.stream_bandwidth)
@@ -497,12 +588,19 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     schedule declares it (schedules.SCHEDULES[...].stash). Megatron's interleaved 1F1B with V
     chunks per rank holds (d - i - 1) 2 + (V - 1) d + 1 chunk-microbatches (megatron-core's
     warm-up count plus the one in flight), each 1/V of the stage: d + (d - 1)/V on the first
-    stage (Korthikanti et al. 2022, Section 4.2.3)."""
+    stage (Korthikanti et al. 2022, Section 4.2.3). ZB-H1 adds the microbatches whose weight
+    gradient is pending (schedules.SCHEDULES[...].weight_grads)."""
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
     if layout.schedule == "megatron" and v > 1:
         return min(m * v, (d - stage - 1) * 2 + (v - 1) * d + 1) / v
+    pending = spec.weight_grads(d, m, stage)
+    if pending:
+        # Split backward (zb-h1): the executor keeps a microbatch's whole graph until its W.
+        # The I that makes a W pending ends that microbatch's stash, so the two peaks share one
+        # microbatch: min(d - i, m) + min(i + 1, m) - 1, at most m (min(d, m) for zb-h1).
+        return min(spec.stash(d, m, stage) + pending - 1, m)
     return spec.stash(d, m, stage)
 
 
@@ -521,12 +619,13 @@ def _closed_form_bytes(model: ModelSpec, part: str, b: int, t: int, recompute: b
     return model.head_activation_bytes(b, t, e)
 
 
-def kernels(model: ModelSpec, part: str, b: int, t: int,
-            e: int) -> tuple[list[tuple[float, int]], float]:
+def kernels(model: ModelSpec, part: str, b: int, t: int, e: int,
+            sequence_parallel: bool = False) -> tuple[list[tuple[float, int]], float]:
     """(GEMMs as (FLOPs, smallest dimension), streamed bytes) of one part's forward on one of t
     ranks."""
     if part == "layer":
-        return model.layer_gemms(b, t), model.layer_streamed_bytes(b, t, e)
+        return model.layer_gemms(b, t), model.layer_streamed_bytes(
+            b, t, e, sequence_parallel=sequence_parallel)
     if part == "head":
         return model.head_gemms(b, t), model.head_streamed_bytes(b, t, e)
     return [], model.embedding_streamed_bytes(b, e)

@@ -26,7 +26,7 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                "ffn_hidden_size", "make_vocab_size_divisible_by")
 """Model flags a command may carry (argparse dest names)."""
 
-_SHORT = re.compile(r"t(\d+)d(\d+)(?:w(\d+))?b(\d+)(?:v(\d+))?:([a-z0-9]+)(\+rc)?")
+_SHORT = re.compile(r"t(\d+)d(\d+)(?:w(\d+))?b(\d+)(?:v(\d+))?:([a-z0-9-]+)(\+rc)?")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class ForcedLayout:
     clip_grad: bool = True
     kind: str | None = None
     """"gpt" or "bert" when the command names pretrain_bert*.py or pretrain_gpt*.py."""
+    sequence_parallel: bool = False
+    """--sequence-parallel in the command."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ def _command_parser() -> argparse.ArgumentParser:
     add("--fp16", action="store_true")
     add("--bf16", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
+    add("--sequence-parallel", action="store_true")
     add("--clip-grad", type=float, default=1.0)
     add("--nnodes", type=str, default=None)
     add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
@@ -124,7 +127,7 @@ def _from_short(text: str, world: int, global_batch: int | None) -> ForcedLayout
 
 
 def _layout(t: int, d: int, w: int, b: int, v: int, schedule: str, recompute: bool,
-            global_batch: int, world: int) -> Layout:
+            global_batch: int, world: int, selective: bool = False) -> Layout:
     from .search import ALL_SCHEDULES
 
     if min(t, d, w, b, v) < 1:
@@ -137,7 +140,7 @@ def _layout(t: int, d: int, w: int, b: int, v: int, schedule: str, recompute: bo
     if global_batch % (b * w):
         raise ValueError(f"global batch {global_batch} is not a multiple of micro batch x data "
                          f"parallel = {b} x {w}")
-    return Layout(t, d, w, b, global_batch // (b * w), recompute, schedule, v)
+    return Layout(t, d, w, b, global_batch // (b * w), recompute, schedule, v, selective)
 
 
 def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> ForcedLayout:
@@ -170,13 +173,13 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
     recompute = args.recompute_granularity == "full" or args.checkpoint_activations
     B = args.global_batch_size or global_batch or args.micro_batch_size * w
     layout = _layout(t, d, w, args.micro_batch_size, v, args.pipeline_schedule, recompute, B,
-                     world)
+                     world, selective=args.recompute_granularity == "selective")
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     kind = ("bert" if re.search(r"pretrain_bert", text) else
             "gpt" if re.search(r"pretrain_gpt", text) else None)
     given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
     return ForcedLayout(layout, given, precision, args.use_distributed_optimizer,
-                        args.clip_grad > 0, kind)
+                        args.clip_grad > 0, kind, args.sequence_parallel)
 
 
 def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluation:
@@ -190,8 +193,6 @@ def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluat
     problem = layout.problem(model.num_layers)
     if problem:
         raise ValueError(problem)
-    if layout.schedule == "2bw" and layout.m < layout.d:
-        raise ValueError(f"2bw needs m >= d, got m={layout.m} < d={layout.d}")
     time = cost.time(layout, simulate=simulate and layout.d * 3 * (2 * layout.m + 1) <= 4000)
     flops = model.model_flops_per_iteration(layout.global_batch, layout.recompute)
     return Evaluation(layout, time, cost.memory(layout), flops, layout.world)

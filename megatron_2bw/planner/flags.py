@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_2bw.arguments import int_at_least, number_in
+from megatron_2bw.schedules import keeps_versions
 
 from .cluster import GiB, Cluster
 from .cost import Layout
@@ -107,7 +108,8 @@ _PEAK_LR = {"gpt": "1.5e-4", "bert": "1e-4"}
 
 
 def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool = False,
-                 distributed_optimizer: bool = False, clip_grad: bool = True,
+                 distributed_optimizer: bool = False, sequence_parallel: bool = False,
+                 clip_grad: bool = True,
                  deferred_step: bool = True, training: Sequence[str] = ()) -> list[str]:
     """The layout and model as our entry scripts' flags (Megatron-LM's names), then
     `training` (`training_flags`; the model kind's peak learning rate when it has no --lr);
@@ -137,13 +139,17 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
     if layout.recompute:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
+    if layout.selective:
+        flags += ["--recompute-granularity", "selective"]
+    if sequence_parallel and layout.t > 1:
+        flags.append("--sequence-parallel")
     if layout.v > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.v)]
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     if not clip_grad:
         flags += ["--clip-grad", "0"]
-    if not deferred_step and layout.schedule == "2bw":
+    if not deferred_step and keeps_versions(layout.schedule):
         flags.append("--no-deferred-step")
     if cpu:
         flags.append("--cpu")
@@ -155,7 +161,8 @@ def _flags_for(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -
     r = plan.request
     return launch_flags(candidate.layout, r.model, r.precision, cpu=r.cluster.device == "cpu",
                         distributed_optimizer=r.distributed_optimizer, clip_grad=r.clip_grad,
-                        deferred_step=r.deferred_step, training=training)
+                        deferred_step=r.deferred_step, sequence_parallel=r.sequence_parallel,
+                        training=training)
 
 
 def flag_line(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> str:
@@ -334,6 +341,8 @@ def plan_to_json(plan: Plan, top: int = 20, training: Sequence[str] = ()) -> dic
             "memory_fraction": r.memory_fraction,
             "optimizer": r.optimizer,
             "distributed_optimizer": r.distributed_optimizer,
+            "selective_recompute": r.selective_recompute,
+            "sequence_parallel": r.sequence_parallel,
             "training_flags": list(training),
         },
         "choice": _candidate_json(plan.best, plan, 1, training) if plan.best else None,

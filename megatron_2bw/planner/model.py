@@ -169,21 +169,34 @@ class ModelSpec:
         bmm = 2 * b * a * s * s * head_dim / t
         return gemms + [(bmm, min(s, head_dim)), (bmm, min(s, head_dim))]
 
-    def layer_streamed_bytes(self, b: int, t: int, element_bytes: int) -> float:
+    def layer_streamed_bytes(self, b: int, t: int, element_bytes: int, *,
+                             sequence_parallel: bool = False) -> float:
         """Bytes the element-wise kernels of one layer's forward read and write on one of t
         ranks (Megatron's fused kernels, no flash attention): two LayerNorms (read, write) and
         two bias-dropout-adds (read two, write one, and the mask), replicated over TP; the
         fused bias-GeLU (read and write f/t); the fused scale-mask-softmax (read and write the
-        a/t score matrices) and the attention dropout (read, write, mask)."""
-        h, f, s, a, e = (self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads,
-                         element_bytes)
+        a/t score matrices) and the attention dropout (read, write, mask). Sequence
+        parallelism splits the replicated kernels over t (Korthikanti et al. 2022, 4.2.2)."""
+        h, f, s, e = self.hidden_size, self.ffn, self.seq_length, element_bytes
         masks = MASK_BYTES if self.dropout else 0
         tokens = b * s
         replicated = tokens * h * (2 * 2 * e + 2 * (3 * e + masks))
+        if sequence_parallel:
+            replicated /= t
         gelu = 2 * tokens * f // t * e
+        return replicated + gelu + self.attention_core_kernels(b, t, e)[1]
+
+    def attention_core_kernels(self, b: int, t: int,
+                               element_bytes: int) -> tuple[list[tuple[float, int]], float]:
+        """(GEMMs, streamed bytes) of the attention core on one of t ranks, what selective
+        recomputation replays (Korthikanti et al. 2022, Section 5): per head QK^T and
+        attention x V (the last two of layer_gemms), the scale-mask-softmax and the attention
+        dropout over the a/t score matrices."""
+        s, a, e = self.seq_length, self.num_attention_heads, element_bytes
+        masks = MASK_BYTES if self.dropout else 0
         scores = a * s * s * b / t
-        attention = scores * (2 * e + ((2 * e + masks) if self.dropout else 0))
-        return replicated + gelu + attention
+        streamed = scores * (2 * e + ((2 * e + masks) if self.dropout else 0))
+        return self.layer_gemms(b, t)[-2:], streamed
 
     def head_gemms(self, b: int, t: int) -> list[tuple[float, int]]:
         """The output layer's logits GEMM (bs x h -> V/t); BERT adds its LM-head dense h x h."""
@@ -206,9 +219,11 @@ class ModelSpec:
         return 3 * self.boundary_bytes(b, element_bytes)
 
     # ---- activations ----------------------------------------------------------------------
-    def layer_activation_bytes(self, b: int, t: int, element_bytes: int) -> float:
+    def layer_activation_bytes(self, b: int, t: int, element_bytes: int, *,
+                               sequence_parallel: bool = False,
+                               selective_recompute: bool = False) -> float:
         """Bytes one layer keeps for its backward pass, per microbatch of b sequences, on one
-        of t tensor-parallel ranks (no sequence parallelism).
+        of t tensor-parallel ranks.
 
         Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
         Models", Section 4.1 (Eq. 1) and 4.2 (Eq. 2): sbh(10 + 24/t + 5as/(ht)) bytes for
@@ -217,12 +232,19 @@ class ModelSpec:
             (4sbh e) and the two hidden-dropout masks (2sbh);
           split over t: Q, K, V and the projection input (4sbh e), the GeLU input and output
             (2sbf e), and per head the softmax output, its dropout mask and the dropout output
-            (as^2b (2e + 1)); without dropout only the softmax output (as^2b e)."""
+            (as^2b (2e + 1)); without dropout only the softmax output (as^2b e).
+        Sequence parallelism (Section 4.2.2) splits the replicated part over t too: sbh 34/t;
+        selective recomputation (Section 5) recomputes the attention core and keeps none of
+        its per-head tensors: the 5as/h term goes."""
         h, a, s, f, e = (self.hidden_size, self.num_attention_heads, self.seq_length,
                          self.ffn, element_bytes)
         masks = MASK_BYTES if self.dropout else 0
         replicated = s * b * h * (4 * e + 2 * masks)
+        if sequence_parallel:
+            replicated /= t
         attention = a * s * s * b * ((2 * e + masks) if self.dropout else e)
+        if selective_recompute:
+            attention = 0
         split = (s * b * (4 * h + 2 * f) * e + attention) / t
         return replicated + split
 

@@ -7,7 +7,9 @@ with the reason, the feasible ones ranked by predicted samples/s.
     plan.best.layout, plan.best.samples_per_s, plan.rejected[0].reason
 
 Feasible: t d w = N; t divides the heads; d divides the layers; B = b w m for a microbatch
-size b from the list; 2BW needs m >= d (Section 3.1); the fullest device within memory.
+size b from the list; what the training accepts (Layout.problem: 2BW and PipeDream need m >= d,
+Section 3.1; zb-h1 runs without recomputation; V > 1 only under megatron); the fullest device
+within memory.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
+from megatron_2bw.schedules import keeps_versions
+
 from .cluster import GiB, Cluster
-from .cost import CostModel, Layout, MemoryEstimate, TimeEstimate
+from .cost import ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate
 from .model import ModelSpec
 
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES"]
 
-ALL_SCHEDULES = ("2bw", "flush", "gpipe", "naive", "megatron")
 # At depth 1 every schedule is the same computation; the first allowed one of these stands for
-# them (2BW last: at d = 1 it only adds a stale weight version).
-_DEPTH_ONE_ORDER = ("megatron", "flush", "gpipe", "naive", "2bw")
+# them (those with two weight versions last: at d = 1 they only add a stale version).
+_DEPTH_ONE_ORDER = ("megatron", "flush", "gpipe", "naive", "zb-h1", "2bw", "pipedream")
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,16 @@ class PlanRequest:
     """B: the largest global batch that still trains well; every layout uses exactly B."""
     precision: str = "bf16"
     schedules: tuple[str, ...] = ALL_SCHEDULES
-    """Allowed schedules; leave out "2bw" when the 1-stale weight update is not acceptable."""
+    """Allowed schedules; leave out "2bw" and "pipedream" when stale weights are not
+    acceptable."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     recompute: tuple[bool, ...] = (False, True)
+    """Full recomputation off and on."""
+    selective_recompute: bool = False
+    """Also try selective recomputation (`--recompute-granularity selective`) where full is
+    off."""
+    sequence_parallel: bool = False
+    """`--sequence-parallel` for every layout with t > 1 (CUDA only in the training)."""
     memory_fraction: float = 0.9
     """Share of device memory the plan may fill (the rest: CUDA context, fragmentation)."""
     optimizer: str = "adam"
@@ -129,9 +140,26 @@ def _schedules_at(depth: int, request: PlanRequest) -> list[tuple[str, int]]:
     return pairs
 
 
+def _recomputations(request: PlanRequest) -> list[tuple[bool, bool]]:
+    """(full, selective) recomputation pairs to try."""
+    pairs = [(rc, False) for rc in request.recompute]
+    if request.selective_recompute and False in request.recompute:
+        pairs.append((False, True))
+    return pairs
+
+
+def _staleness(schedule: str) -> int:
+    """0: exact updates; 1: stale weights, each microbatch's forward and backward at the same
+    version (2bw, pipedream); 2: a backward at newer weights than its forward (pipemare)."""
+    if not keeps_versions(schedule):
+        return 0
+    return 1 if getattr(SCHEDULE_SPECS[schedule], "backward_version_of", None) is None else 2
+
+
 def _rank_key(c: Candidate) -> tuple:
-    """Fastest first; on a tie the schedule without stale weights, then the smaller memory."""
-    return (-round(c.samples_per_s, 9), c.layout.schedule == "2bw", c.memory.peak)
+    """Fastest first; on a tie the least stale schedule (`_staleness`), then the smaller
+    memory."""
+    return (-round(c.samples_per_s, 9), _staleness(c.layout.schedule), c.memory.peak)
 
 
 def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
@@ -140,7 +168,8 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
     model, cluster = request.model, request.cluster
     cost = cost or CostModel(model, cluster, request.precision, optimizer=request.optimizer,
                              distributed_optimizer=request.distributed_optimizer,
-                             clip_grad=request.clip_grad, deferred_step=request.deferred_step)
+                             clip_grad=request.clip_grad, deferred_step=request.deferred_step,
+                             sequence_parallel=request.sequence_parallel)
     n, B, limit = cluster.num_gpus, request.global_batch_size, request.memory_limit
     feasible: list[Candidate] = []
     rejected: list[Rejection] = []
@@ -169,13 +198,11 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                                               f"B={B} is not a multiple of b x w = {b} x {w}"))
                     continue
                 m = B // (b * w)
-                for rc in request.recompute:
+                for rc, selective in _recomputations(request):
                     for schedule, v in _schedules_at(d, request):
                         considered += 1
-                        layout = Layout(t, d, w, b, m, rc, schedule, v)
+                        layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
                         problem = layout.problem(model.num_layers)
-                        if schedule == "2bw" and m < d:
-                            problem = f"2bw needs m >= d, got m = B/(b w) = {m} < d={d}"
                         if problem:
                             rejected.append(Rejection(t, d, w, b, m, rc, schedule, problem))
                             continue
