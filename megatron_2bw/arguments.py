@@ -200,6 +200,19 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "stashing (a backward reads the newest weights); zb-h1: zero-bubble "
                         "ZB-H1 (split backward, the weights of flush); naive: inter-layer model "
                         "parallelism without pipelining; megatron: Megatron's own 1F1B")
+    g.add_argument("--pipemare-discrepancy-decay", type=number_in(0, 1, True, True),
+                   default=None, metavar="D",
+                   help="pipemare: PipeMare's discrepancy correction (T2) on, with decay D in "
+                        "(0, 1): a backward whose forward read an older version reads "
+                        "W - (tau_fwd - tau_bkwd) * delta, delta an exponential average of the "
+                        "stage's updates (one more weight copy and delta per stage)")
+    g.add_argument("--pipemare-lr-warmup-steps", type=_NONNEG, default=0, metavar="K",
+                   help="pipemare: PipeMare's learning-rate rescheduling (T1): stage i steps "
+                        "with lr / tau_i ** (1 - min(k/K, 1)), tau_i its largest forward delay; "
+                        "with m >= d microbatches tau_i <= 1, so the step size is unchanged")
+    g.add_argument("--pipemare-sync-iters", type=_NONNEG, default=0, metavar="N",
+                   help="pipemare: run the first N iterations synchronously (flush's order "
+                        "and weights, the pipeline drained each iteration), then PipeMare's")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "
@@ -738,10 +751,26 @@ def _validate_training(args: argparse.Namespace) -> None:
     _require(args.recompute_granularity is None or args.pipeline_schedule != "pipemare",
              "--recompute-granularity", "not with --pipeline-schedule pipemare: recomputing at "
              "the backward would redo the forward with the backward's newer weights")
+    _validate_pipemare(args)
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
     if args.ckpt_keep is not None:
         _require(args.save is not None, "--ckpt-keep", "needs --save DIR")
+
+
+def _validate_pipemare(args: argparse.Namespace) -> None:
+    """The --pipemare-* flags need --pipeline-schedule pipemare; the discrepancy correction's
+    running average is not in checkpoints, so a run with it does not resume from one."""
+    given = [flag for flag, off in (("--pipemare-discrepancy-decay", None),
+                                    ("--pipemare-lr-warmup-steps", 0),
+                                    ("--pipemare-sync-iters", 0))
+             if getattr(args, flag[2:].replace("-", "_")) != off]
+    for flag in given:
+        _require(args.pipeline_schedule == "pipemare", flag,
+                 f"only with --pipeline-schedule pipemare, not {args.pipeline_schedule}")
+    _require(args.pipemare_discrepancy_decay is None or args.load is None,
+             "--pipemare-discrepancy-decay", "not with --load: the correction's running "
+             "average of the updates is not saved in checkpoints")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -21,6 +21,8 @@ Invariants:
     optimizer then writes ``v_new`` there, through the parameters or through views of the
     buffers, without touching storage an in-flight microbatch reads (those of the newest
     version now read slot 1).
+  * ``use_derived`` fills the spare slot with weights derived from the newest version
+    (PipeMare's discrepancy-corrected backward weights) and retires the older version there.
   * An optimizer that updates a Parameter in place bumps its autograd version counter, which
     in-flight backward passes would take for a modification of what they saved. The counters
     are reset to their pre-step values (``after_step``): the storage those passes saved was not
@@ -29,7 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -48,6 +50,7 @@ class WeightVersions:
         self.slot_of: dict[int, int] = {0: 0}  # version -> slot
         self.pointed_slot = 0
         self._counters: list[int] | None = None
+        self.derived: tuple[int, object] | None = None  # (version, key) the spare slot holds
 
     @property
     def newest(self) -> int:
@@ -62,6 +65,29 @@ class WeightVersions:
         if version not in self.slot_of:
             raise KeyError(f"weight version {version} is not alive (alive: {self.alive})")
         self._point(self.slot_of[version])
+
+    def tensors_of(self, version: int) -> list[torch.Tensor]:
+        """The tensors holding ``version`` (alive)."""
+        if version not in self.slot_of:
+            raise KeyError(f"weight version {version} is not alive (alive: {self.alive})")
+        return self.slots[self.slot_of[version]]
+
+    def use_derived(self, version: int, key: object,
+                    make: Callable[[list[torch.Tensor], list[torch.Tensor]], None]) -> None:
+        """Point the parameters at weights derived from ``version``, the newest (PipeMare's
+        corrected backward weights): ``make(newest, spare)`` writes them into the spare slot
+        once per (version, key). The older version that slot held is retired: call only once
+        no pass reads it any more (the next ``fork`` refills the slot)."""
+        if version != self.newest:
+            raise ValueError(f"weights derived from version {version}: only from the newest "
+                             f"({self.newest})")
+        if self.derived != (version, key):
+            spare = self.spare_tensors()
+            self.slot_of = {version: HOME}
+            with torch.no_grad():
+                make(self.slots[HOME], spare)
+            self.derived = (version, key)
+        self._point(1 - HOME)
 
     def _point(self, slot: int) -> None:
         """Point every parameter's ``.data`` at ``slot``'s tensors (a no-op when it is)."""
@@ -86,6 +112,7 @@ class WeightVersions:
             for dst, src in zip(moved_out, self.slots[HOME]):
                 dst.copy_(src)
         self.slot_of = {newest: 1 - HOME, new_version: HOME}
+        self.derived = None
         self._counters = [p._version for p in self.params]
 
     def after_step(self) -> None:
@@ -118,5 +145,6 @@ class WeightVersions:
             self.slots[HOME] = [p.data for p in self.params]
         self._point(HOME)
         self.slot_of = {newest: HOME}
+        self.derived = None
         if older is not None:
             self.slot_of[older] = 1 - HOME

@@ -11,6 +11,9 @@ clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it
         W_i(t+1) = AdamW(W_i(t), sum_j g_i,j) where microbatch j of batch t reads, on stage i,
         W_i(max(t-1, 0)) for j < w_i = min(d-i-1, m) (its forward ran before stage i's step
         after batch t-1: one of the 1F1B warm-up look-ahead forwards) and W_i(t) otherwise
+    PipeMare (no stashing): forwards as PipeDream's, every backward at W_i(t) (with the
+        discrepancy correction W_i(t) - delta_i where the forward read W_i(t-1)); the first
+        `sync_iters` batches read W(t) throughout
 
 where g(W) is the gradient of the mean microbatch loss of batch t over all data-parallel
 replicas' microbatches, and stage i of d holds layers [i L/d, (i+1) L/d), the embedding on
@@ -128,9 +131,9 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
     time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
     ``microbatch(model, batch, r, j)``; ``weights_of(j)``, when given, loads the weights
-    microbatch j reads before it runs; ``backward_weights()``, when given, points the
-    parameters at other weights between the forward and the backward (the saved activations
-    stay the forward's)."""
+    microbatch j reads before it runs; ``backward_weights(j)``, when given, points the
+    parameters at other weights between microbatch j's forward and its backward (the saved
+    activations stay the forward's)."""
     data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
@@ -142,7 +145,7 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
                 weights_of(j)
             loss = _loss(gpt, data(r, j))
             if backward_weights is not None:
-                backward_weights()
+                backward_weights(j)
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
         losses.append(total / microbatches)
@@ -168,20 +171,37 @@ def _stage_of(name: str, depth: int, num_layers: int) -> int:
     return depth - 1  # decoder.final_layernorm, output_layer
 
 
-def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: int) -> int:
-    """The version microbatch j of batch t reads of parameter `name` under PipeDream."""
+def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: int,
+                     sync_iters: int = 0) -> int:
+    """The version microbatch j of batch t reads of parameter `name` under PipeDream (and in
+    PipeMare's forward): t during the `sync_iters` synchronous iterations."""
     warmup = min(depth - _stage_of(name, depth, num_layers) - 1, m)
-    return max(t - 1, 0) if j < warmup else t
+    return max(t - 1, 0) if j < warmup and t >= sync_iters else t
+
+
+def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int, decay: float) -> float | None:
+    """T2's gamma = D ** (1 / s) of the stage holding `name`, s its largest tau_fwd - tau_bkwd:
+    1 where the stage has look-ahead forwards (they read t-1, their backward t), else no
+    correction (None)."""
+    span = 1 if min(depth - _stage_of(name, depth, num_layers) - 1, m) > 0 else 0
+    return decay ** (1.0 / span) if span else None
 
 
 def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
                   iterations: int, tie: bool, model: Model = MODEL,
-                  lrs: list[float] | None = None, depth: int = 1) -> dict:
+                  lrs: list[float] | None = None, depth: int = 1,
+                  discrepancy_decay: float | None = None, sync_iters: int = 0) -> dict:
     """Train the full model from `init` with `rule` ("sync", "2bw", or "pipedream" or
-    "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel), per-iteration losses
-    [t][replica] and grad norms. `microbatches` as a list: batch t has microbatches[t] per
-    replica, read from the streams (``stream_microbatch``). `lrs`: step t's learning rate
-    (instead of `model`'s warm-up)."""
+    "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel),
+    per-iteration losses [t][replica] and grad norms. `microbatches` as a list: batch t has
+    microbatches[t] per replica, read from the streams (``stream_microbatch``). `lrs`: step t's
+    learning rate (instead of `model`'s warm-up).
+
+    "pipemare" options: `sync_iters` N, batches t < N read W(t) in forward and backward;
+    `discrepancy_decay` D, a backward whose forward read W(t-1) on its stage reads
+    W(t) - (t - forward's version) * delta instead of W(t), with, per parameter,
+    delta(t+1) = gamma * delta(t) + (1 - gamma) * (W(t+1) - W(t)), delta(0) = 0,
+    gamma = D ** (1 / s) and s = 1 on stages with look-ahead forwards (none elsewhere)."""
     sizes = microbatches if isinstance(microbatches, list) else None
     if sizes is not None and len(sizes) != iterations:
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
@@ -204,6 +224,9 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                                   eps=model.adam_eps)
     snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
     previous = snapshot()  # W(t-1), with W(-1) = W(0)
+    gammas = {n: _pipemare_gamma(n, depth, microbatches, model.num_layers, discrepancy_decay)
+              for n in params} if rule == "pipemare" and discrepancy_decay else {}
+    delta = {n: torch.zeros_like(p) for n, p in params.items() if gammas.get(n) is not None}
     losses, norms = [], []
     for t in range(iterations):
         current = snapshot()  # W(t)
@@ -215,14 +238,18 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         @torch.no_grad()
         def pipedream_weights(j: int, t=t, current=current, previous=previous) -> None:
             for n, p in params.items():
-                version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j)
+                version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j,
+                                           sync_iters)
                 p.copy_(current[n] if version == t else previous[n])
 
-        def newest_weights(current=current) -> None:
-            """PipeMare's backward: every stage at W(t); ``.data`` is re-pointed, not copied
-            into, as autograd holds the parameters the forward saved."""
+        def newest_weights(j: int, t=t, current=current) -> None:
+            """PipeMare's backward: every stage at W(t), corrected by T2 where the forward
+            read W(t-1); ``.data`` is re-pointed, not copied into, as autograd holds the
+            parameters the forward saved."""
             for n, p in params.items():
-                p.data = current[n].clone()
+                lag = t - _pipedream_reads(n, depth, microbatches, model.num_layers, t, j,
+                                           sync_iters)
+                p.data = current[n] - lag * delta[n] if n in delta else current[n].clone()
 
         if per_stage:
             grads, batch_losses = _gradients(
@@ -252,6 +279,9 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
             if lrs is not None:
                 group["lr"] = lrs[t]
         optimizer.step()
+        with torch.no_grad():
+            for n, d in delta.items():
+                d.copy_(gammas[n] * d + (1 - gammas[n]) * (params[n] - current[n]))
         losses.append(batch_losses)
         previous = current
     weights = snapshot()

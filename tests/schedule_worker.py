@@ -213,7 +213,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     data = data[0] if len(data) == 1 else data
     losses = [record["lm loss"] for record in train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
-        defer=run.get("deferred", True))]
+        defer=run.get("deferred", True), drains=tuple(run.get("drains", ())))]
     with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
         seconds = time.perf_counter() - started
 
@@ -233,15 +233,22 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
 
 
 def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
-                     scheduler, defer: bool = True) -> list[dict]:
+                     scheduler, defer: bool = True, drains: tuple[int, ...] = ()) -> list[dict]:
     """Megatron's training step, ``args.train_iters`` times, with the schedule's drain on the
-    last; on the stage that computes the loss, each iteration's mean of every logged loss.
-    The schedule gets the optimizer first (2bw defers its step unless ``defer`` is False)."""
+    last and after the iterations in ``drains`` (as before an evaluation: ``prepare_drain``,
+    the call, the step, ``drain()``); on the stage that computes the loss, each iteration's
+    mean of every logged loss. The schedule gets the optimizer first (2bw defers its step
+    unless ``defer`` is False)."""
     if hasattr(fb, "attach_optimizer"):
         fb.attach_optimizer(optimizer, defer=defer)
+    if args.pipeline_schedule == "pipemare":
+        from megatron_2bw.schedules.pipemare import PipeMareOptions
+
+        fb.configure_pipemare(PipeMareOptions.from_args(args))
     losses = []
     for iteration in range(args.train_iters):
-        if iteration == args.train_iters - 1 and hasattr(fb, "prepare_drain"):
+        pausing = iteration == args.train_iters - 1 or iteration in drains
+        if pausing and hasattr(fb, "prepare_drain"):
             fb.prepare_drain()
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -257,6 +264,8 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         if loss_dicts:
             losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
                            for key in loss_dicts[0]})
+        if iteration in drains and hasattr(fb, "drain"):
+            fb.drain()
     if hasattr(fb, "drain"):
         fb.drain()
     return losses

@@ -195,6 +195,16 @@ def test_final_losses_and_relative_gap():
     assert convergence.relative_gap(3.96, 4.00) == pytest.approx(-0.01)
 
 
+def test_convergence_passes_pipemare_flags_to_pipemare_only():
+    """The flags after '--' go to every run but the --pipemare-* ones (with their values, as
+    two words or one), which the other schedules' flags refuse."""
+    convergence = _tool("convergence")
+    extra = ["--pipemare-discrepancy-decay", "0.5", "--clip-grad", "0.5",
+             "--pipemare-sync-iters=3"]
+    assert convergence._extra_for(extra, "pipemare") == extra
+    assert convergence._extra_for(extra, "flush") == ["--clip-grad", "0.5"]
+
+
 def test_rounds_take_the_median_round_and_the_largest_memory():
     compare = _tool("compare")
     rounds = [_summary(compare, "2BW", "2bw", samples, memory={0: 500.0 + i, 1: 650.0 - i})

@@ -221,11 +221,12 @@ def test_2bw_pipeline_wide_step_costs_the_gradient_walk_back():
 
 def test_memory_declared_by_each_schedule():
     """Peak stashed activations: m for GPipe; min(d-i, m) at stage i for Flush (d-i when m>=d)
-    and ZB-H1 (1F1B's order of F and I); d-i for 2BW, PipeDream and PipeMare; 1 for naive. Pending
-    weight gradients: ZB-H1's stage i delays W by i microbatches, so right after I(j) the W's of
-    j-i..j wait: min(i+1, m); none elsewhere. Weight versions alive: 2 for 2BW (from the
-    second batch on) and for PipeDream and PipeMare but on their last stage, 1 otherwise. The simulator
-    measures them; each schedule declares them."""
+    and ZB-H1 (1F1B's order of F and I); d-i for 2BW, PipeDream and PipeMare; 1 for naive.
+    Pending weight gradients: ZB-H1's stage i delays W by i microbatches, so right after I(j)
+    the W's of j-i..j wait: min(i+1, m); none elsewhere. Weight versions alive: 2 for 2BW
+    (from the second batch on) and for PipeDream but on its last stage; 1 for PipeMare (a
+    stashed microbatch's backward reads the newest version, none keeps an older one alive)
+    and the synchronous schedules. The simulator measures them; each schedule declares them."""
     for name, d, m, n in cases():
         result = simulate(pipeline_actions(name, d, m, n), COSTS)
         spec = SCHEDULES[name]
@@ -238,10 +239,9 @@ def test_memory_declared_by_each_schedule():
         assert list(result.peak_stash) == expected
         pending = [min(i + 1, m) for i in range(d)] if name == "zb-h1" else [0] * d
         assert list(result.peak_weight_grads) == pending
-        versions = [spec.max_versions] * d
-        if name in ("pipedream", "pipemare"):  # the last stage has no look-ahead: synchronous
-            versions[-1] = 1
-        assert list(result.max_versions) == versions
+        versions = {"2bw": [2] * d, "pipedream": [2] * (d - 1) + [1]}.get(name, [1] * d)
+        assert list(result.max_versions) == versions, name
+        assert spec.max_versions == max(versions) or d == 1, name  # d=1: nothing in flight
 
 
 def test_pipedream_forwards_read_the_newest_version_and_stash_it():
@@ -588,3 +588,117 @@ def test_pipemare_backwards_read_the_newest_version_and_forwards_pipedreams():
                 if a.version != forward_of[a.microbatch]:
                     differ.add((a.microbatch // m, a.microbatch % m))
         assert differ == {(t, j) for t in range(1, n) for j in range(d - stage - 1)}, stage
+
+
+def _pipemare_lists(d: int, m: int, n: int, sync_iters: int, drains=()) -> list[list[Action]]:
+    """PipeMare's whole-training lists with `sync_iters` synchronous calls first, built call by
+    call as the executor builds them (`pipemare.call_schedule`; a synchronous call drains)."""
+    from megatron_2bw.schedules import call_actions
+    from megatron_2bw.schedules.pipemare import call_schedule
+
+    lists: list[list[Action]] = [[] for _ in range(d)]
+    empty = True
+    for t in range(n):
+        schedule = call_schedule(t, sync_iters)
+        drain = t in drains or t == n - 1 or schedule == "flush"
+        for stage in range(d):
+            lists[stage] += call_actions(schedule, d, m, stage, t, fill=empty, drain=drain)
+        empty = drain
+    return lists
+
+
+@pytest.mark.parametrize("d, m, sync_iters, drains", [(2, 2, 0, ()), (4, 4, 2, ()),
+                                                     (4, 8, 1, (2,)), (3, 5, 0, (1,))])
+def test_pipemare_versions_per_action(d, m, sync_iters, drains):
+    """On stage i, microbatch j of batch t: its F reads W(t-1) if t >= max(N, 1) and
+    j < d-i-1 (a look-ahead forward of the asynchronous phase), else W(t); its B reads W(t).
+    So (tau_fwd, tau_bkwd) = (1, 0) for those look-ahead microbatches and (0, 0) otherwise,
+    whatever the drains; a synchronous call is flush's order. The lists validate (one weight
+    version at a time) and the simulator finds one version alive on every stage."""
+    from megatron_2bw.schedules.pipemare import delays
+
+    n = sync_iters + 3
+    lists = _pipemare_lists(d, m, n, sync_iters, drains)
+    for stage, actions in enumerate(lists):
+        for a in actions:
+            if a.kind is Kind.STEP:
+                continue
+            t, j = divmod(a.microbatch, m)
+            look_ahead = t >= max(sync_iters, 1) and j < d - stage - 1
+            expected = t - 1 if a.kind is Kind.FORWARD and look_ahead else t
+            assert a.version == expected, (stage, a)
+        for k, taus in delays(actions).items():
+            t, j = divmod(k, m)
+            assert taus == ((1, 0) if t >= max(sync_iters, 1) and j < d - stage - 1 else (0, 0))
+        for t in range(sync_iters):  # flush's order: all forwards of the batch, then ...
+            assert [(a.kind, a.microbatch) for a in actions if a.batch == t] == \
+                [(a.kind, a.microbatch) for a in _flush_call(d, m, stage, t)]
+    validate(lists, m, n, version_of=lambda i, k: k // m if k // m < sync_iters else
+             SCHEDULES["pipedream"].version_of(d, m, i, k),
+             backward_version_of=lambda i, k: k // m, max_versions=1)
+    assert list(simulate(lists, COSTS).max_versions) == [1] * d
+
+
+def _flush_call(d: int, m: int, stage: int, t: int) -> list[Action]:
+    from megatron_2bw.schedules import call_actions
+
+    return call_actions("flush", d, m, stage, t, fill=True, drain=True)
+
+
+def test_pipemare_delays_span_and_buffers():
+    """With m >= d every delay is 0 or 1: the stage constants are s_i = max(tau_fwd - tau_bkwd)
+    = 1 and tau_i = max(tau_fwd) = 1 on every stage with look-ahead forwards (i < d-1), s = 0
+    (no correction) and tau floored at 1 on the last. PipeMare holds one weight-sized buffer,
+    three (weights, delta, corrected copy) on the stages T2 corrects."""
+    from megatron_2bw.schedules.pipemare import correction_span, forward_delay, weight_buffers
+
+    for d, m in [(1, 1), (2, 2), (2, 5), (4, 4), (4, 8), (8, 8)]:
+        spans = [1] * (d - 1) + [0]
+        assert [correction_span(d, m, i) for i in range(d)] == spans
+        assert [forward_delay(d, m, i) for i in range(d)] == [1] * d
+        assert [weight_buffers(d, m, i, correction=False) for i in range(d)] == [1] * d
+        assert [weight_buffers(d, m, i, correction=True) for i in range(d)] == \
+            [1 + 2 * s for s in spans]
+
+
+def test_pipemare_lr_rescheduling_factor():
+    """T1: lr_k / tau ** (1 - min(k/K, 1)). tau = 2, K = 4: 1/2 at k=0, 2 ** -0.5 at k=2, 1 from
+    k=4 on; tau = 1 (every stage when m >= d): 1 at every step; K = 0: off."""
+    from megatron_2bw.schedules.pipemare import lr_factor
+
+    assert [lr_factor(k, 4, 2) for k in (0, 2, 4, 9)] == pytest.approx([0.5, 0.5 ** 0.5, 1, 1])
+    assert lr_factor(1, 4, 3) == pytest.approx(3 ** -0.75)
+    assert {lr_factor(k, 5, 1) for k in range(8)} == {1.0}
+    assert lr_factor(0, 0, 4) == 1.0
+
+
+def test_pipemare_flags_are_validated_in_one_line():
+    """The --pipemare-* flags need --pipeline-schedule pipemare; D lies in (0, 1); the counts
+    are >= 0; T2's running average is not checkpointed, so no --load with it."""
+    from megatron_2bw.arguments import FlagError, parse_args
+    from megatron_2bw.schedules.pipemare import PipeMareOptions
+
+    flags = ["--cpu", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--mock-data", "--lr", "1e-3", "--train-iters", "2",
+             "--pipeline-model-parallel-size", "2"]
+    mare = flags + ["--pipeline-schedule", "pipemare"]
+    args = parse_args(mare + ["--pipemare-discrepancy-decay", "0.3", "--pipemare-sync-iters",
+                              "2", "--pipemare-lr-warmup-steps", "7"], world_size=2)
+    assert PipeMareOptions.from_args(args) == PipeMareOptions(0.3, 7, 2)
+    assert PipeMareOptions.from_args(parse_args(mare, world_size=2)) == PipeMareOptions()
+    refused = {("--pipeline-schedule", "pipedream", "--pipemare-sync-iters", "1"):
+               "--pipemare-sync-iters: only with --pipeline-schedule pipemare",
+               ("--pipemare-lr-warmup-steps", "3"): "--pipemare-lr-warmup-steps: only with",
+               ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "1"):
+               "--pipemare-discrepancy-decay: expected a finite number in \\(0, 1\\)",
+               ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "0"):
+               "--pipemare-discrepancy-decay: expected",
+               ("--pipeline-schedule", "pipemare", "--pipemare-sync-iters", "-1"):
+               "--pipemare-sync-iters: expected an integer >= 0",
+               ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "0.5",
+                "--load", "/nonexistent"): "--pipemare-discrepancy-decay: not with --load"}
+    for extra, message in refused.items():
+        with pytest.raises(FlagError, match=message) as error:
+            parse_args(flags + list(extra), world_size=2)
+        assert "\n" not in str(error.value)

@@ -56,7 +56,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +91,18 @@ class Case:
     """LR warm-up iterations: each step has its own lr, which a deferred step must keep."""
     flags: tuple[str, ...] = ()
     """More Megatron-LM flags of the run (the reference is the same)."""
+    decay: float | None = None
+    """pipemare: --pipemare-discrepancy-decay (T2), in the run and its reference."""
+    sync_iters: int = 0
+    """pipemare: --pipemare-sync-iters, in the run and its reference."""
+    drains: tuple[int, ...] = ()
+    """Iterations after which the run drains (as before an evaluation); the reference has
+    none: the schedules' weights do not depend on drains."""
+
+    @property
+    def pipemare_flags(self) -> tuple[str, ...]:
+        return ((("--pipemare-discrepancy-decay", str(self.decay)) if self.decay else ())
+                + (("--pipemare-sync-iters", str(self.sync_iters)) if self.sync_iters else ()))
 
     @property
     def model(self) -> dict:
@@ -102,7 +114,8 @@ class Case:
                 f"{'-recompute' if self.recompute else ''}{'' if self.tie else '-untied'}"
                 f"{'' if self.deferred else '-sync-step'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
-                f"{''.join(self.flags).replace('--', '-')}-i{self.iters}")
+                f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
+                f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}")
 
     @property
     def world(self) -> int:
@@ -110,9 +123,18 @@ class Case:
 
     def reference(self, rule: str | None = None) -> str:
         rule = rule or self.rule
+        options = self.pipemare_options(rule)
         return (f"{rule}{f'-d{self.d}' if rule in PER_STAGE else ''}-w{self.w}-m{self.m}"
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
-                f"{f'-warmup{self.warmup}' if self.warmup else ''}")
+                f"{f'-warmup{self.warmup}' if self.warmup else ''}"
+                f"{''.join(f'-{k}{v}' for k, v in options.items())}")
+
+    def pipemare_options(self, rule: str) -> dict:
+        """The reference's pipemare options (none for the other rules)."""
+        if rule != "pipemare":
+            return {}
+        return {**({"discrepancy_decay": self.decay} if self.decay else {}),
+                **({"sync_iters": self.sync_iters} if self.sync_iters else {})}
 
     @property
     def rule(self) -> str:
@@ -122,7 +144,8 @@ class Case:
     def run(self) -> dict:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
-                "deferred": self.deferred, "model": self.model, "flags": list(self.flags)}
+                "deferred": self.deferred, "model": self.model,
+                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains)}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -158,8 +181,14 @@ PIPEDREAM_CASES = [
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
-    Case("pipemare", d=4, m=4, w=1, iters=6, tie=False),
+    # T2 with the deferred step (the correction tracks each step where it is applied), and a
+    # drain (the refill's forwards read the version the corrected copy later replaces) ...
+    Case("pipemare", d=4, m=4, w=1, iters=6, tie=False, decay=0.5, drains=(2,)),
+    # ... and with the loop's step; two synchronous (flush) iterations first
+    Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
 ]
+PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
+"""Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
 FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
 FAILURES = {  # group -> (run, stage whose send fails, which send of that process)
     "send-fails": (Case("2bw", d=4, m=4, w=1, iters=3), 1, 3),
@@ -187,15 +216,41 @@ def _groups() -> dict:
     return groups
 
 
+def _far_references(case: Case) -> dict[str, tuple[str, float]]:
+    """What a run must lie far from: label -> (reference job, least relative distance). The
+    other rule; for pipemare also the stashing rule and the same run without its T2 or W."""
+    far = {(other := "sync" if case.rule == "2bw" else "2bw"): (case.reference(other), DISTINCT)}
+    if case.rule == "pipemare":
+        far["pipedream"] = (case.reference("pipedream"), DISTINCT)
+        if case.decay:
+            far["pipemare without T2"] = (replace(case, decay=None).reference(), 1e-4)
+        if case.sync_iters:
+            far["pipemare without W"] = (replace(case, sync_iters=0).reference(), 1e-4)
+    return far
+
+
+def _pipemare_variants(case: Case) -> list[Case]:
+    """The case without each of its PipeMare options (their references: `_far_references`)."""
+    return ([replace(case, decay=None)] if case.decay else []) + \
+        ([replace(case, sync_iters=0)] if case.sync_iters else [])
+
+
 def _reference_jobs() -> dict:
     jobs = {}
     for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
-                 + INTERLEAVED_CASES + PIPEMARE_CASES):
+                 + INTERLEAVED_CASES + PIPEMARE_CASES
+                 + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)]):
         for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
                 "iterations": case.iters, "tie": case.tie, "model": case.model,
-                "depth": case.d}
+                "depth": case.d, **case.pipemare_options(rule)}
+    one = PIPEMARE_ONE_STAGE
+    jobs[one.reference()] = {"rule": "pipemare", "replicas": one.w, "microbatches": one.m,
+                             "iterations": one.iters, "tie": one.tie, "model": one.model,
+                             "depth": one.d, **one.pipemare_options("pipemare")}
+    jobs[one.reference("sync")] = {**jobs[one.reference()], "rule": "sync", "depth": 1,
+                                   "discrepancy_decay": None, "sync_iters": 0}
     return jobs
 
 
@@ -324,14 +379,11 @@ def _check_against_reference(launch: Launch, case: Case) -> float:
     error = relative_error(weights, ref["weights"])
     assert error <= TOLERANCE, (f"{case.name}: relative error {error:.3g} > {TOLERANCE} against "
                                 f"{case.reference()}; {_worst_tensor(weights, ref['weights'])}")
-    others = ["sync" if case.rule == "2bw" else "2bw"] + (["pipedream"] if case.rule == "pipemare"
-                                                         else [])
     distances = {}
-    for other in others:
-        distances[other] = relative_error(
-            weights, _reference(launch.out, case.reference(other))["weights"])
-        assert distances[other] > DISTINCT, \
-            f"{case.name}: {distances[other]:.3g} from the {other} reference"
+    for other, (job, least) in _far_references(case).items():
+        distances[other] = relative_error(weights, _reference(launch.out, job)["weights"])
+        assert distances[other] > least, \
+            f"{case.name}: {distances[other]:.3g} from the {other} reference {job}"
     assert sorted(losses) == list(range(case.w))
     for replica, seen in losses.items():
         expected = [batch[replica] for batch in ref["losses"]]
@@ -420,6 +472,15 @@ def test_pipemare_matches_its_reference(launch, case):
     newest (tests/reference.py's "pipemare" rule); the stashing rule (pipedream) is far."""
     launch.finished(f"2bw-world{case.world}")
     _check_against_reference(launch, case)
+
+
+def test_pipemare_reference_with_one_stage_is_the_synchronous_one(launch):
+    """tests/reference.py's "pipemare" rule (here with T2 and W) at d=1: no look-ahead
+    forward, every pass reads W(t), so it gives the "sync" rule's weights."""
+    one = PIPEMARE_ONE_STAGE
+    error = relative_error(_reference(launch.out, one.reference())["weights"],
+                           _reference(launch.out, one.reference("sync"))["weights"])
+    assert error <= TOLERANCE, f"{one.reference()}: {error:.3g} from the sync rule"
 
 
 # ---- 3. four stages, every schedule -------------------------------------------------------------

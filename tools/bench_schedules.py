@@ -2,9 +2,9 @@
 
     python tools/bench_schedules.py [--depth 2 --microbatches 2 --iters 20 --warmup 3]
 
-Every schedule (2bw, flush, gpipe, pipedream, zb-h1, naive, and megatron = Megatron's own 1F1B)
-trains the same GPT with PP = d on d single-threaded CPU processes (one stage per core, gloo
-p2p), and so does the same model on ONE process (PP = 1, same global batch) for the
+Every schedule (2bw, flush, gpipe, pipedream, pipemare, zb-h1, naive, and megatron = Megatron's
+own 1F1B) trains the same GPT with PP = d on d single-threaded CPU processes (one stage per
+core, gloo p2p), and so does the same model on ONE process (PP = 1, same global batch) for the
 bubble-free ideal:
 
     ideal time per iteration = single-process time / d

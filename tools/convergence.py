@@ -123,7 +123,21 @@ def _training_flags(a: argparse.Namespace, schedule: str) -> list[str]:
             "--train-iters", str(a.iters), "--lr-warmup-iters", str(a.iters // 10),
             "--seed", str(a.seed),
             "--log-interval", str(a.log_interval), "--eval-interval", str(a.eval_interval),
-            "--eval-iters", str(a.eval_iters), *a.extra]
+            "--eval-iters", str(a.eval_iters), *_extra_for(a.extra, schedule)]
+
+
+def _extra_for(extra: list[str], schedule: str) -> list[str]:
+    """The flags after '--' that apply to `schedule`: the --pipemare-* ones (each with its
+    value) only to pipemare's run."""
+    kept, skip = [], False
+    for word in extra:
+        if skip:
+            skip = False
+        elif word.startswith("--pipemare-") and schedule != "pipemare":
+            skip = "=" not in word
+        else:
+            kept.append(word)
+    return kept
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -79,8 +79,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     # forwards of the batch read; the same 1F1B stash as 2BW.
     "pipedream": ScheduleSpec("pipedream", pipedream, pipedream_version, 2,
                               lambda d, m, i: d - i),
-    # PipeMare: pipedream's order and forwards, backwards at the newest version.
-    "pipemare": ScheduleSpec("pipemare", pipemare, pipedream_version, 2, lambda d, m, i: d - i,
+    # PipeMare: pipedream's order and forwards, backwards at the newest version: one version
+    # (Yang et al. 2021); see pipemare.weight_buffers for T2's delta and copy.
+    "pipemare": ScheduleSpec("pipemare", pipemare, pipedream_version, 1, lambda d, m, i: d - i,
                              backward_version_of=pipemare_backward_version),
     "naive": ScheduleSpec("naive", naive, _batch_reads(lambda b: b), 1, lambda d, m, i: 1),
     # ZB-H1 (Qi et al., ICLR 2024, Section 2.1): flush's order and stash, W(j-i) after I(j).
@@ -106,9 +107,13 @@ def _neighbours(stage: int, depth: int, chunks: int) -> list[int]:
 
 
 def keeps_versions(schedule: str) -> bool:
-    """Whether `schedule` holds several weight versions and leaves microbatches in flight
-    between calls (2bw, pipedream): the executor keeps a version store and the loop drains."""
-    return schedule in SCHEDULES and SCHEDULES[schedule].max_versions > 1
+    """Whether `schedule` leaves microbatches in flight between calls and reads several weight
+    versions (2bw, pipedream; pipemare, whose backwards read a newer version than their
+    forwards): the executor keeps a version store and the loop drains."""
+    if schedule not in SCHEDULES:
+        return False
+    spec = SCHEDULES[schedule]
+    return spec.max_versions > 1 or spec.backward_version_of is not None
 
 
 def _spec(schedule: str, depth: int, microbatches: int) -> ScheduleSpec:

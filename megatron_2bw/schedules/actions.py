@@ -233,11 +233,12 @@ def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batche
     the largest chunk in the schedule): each microbatch of the `num_batches` batches has exactly
     one F and then either one B or one I and later one W, all with the same version
     (`version_of(stage, microbatch)` if given), or, with `backward_version_of`, the backward's
-    (B, I, W) that version instead (no weight stashing); a forward reads a version already made; the
-    step after batch b comes after all of b's backwards (B or W), one per batch in order; and
-    at most `max_versions` weight versions are alive (the newest plus those read by
-    microbatches forwarded and not yet through their B or W). Across stages: each stage
-    receives activations and gradients in the order its neighbours send them."""
+    (B, I, W) that version instead (no weight stashing); a forward reads a version already
+    made; the step after batch b comes after all of b's backwards (B or W), one per batch in
+    order; and at most `max_versions` weight versions are alive (the newest plus those made
+    already that microbatches forwarded and not yet through their B or W will read there).
+    Across stages: each stage receives activations and gradients in the order its neighbours
+    send them."""
     chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
     for stage, actions in enumerate(schedule):
         _validate_stage(schedule, stage, microbatches, num_batches, chunks, version_of,
@@ -278,12 +279,13 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
                 fail(j, "second forward of this microbatch")
             if a.version > newest:
                 fail(j, f"version {a.version} not made yet (newest is {newest})")
-            stashed[key] = a.version
+            stashed[key] = a.version if backward_version_of is None else \
+                backward_version_of(stage, a.microbatch)  # the version its backward reads
         elif a.kind in SENDS_GRAD:
             if key not in stashed:
                 fail(j, "second backward of this microbatch" if key in pending or key in done
                      else "backward without a forward before it")
-            if stashed.pop(key) != a.version and backward_version_of is None:
+            if stashed.pop(key) != a.version:
                 fail(j, "backward reads another version than its forward")
             if a.kind is Kind.INPUT_GRAD:
                 pending[key] = a.version
@@ -304,7 +306,7 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
             if missing:
                 fail(j, f"step before the backwards of microbatches {sorted(set(missing))}")
             newest = a.version
-        alive = {newest, *stashed.values(), *pending.values()}
+        alive = {newest, *(v for v in (*stashed.values(), *pending.values()) if v <= newest)}
         if max_versions is not None and len(alive) > max_versions:
             fail(j, f"{len(alive)} weight versions alive {sorted(alive)}, "
                     f"at most {max_versions} allowed")

@@ -17,7 +17,9 @@ Steps are dispatched through a table:
           into the inbox (p2p.StageComm.exchange; bounded by --distributed-timeout-minutes)
     F: point weights at the microbatch's version; x = inbox (stage > 0) or data;
        y = forward(x); stash (x, y); outbox y (all but the last stage)
-    B: point weights at the microbatch's version; g = inbox (last stage: the loss);
+    B: point weights at the microbatch's version (pipemare with --pipemare-discrepancy-decay,
+       a backward reading a newer version than its forward: the corrected weights,
+       megatron_2bw.discrepancy); g = inbox (last stage: the loss);
        backward(stash.pop(mb), g); outbox dx (all but the first stage). All but the batch's
        last backward run under ``config.no_sync_func``; with --overlap-grad-reduce the last
        one launches the bucket reductions from DDP's hooks, or (``config.grad_sync_func``,
@@ -44,6 +46,11 @@ arguments.py refuses zb-h1 with --recompute-granularity; megatron-core's gradien
 accumulation fusion, which writes parameter gradients inside the input-gradient pass, is off
 in this package (training/build.py).
 
+PipeMare (``configure_pipemare``): with --pipemare-sync-iters N, calls 0..N-1 run flush's
+program (they fill and drain; the version store still makes each step's version), the first
+asynchronous call fills; after each step's weights are written (the deferred step applied, or
+at the next call under the loop's step) the discrepancy correction folds the new version in.
+
 A 2BW call leaves its look-ahead forwards in flight (stashed, and their activations already
 received by the next stage); ``prepare_drain()`` makes the next call leave the pipeline empty
 (before an evaluation, a checkpoint or the end of training).
@@ -69,11 +76,13 @@ from typing import Callable
 import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
+from megatron_2bw.discrepancy import DiscrepancyCorrection
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
 from megatron_2bw.schedules.p2p import CommError, StageComm
+from megatron_2bw.schedules.pipemare import PipeMareOptions, call_schedule, correction_span
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -147,6 +156,10 @@ class PipelineRunner:
         self.defer = True
         self.deferred: DeferredStep | None = None
         self.step_mode: str | None = None  # how 2BW steps, once known (first call)
+        self.pipemare = PipeMareOptions()
+        self.correction: DiscrepancyCorrection | None = None  # pipemare's T2, once bound
+        # (microbatch, chunk) -> the version its forward read, until its backward
+        self.forward_read: dict[tuple[int, int], int] = {}
 
     # ---- Megatron's forward_backward_func signature ---------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -180,6 +193,12 @@ class PipelineRunner:
             self.deferred.detach()
             self.deferred = None
         self.optimizer, self.defer, self.step_mode = optimizer, defer, None
+
+    def configure_pipemare(self, options: PipeMareOptions) -> None:
+        """PipeMare's techniques (--pipemare-*), before the first call."""
+        if self.batches_done:
+            raise RuntimeError("configure_pipemare() after the first training call")
+        self.pipemare, self.correction = options, None
 
     def drain(self) -> None:
         """Called before evaluation and checkpoints: the pipeline must already be empty, and
@@ -250,8 +269,14 @@ class PipelineRunner:
                                "of a batch size")
         if self.versions is not None:
             self.versions.after_step()
-        drain = self.drain_next
-        program = call_program(self.schedule, self.depth, m, self.stage, batch,
+        self._bind_correction(m)
+        if self.correction is not None:
+            self.correction.track()  # the loop's step (not deferred) wrote the newest version
+        schedule, drain = self.schedule, self.drain_next
+        if schedule == "pipemare":
+            schedule = call_schedule(batch, self.pipemare.sync_iters)
+            drain = drain or schedule == "flush"
+        program = call_program(schedule, self.depth, m, self.stage, batch,
                                fill=self.pipeline_empty, drain=drain, chunks=self.chunks)
         actions = [step for step in program if isinstance(step, Action)]
         call.last_param_grads = next((a for a in reversed(actions)
@@ -263,6 +288,16 @@ class PipelineRunner:
         self.in_flight_m = None if drain else m
         self.drain_next = False
         return call.losses
+
+    def _bind_correction(self, microbatches: int) -> None:
+        """PipeMare's T2 on this stage, from its first call on (none where no backward reads
+        a newer version than its forward: the last stage)."""
+        decay = self.pipemare.discrepancy_decay
+        if self.schedule != "pipemare" or decay is None or self.correction is not None:
+            return
+        span = correction_span(self.depth, microbatches, self.stage)
+        if span > 0:
+            self.correction = DiscrepancyCorrection(self.versions, decay, span)
 
     def _execute(self, program: list[Step], call: _Call, run_action: Callable) -> None:
         """Run a program's steps in order; on a failure print the grid with the step marked."""
@@ -303,6 +338,8 @@ class PipelineRunner:
         """Run a pending deferred step; timelines show it as a step record where it ran."""
         version, start = self.deferred.pending_version, time.perf_counter()
         self.deferred.apply(self.versions)
+        if self.correction is not None:
+            self.correction.track()
         if self.timeline is not None and version is not None:
             self.timeline.append(TimelineRecord(self.stage, Kind.STEP.value, None, version, start,
                                                 time.perf_counter()))
@@ -350,6 +387,7 @@ class PipelineRunner:
         if not self._last(c):
             self.outbox["activation", k, c] = output
         self.stash[k, c] = (input_tensor, output)
+        self.forward_read[k, c] = action.version
 
     def _vp_stage(self, chunk: int) -> int | None:
         """megatron-core's ``vp_stage`` of a chunk: None without virtual stages."""
@@ -357,10 +395,15 @@ class PipelineRunner:
 
     def _backward_inputs(self, action: Action) -> tuple:
         """For a B or an I: the microbatch's version in use, and its stashed (input, output)
-        with the received output gradient (None on the last stage: the output is the loss)."""
-        if self.versions is not None:
-            self.versions.use(action.version)
+        with the received output gradient (None on the last stage: the output is the loss).
+        Under PipeMare's T2 a backward reading a newer version than its forward reads the
+        corrected weights, W(version) - (tau_fwd - tau_bkwd) * delta."""
         k, c = action.microbatch, action.chunk
+        scale = action.version - self.forward_read.pop((k, c))  # tau_fwd - tau_bkwd
+        if self.correction is not None and scale > 0:
+            self.correction.use(action.version, scale)
+        elif self.versions is not None:
+            self.versions.use(action.version)
         output_grad = self._output_grad(k, c)
         input_tensor, output = self.stash.pop((k, c))
         return input_tensor, output, output_grad

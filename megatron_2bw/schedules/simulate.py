@@ -111,8 +111,9 @@ class SimResult:
     """Per stage: most microbatches through their I and not yet through their W at once: what
     the deferred weight gradients keep (the layers' inputs and output gradients)."""
     max_versions: tuple[int, ...]
-    """Per stage: most weight versions alive at once (newest + those read by microbatches
-    forwarded and not yet through their B or W)."""
+    """Per stage: most weight versions alive at once (newest + those made already that
+    microbatches forwarded and not yet through their B or W read there: with weight stashing
+    their forward's, without (PipeMare) their backward's)."""
     spans: tuple[Span, ...]
     """Every action with its start and end, in the order they were simulated."""
 
@@ -140,7 +141,11 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
     cursor = [0] * depth
     free = [0.0] * depth
     spans: list[Span] = []
-    stash: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]  # -> version read
+    # (microbatch, chunk) -> the version its backward reads (without weight stashing a newer
+    # one than its forward's)
+    stash: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]
+    backward_reads = [{(a.microbatch, a.chunk): a.version for a in steps
+                       if isinstance(a, Action) and a.kind in SENDS_GRAD} for steps in schedule]
     pending: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]  # I done, W not
     newest = [0] * depth
     peak_stash = [0] * depth
@@ -198,7 +203,7 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
         key = (a.microbatch, a.chunk)
         if a.kind is Kind.FORWARD:
             forward_end[(stage, *key)] = end
-            stash[stage][key] = a.version
+            stash[stage][key] = backward_reads[stage].get(key, a.version)
         elif a.kind in SENDS_GRAD:
             backward_end[(stage, *key)] = end
             version = stash[stage].pop(key)
@@ -211,7 +216,8 @@ def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
             newest[stage] = max(newest[stage], a.version)
         peak_stash[stage] = max(peak_stash[stage], len(stash[stage]))
         peak_weight_grads[stage] = max(peak_weight_grads[stage], len(pending[stage]))
-        alive = {newest[stage], *stash[stage].values(), *pending[stage].values()}
+        alive = {newest[stage], *(v for v in (*stash[stage].values(), *pending[stage].values())
+                                   if v <= newest[stage])}
         max_versions[stage] = max(max_versions[stage], len(alive))
 
     def try_exchange(stage: int, exchange: Exchange) -> bool:

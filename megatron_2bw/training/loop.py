@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules.pipemare import PipeMareOptions
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
 from megatron_2bw.training.guard import Divergence, RunGuard, Verdict
@@ -87,6 +88,8 @@ class Trainer:
         attach = getattr(self.forward_backward, "attach_optimizer", None)
         if attach is not None:
             attach(self.optimizer, defer=not args.no_deferred_step)
+        if args.pipeline_schedule == "pipemare":
+            self.forward_backward.configure_pipemare(PipeMareOptions.from_args(args))
         self.forward_step_func = forward_step_func
         self.loss_key = loss_key
         self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir,
