@@ -24,12 +24,8 @@ MAX_TRAIN_SAMPLES = 2 ** 40
 """More training samples than this (beyond any real run) are refused: the dataset indices
 for all of them are built before the first iteration."""
 
-SCHEDULES = (*schedules.SCHEDULES, "megatron")
-"""--pipeline-schedule: ours (megatron_2bw.schedules) and megatron-core's own 1F1B."""
-
-VIRTUAL_STAGE_SCHEDULES = ("megatron", *schedules.INTERLEAVED)
-"""Schedules that run virtual pipeline stages: megatron-core's interleaved 1F1B, and ours
-that have an interleaved form (flush, 2BW-interleaved)."""
+SCHEDULES = schedules.PIPELINE_SCHEDULES
+VIRTUAL_STAGE_SCHEDULES = schedules.VIRTUAL_STAGE_SCHEDULES
 
 
 class FlagError(ValueError):

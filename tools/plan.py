@@ -194,8 +194,8 @@ def plan_parser() -> argparse.ArgumentParser:
                         "then stall the pipeline at each step)")
     g.add_argument("--max-tensor-parallel", type=positive_int, default=None)
     g.add_argument("--virtual-stages", type=_ints, default=(1,),
-                   help="V values the search tries for the megatron schedule (interleaved "
-                        "1F1B when V > 1)")
+                   help="V values the search tries under the schedules that interleave "
+                        "(megatron, flush, 2bw): virtual stages when V > 1")
     g.add_argument("--evaluate", default=None, metavar="COMMAND_OR_LAYOUT",
                    help="predict this layout beside the planner's choice: a Megatron launch "
                         "command in one string (its model flags fill in missing ones), or "

@@ -23,8 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_2bw.schedules import PIPELINE_SCHEDULES, VIRTUAL_STAGE_SCHEDULES
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules.interleaved import warmup_slots
 
 from .cluster import Cluster
 from .model import ModelSpec
@@ -64,9 +66,8 @@ SCHEDULE_NOTES = {
 }
 """What each schedule costs and means, as the time and memory models charge it."""
 
-ALL_SCHEDULES = tuple(SCHEDULE_SPECS) + ("megatron",)
-"""Every `--pipeline-schedule` the training accepts: this package's registry and megatron-core's
-own 1F1B."""
+ALL_SCHEDULES = PIPELINE_SCHEDULES
+"""Every `--pipeline-schedule` the training accepts."""
 
 NO_RECOMPUTE = ("zb-h1", "pipemare")
 """Schedules the training runs without recomputation (megatron_2bw.arguments refuses
@@ -127,8 +128,9 @@ class Layout:
     def problem(self, num_layers: int) -> str | None:
         """Why the training refuses this layout (None: it runs it), as megatron_2bw.arguments
         validates: schedules with several weight versions need m >= d; those in NO_RECOMPUTE
-        run without recomputation; V > 1 needs --pipeline-schedule megatron, d >= 2, L a
-        multiple of d V and m of d (_validate_virtual_stages)."""
+        run without recomputation; V > 1 needs an interleaving schedule (VIRTUAL_STAGE_SCHEDULES),
+        d >= 2, L a multiple of d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d
+        (_validate_virtual_stages)."""
         if keeps_versions(self.schedule) and self.m < self.d:
             return f"{self.schedule} needs m >= d, got m = B/(b w) = {self.m} < d={self.d}"
         if self.recompute and self.selective:
@@ -137,8 +139,9 @@ class Layout:
             return f"{self.schedule} runs without recomputation"
         if self.v == 1:
             return None
-        if self.schedule != "megatron":
-            return f"virtual stages (v={self.v}) run under the megatron schedule only"
+        if self.schedule not in VIRTUAL_STAGE_SCHEDULES:
+            return (f"virtual stages (v={self.v}) run under {', '.join(VIRTUAL_STAGE_SCHEDULES)}, "
+                    f"not {self.schedule}")
         if self.d < 2:
             return f"virtual stages (v={self.v}) need d >= 2"
         if num_layers % (self.d * self.v):
@@ -147,6 +150,10 @@ class Layout:
         if self.m % self.d:
             return f"interleaving runs microbatches in groups of d={self.d}: m={self.m} is not"\
                    f" a multiple"
+        look_ahead = warmup_slots(self.d, 0, self.v)
+        if keeps_versions(self.schedule) and self.m * self.v < look_ahead:
+            return (f"{self.schedule} with v={self.v} keeps two versions only when m v >= "
+                    f"2(d - 1) + (v - 1) d = {look_ahead}, got {self.m * self.v}")
         return None
 
 
@@ -434,7 +441,7 @@ class CostModel:
         work = [f + bw for f, bw in zip(forward, backward)]
         bottleneck = max(work)
         schedule = "flush" if layout.schedule == "megatron" and v == 1 else layout.schedule
-        if simulate and d > 1 and schedule != "megatron":
+        if simulate and d > 1 and v == 1:
             iteration = simulated_iteration(schedule, d, m, tuple(forward), tuple(backward),
                                             p2p, step, sync)
             method = "simulated"
@@ -458,15 +465,17 @@ class CostModel:
         bottleneck = max(work)
         if d == 1:
             return m * work[0] + step
-        if schedule in ("gpipe", "flush"):
+        if schedule == "gpipe" or (schedule == "flush" and v == 1):
             # Fill and drain every iteration: the first microbatch crosses all stages, the
             # other m - 1 follow at the bottleneck's pace; uniform stages give (m + d - 1)(F+B),
             # the bubble (d - 1)/(m + d - 1) (GPipe; PipeDream-2BW Section 2.2 and 3.2).
             return (m - 1) * bottleneck + sum(work) + 2 * (d - 1) * p2p + step
-        if schedule == "megatron":
-            # Interleaved 1F1B, V chunks per rank: the fill and drain cross d chunks of 1/V of a
-            # stage each, the bubble (d - 1)/V of a microbatch's F + B (SC'21 Section 2.2.2:
-            # bubble fraction (d - 1)/(V m)); V = 1 is the flush above.
+        if schedule in ("megatron", "flush"):
+            # Interleaved 1F1B, V chunks per rank (megatron-core's, or ours under flush): the
+            # fill and drain cross d chunks of 1/V of a stage each, the bubble (d - 1)/V of a
+            # microbatch's F + B (SC'21 Section 2.2.2: bubble fraction (d - 1)/(V m)); V = 1 is
+            # the flush above. 2BW-interleaved runs the same order without the flush: the
+            # versions branch below, for any V.
             return (m * bottleneck + (sum(work) - bottleneck) / v
                     + 2 * (d - 1) * p2p + step)
         if schedule == "zb-h1":
@@ -593,8 +602,9 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
-    if layout.schedule == "megatron" and v > 1:
-        return min(m * v, (d - stage - 1) * 2 + (v - 1) * d + 1) / v
+    if v > 1:
+        # Every interleaved order (megatron's, flush's, 2BW-interleaved's) has the same warm-up.
+        return min(m * v, warmup_slots(d, stage, v) + 1) / v
     pending = spec.weight_grads(d, m, stage)
     if pending:
         # Split backward (zb-h1): the executor keeps a microbatch's whole graph until its W.

@@ -1,5 +1,12 @@
-"""The intra-node link, measured: all-reduces between two local processes (gloo on CPU, NCCL
-between two GPUs), fitted to the alpha-beta ring model of `cluster.Link.all_reduce`.
+"""The intra-node link, measured as training meets it: all-reduces between two local processes
+(gloo on CPU, NCCL between two GPUs), each after a burst of compute on both ranks, fitted to the
+alpha-beta ring model of `cluster.Link.all_reduce`.
+
+An all-reduce issued right after compute costs more than one issued by idle processes: the
+ranks arrive apart, and on CPU the transport's threads wake on cores the compute just held
+(2 cores, gloo, 512 KiB: 0.65 ms idle, about 3 ms after 3-27 ms of matrix multiplies). Tensor
+parallelism issues its all-reduces that way, so the link is measured that way: the time of
+compute-then-all-reduce steps minus that of the same compute alone, per message size.
 
     profile.intra_node_link = measure_links()
 """
@@ -20,6 +27,10 @@ from .cluster import Link
 
 __all__ = ["measure_links", "fit_link"]
 
+BURST_SHAPE = (512, 256, 1024)
+"""(m, k, n) of the matrix multiply each rank runs before every all-reduce (a few ms on one
+CPU core)."""
+
 
 def _links_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                   backend: str, out: str) -> None:
@@ -32,28 +43,37 @@ def _links_worker(rank: int, world: int, port: int, sizes: list[int], repeats: i
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = "cuda" if backend == "nccl" else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    m, k, n = BURST_SHAPE
+    left, right = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+
+    def steps(buf, communicate: bool) -> float:
+        """Seconds per compute(-then-all-reduce) step, over `repeats` steps."""
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(left, right)
+            if communicate:
+                dist.all_reduce(buf)
+        sync()
+        return (time.perf_counter() - start) / repeats
+
     results = []
     for nbytes in sizes:
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            sync()
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        results.append((nbytes, min(times)))  # the link itself, not the other processes
+        steps(buf, True)  # warm-up
+        in_situ = [steps(buf, True) - steps(buf, False) for _ in range(3)]
+        results.append((nbytes, max(statistics.median(in_situ), 0.0)))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def measure_links(repeats: int = 10, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**24)
+def measure_links(repeats: int = 20, sizes: Sequence[int] = (2**12, 2**16, 2**19, 2**20, 2**22)
                   ) -> Link:
-    """All-reduces between two local processes (gloo on CPU, NCCL between two GPUs), fitted to
-    the ring model of `Link.all_reduce` with n = 2: time = 2 alpha + n_bytes / beta."""
+    """All-reduces between two local processes after compute (gloo on CPU, NCCL between two
+    GPUs), fitted to the ring model of `Link.all_reduce` with n = 2:
+    time = 2 alpha + n_bytes / beta."""
     import torch
     import torch.multiprocessing as mp
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
-from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules import VIRTUAL_STAGE_SCHEDULES, keeps_versions
 
 from .cluster import GiB, Cluster
 from .cost import ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate
@@ -58,7 +58,7 @@ class PlanRequest:
     """2BW defers its step when clipping or tied embeddings would make it pipeline-wide."""
     max_tensor_parallel: int | None = None
     virtual_stages: tuple[int, ...] = (1,)
-    """V values tried for the megatron schedule (interleaved 1F1B when V > 1)."""
+    """V values tried under the schedules that interleave (VIRTUAL_STAGE_SCHEDULES)."""
     simulate_top: int = 5
     """Re-time the best this many with the schedule simulator (0: closed forms only) ..."""
     simulate_max_actions: int = 4_000
@@ -135,7 +135,7 @@ def _schedules_at(depth: int, request: PlanRequest) -> list[tuple[str, int]]:
     pairs = []
     for schedule in ALL_SCHEDULES:
         if schedule in allowed:
-            vs = request.virtual_stages if schedule == "megatron" else (1,)
+            vs = request.virtual_stages if schedule in VIRTUAL_STAGE_SCHEDULES else (1,)
             pairs += [(schedule, v) for v in vs]
     return pairs
 

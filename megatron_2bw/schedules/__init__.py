@@ -32,7 +32,7 @@ from .zbh1 import zbh1
 
 __all__ = [
     "Action", "Kind", "P2P", "Comms", "ScheduleError", "ScheduleSpec", "SCHEDULES",
-    "keeps_versions",
+    "keeps_versions", "INTERLEAVED", "PIPELINE_SCHEDULES", "VIRTUAL_STAGE_SCHEDULES",
     "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
     "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
     "Costs", "SimResult", "Span", "simulate", "format_timeline",
@@ -96,6 +96,13 @@ INTERLEAVED: dict[str, Callable[..., list[Action]]] = {"flush": interleaved_flus
                                                      "2bw": interleaved_twobw}
 """Schedules that also run V > 1 model chunks per stage (virtual pipeline stages), with the
 same weights as with one chunk: (depth, m, stage, batch, chunks, fill=, drain=) -> actions."""
+
+PIPELINE_SCHEDULES = (*SCHEDULES, "megatron")
+"""Every ``--pipeline-schedule``: ours and megatron-core's own 1F1B ("megatron")."""
+
+VIRTUAL_STAGE_SCHEDULES = ("megatron", *INTERLEAVED)
+"""Schedules that run virtual pipeline stages: megatron-core's interleaved 1F1B, and ours with
+an interleaved form (flush, 2BW-interleaved)."""
 
 
 def _neighbours(stage: int, depth: int, chunks: int) -> list[int]:
