@@ -25,6 +25,8 @@ MAX_TRAIN_SAMPLES = 2 ** 40
 for all of them are built before the first iteration."""
 
 SCHEDULES = schedules.PIPELINE_SCHEDULES
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""--attention-backend: megatron-core's AttnBackend names."""
 VIRTUAL_STAGE_SCHEDULES = schedules.VIRTUAL_STAGE_SCHEDULES
 
 
@@ -153,7 +155,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="split norms and dropout over the sequence on tensor-parallel ranks "
                         "(CUDA only; off when the tensor-parallel size is 1, as Megatron-LM)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default="auto",
                    help="transformer_engine's attention kernel (TransformerConfig."
                         "attention_backend); the local layer spec has one attention")

@@ -960,3 +960,36 @@ def test_selective_recomputation_replays_the_attention_core_and_sequence_paralle
                               selective_recompute=True))
     chosen = [c.layout for c in plan.ranked if c.layout.selective]
     assert chosen and not any(L.recompute or L.schedule in ("zb-h1", "pipemare") for L in chosen)
+
+
+def test_flash_attention_times_the_core_without_scores_and_recomputes_qk_in_the_backward():
+    """Closed forms, one layer, b = 1, t = 1, bf16 on dgx-a100 (no profile): FlashAttention
+    streams 4sbh e bytes for the core instead of the score matrices' as^2 b (2e + 2e + 1),
+    and its backward adds QK^T (2 s^2 h FLOPs at the rate of its n = h/a)."""
+    model = ModelSpec("gpt", num_layers=4, hidden_size=1024, num_attention_heads=16,
+                      seq_length=4096, vocab_size=51200)
+    cluster = preset("dgx-a100")
+    plain = CostModel(model, cluster, "bf16")
+    flash = CostModel(model, cluster, "bf16", flash_attention=True)
+    s, h, a, e = 4096, 1024, 16, 2
+    scores = a * s * s * (2 * e + 2 * e + 1)
+    saved = (scores - 4 * s * h * e) / cluster.stream_bandwidth
+    forward_plain = plain.kernel_time("layer", 1, 1)
+    forward_flash = flash.kernel_time("layer", 1, 1, flash_attention=True)
+    assert forward_plain - forward_flash == pytest.approx(saved)
+    layout = Layout(1, 1, 8, 1, 4, False, "megatron")
+    qk = 2 * s * s * h / cluster.gemm_flops("bf16", h // a)
+    one, two = plain.time(layout), flash.time(layout)
+    assert two.forward[0] < one.forward[0]
+    assert (two.backward[0] - 2 * two.forward[0]) - (one.backward[0] - 2 * one.forward[0]) \
+        == pytest.approx(model.num_layers * qk, rel=1e-9)
+    assert flash.memory(layout).stages[0].activations < plain.memory(layout).stages[0].activations
+
+
+def test_attention_backend_auto_is_flash_on_ampere_and_later_in_16_bit():
+    assert preset("dgx-h100").attention_is_flash("auto", "bf16")
+    assert not preset("dgx-h100").attention_is_flash("auto", "fp32")
+    assert not preset("dgx-h100").attention_is_flash("unfused", "bf16")
+    assert not preset("paper").attention_is_flash("auto", "fp16")
+    with pytest.raises(ValueError, match="no FlashAttention"):
+        preset("paper").attention_is_flash("flash", "fp16")

@@ -47,14 +47,17 @@ SEQ, VOCAB = 2048, 51200
 
 
 def _sc21_command(heads, hidden, layers, tp, pp, gpus, batch, mbs, v) -> str:
-    """The row as run_table_1.sh launches it (Megatron-LM's flag names)."""
+    """The row as run_table_1.sh launches it (Megatron-LM's flag names). The Megatron-LM of
+    2021 ran its fused softmax over the full score matrices; today's name for that is
+    --attention-backend unfused (the default, auto, takes FlashAttention on A100)."""
     chunk = f" --num-layers-per-virtual-pipeline-stage {layers // pp // v}" if v > 1 else ""
     return (f"torchrun --nnodes {gpus // 8} --nproc-per-node 8 pretrain_gpt.py "
             f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
             f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} "
             f"--seq-length {SEQ} --max-position-embeddings {SEQ} --vocab-size {VOCAB} "
             f"--micro-batch-size {mbs} --global-batch-size {batch} --fp16 "
-            f"--recompute-granularity full --recompute-method uniform{chunk}")
+            f"--recompute-granularity full --recompute-method uniform{chunk} "
+            f"--attention-backend unfused")
 
 
 def _predict_sc21(row):
@@ -62,7 +65,9 @@ def _predict_sc21(row):
     forced = parse_evaluate(_sc21_command(heads, hidden, layers, tp, pp, gpus, batch, mbs, v),
                             world=8)
     model = ModelSpec("gpt", layers, hidden, heads, SEQ, VOCAB)
-    cost = CostModel(model, preset("dgx-a100", nodes=forced.layout.world // 8), "fp16")
+    cluster = preset("dgx-a100", nodes=forced.layout.world // 8)
+    cost = CostModel(model, cluster, "fp16",
+                     flash_attention=cluster.attention_is_flash(forced.attention_backend, "fp16"))
     return model, forced, evaluate(cost, forced.layout)
 
 
@@ -211,3 +216,23 @@ def test_bad_evaluate_input_is_one_line(capsys, argv, fragment):
     assert exit_info.value.code == 2
     assert error.startswith("error: ") and fragment in error
     assert len(error.strip().splitlines()) == 1
+
+
+def test_evaluate_reads_the_attention_backend_of_the_command(capsys):
+    """auto (not given) on A100 in fp16 is FlashAttention, as megatron-core picks it; the
+    command's unfused keeps the score matrices: more activation memory per microbatch."""
+    row = SC21_TABLE_1[4]
+    unfused = _sc21_command(*row[1:10])
+    auto = unfused.replace(" --attention-backend unfused", "")
+    peaks = {}
+    for name, command in (("unfused", unfused), ("auto", auto)):
+        assert _plan_cli().main(["--cluster", "dgx-a100", "--evaluate", command,
+                                 "--closed-form"]) == 0
+        out = capsys.readouterr().out
+        assert ("FlashAttention" in out) == (name == "auto")
+        peaks[name] = float(out.split("stage   0:")[1].split("GiB")[0])
+    assert peaks["auto"] < peaks["unfused"]
+    with pytest.raises(SystemExit):
+        _plan_cli().main(["--cluster", "dgx-a100", "--evaluate", unfused, "--closed-form",
+                          "--attention-backend", "flash"])
+    assert "differs" in capsys.readouterr().err

@@ -44,6 +44,7 @@ from megatron_2bw.planner import accuracy, links, measure  # noqa: E402
 from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
 from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
+from megatron_2bw.arguments import ATTENTION_BACKENDS  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
 from megatron_2bw.planner.evaluate import (MODEL_FLAGS, Evaluation, evaluate,  # noqa: E402
                                            parse_evaluate)
@@ -148,6 +149,15 @@ def _precision(args, cluster, given: str | None = None) -> str:
     return precision
 
 
+def _flash_attention(args, cluster, precision: str) -> bool:
+    """Whether the planned runs' attention is FlashAttention-style (--attention-backend, auto
+    when not given; Cluster.attention_is_flash)."""
+    try:
+        return cluster.attention_is_flash(args.attention_backend or "auto", precision)
+    except ValueError as err:
+        raise ToolError("--attention-backend", str(err)) from None
+
+
 def _load_profile(args, cluster) -> Profile | None:
     if args.no_profile:
         return None
@@ -183,6 +193,10 @@ def plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-fraction", type=fraction, default=0.9)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="the runs' attention kernel, written into their flags when given "
+                        "(default auto: FlashAttention where the devices have it, in 16-bit); "
+                        "attention is timed and sized by it")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="every layout with t > 1 runs --sequence-parallel (CUDA only)")
     g.add_argument("--selective-recompute", action="store_true",
@@ -278,6 +292,12 @@ def _forced_layout(args, cluster):
     args.model = forced.kind or args.model
     args.use_distributed_optimizer |= forced.distributed_optimizer
     args.sequence_parallel |= forced.sequence_parallel
+    if forced.attention_backend is not None:
+        if args.attention_backend not in (None, forced.attention_backend):
+            raise ToolError("--evaluate", f"the command's --attention-backend "
+                                          f"{forced.attention_backend} differs from "
+                                          f"--attention-backend {args.attention_backend}")
+        args.attention_backend = forced.attention_backend
     args.no_clip_grad |= not forced.clip_grad
     world = forced.layout.world
     if world != cluster.num_gpus:
@@ -294,6 +314,8 @@ def run_plan(argv) -> int:
     forced, cluster = _forced_layout(args, _cluster(args))
     _require_plan_flags(args)
     training = plan_flags.training_flags(args)
+    if args.attention_backend not in (None, "auto"):
+        training += ["--attention-backend", args.attention_backend]
     model = _model(args)
     precision = _precision(args, cluster, forced.precision if forced else None)
     profile = _load_profile(args, cluster)
@@ -311,12 +333,13 @@ def run_plan(argv) -> int:
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      distributed_optimizer=args.use_distributed_optimizer,
                      clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step,
-                     sequence_parallel=args.sequence_parallel)
+                     sequence_parallel=args.sequence_parallel,
+                     flash_attention=_flash_attention(args, cluster, precision))
     if forced is not None:
         return _run_evaluate(args, forced.layout, request, cost, started)
     plan = search(request, cost)
     paths = write_plan(plan, args.out, training=training)
-    print(f"{_describe(model, cluster, args.global_batch_size, precision)}, "
+    print(f"{_describe(model, cluster, args.global_batch_size, precision, cost)}, "
           f"schedules {','.join(args.schedules)}")
     print(f"{plan.considered} layouts considered, {len(plan.ranked)} feasible, "
           f"{len(plan.rejected)} rejected ({paths['rejected']}); search {plan.seconds:.3f} s")
@@ -345,12 +368,13 @@ def run_plan(argv) -> int:
     return 0
 
 
-def _describe(model: ModelSpec, cluster, batch: int, precision: str) -> str:
+def _describe(model: ModelSpec, cluster, batch: int, precision: str, cost: CostModel) -> str:
     return (f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "
             f"(L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
             f"s={model.seq_length} V={model.padded_vocab()}) on {cluster.num_gpus} devices "
             f"({cluster.nodes} x {cluster.gpus_per_node} {cluster.name}, "
-            f"{cluster.memory_bytes / GiB:.0f} GiB each), B={batch}, {precision}")
+            f"{cluster.memory_bytes / GiB:.0f} GiB each), B={batch}, {precision}, "
+            f"{'FlashAttention' if cost.flash_attention else 'attention with its s x s scores'}")
 
 
 def _stage_line(stage) -> str:
@@ -396,7 +420,7 @@ def _run_evaluate(args, layout: Layout, request: PlanRequest, cost: CostModel,
         raise ToolError("--evaluate", str(err)) from None
     plan = search(request, cost)
     cluster = request.cluster
-    print(_describe(cost.model, cluster, request.global_batch_size, request.precision))
+    print(_describe(cost.model, cluster, request.global_batch_size, request.precision, cost))
     print(format_evaluation(result, request.memory_limit,
                             cluster.peak_flops[request.precision]))
     best = plan.best

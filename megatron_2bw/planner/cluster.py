@@ -97,6 +97,9 @@ class Cluster:
     """"cuda" or "cpu": what the launch flags ask for."""
     device_name: str = ""
     """Names the profile file (`tools/profiles/<device name>.json`)."""
+    flash_attention: bool = False
+    """The devices run FlashAttention kernels (compute capability 8.0 and later: A100, H100,
+    H200; FlashAttention-2 and cuDNN's fused attention need Ampere)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1 or self.gpus_per_nic < 1:
@@ -118,6 +121,23 @@ class Cluster:
                     if precision == "bf16" else "")
             raise PrecisionError(f"cluster {self.name} has no {precision}{hint}; it supports "
                                  f"{', '.join(sorted(self.peak_flops))}")
+
+    def attention_is_flash(self, backend: str, precision: str) -> bool:
+        """Whether `--attention-backend backend` runs FlashAttention-style kernels (no s x s
+        matrix kept): flash and fused (cuDNN's) do, unfused and local do not, auto does where
+        the devices have them in 16-bit (megatron-core then picks transformer_engine's flash
+        or fused attention). ValueError (one line) for flash or fused on devices without."""
+        if backend in ("flash", "fused"):
+            if not self.flash_attention:
+                raise ValueError(f"--attention-backend {backend}: cluster {self.name}'s devices "
+                                 f"have no FlashAttention kernels (they need compute "
+                                 f"capability 8.0, A100 or later)")
+            return True
+        if backend == "auto":
+            return self.flash_attention and precision in ("fp16", "bf16")
+        if backend in ("unfused", "local"):
+            return False
+        raise ValueError(f"unknown --attention-backend {backend!r}")
 
     def gemm_flops(self, precision: str, n: float) -> float:
         """Sustained FLOP/s of a GEMM whose smallest dimension is n."""
@@ -238,7 +258,7 @@ PRESETS: dict[str, Cluster] = {
         nic=Link(bandwidth=200 * _Gb, latency=10e-6), gpus_per_nic=1,
         peak_flops={"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
         memory_bandwidth=2.039e12, gemm=_TENSOR_CORE_GEMM, memory_efficiency=_STREAM,
-        device_name="nvidia-a100-sxm4-80gb"),
+        device_name="nvidia-a100-sxm4-80gb", flash_attention=True),
     # DGX H100 (NVIDIA DGX H100 datasheet; H100 SXM5 datasheet): 8 x H100-80GB, 989 TFLOP/s
     # dense bf16/fp16, 67 fp32, 3.35 TB/s HBM3; NVLink 4 900 GB/s per GPU (450 one way);
     # 8 x ConnectX-7 400 Gb/s InfiniBand/Ethernet, one per GPU.
@@ -248,7 +268,7 @@ PRESETS: dict[str, Cluster] = {
         nic=Link(bandwidth=400 * _Gb, latency=10e-6), gpus_per_nic=1,
         peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
         memory_bandwidth=3.35e12, gemm=_TENSOR_CORE_GEMM, memory_efficiency=_STREAM,
-        device_name="nvidia-h100-80gb-hbm3"),
+        device_name="nvidia-h100-80gb-hbm3", flash_attention=True),
     # DGX H200 (NVIDIA DGX H200 datasheet; H200 SXM datasheet): 8 x H200 141 GB HBM3e at
     # 4.8 TB/s, the H100's 989 TFLOP/s dense bf16; NVLink 4 900 GB/s per GPU; 8 x ConnectX-7
     # 400 Gb/s, one per GPU.
@@ -258,7 +278,7 @@ PRESETS: dict[str, Cluster] = {
         nic=Link(bandwidth=400 * _Gb, latency=10e-6), gpus_per_nic=1,
         peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
         memory_bandwidth=4.8e12, gemm=_TENSOR_CORE_GEMM, memory_efficiency=_STREAM,
-        device_name="nvidia-h200"),
+        device_name="nvidia-h200", flash_attention=True),
 }
 ALIASES = {"paper": "v100-25gbe", "v100": "v100-25gbe", "a100": "dgx-a100", "h100": "dgx-h100",
            "h200": "dgx-h200"}

@@ -294,6 +294,12 @@ class CostModel:
     on 1/t of the sequence, their activations split over t; each all-reduce becomes a
     reduce-scatter and an all-gather of the same volume (Korthikanti et al. 2022, 4.2.2)."""
 
+    flash_attention: bool = False
+    """FlashAttention (`--attention-backend flash` or `fused`, or `auto` where
+    `Cluster.flash_attention`; `Cluster.attention_is_flash`): the attention core keeps no s x s
+    matrix and streams none (ModelSpec.attention_core_kernels), and its backward computes
+    QK^T again (one more attention GEMM of the forward's; Dao et al. 2022, Algorithm 4)."""
+
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got "
@@ -342,9 +348,8 @@ class CostModel:
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
             stash = _stash(layout, spec, i)
             # A recomputed layer (or attention core) exists again during its backward.
-            replayed = (layer_full if layout.recompute
-                        else self._layer_options(layer_full, layout, "bytes", selective=False)
-                        - layer_kept)
+            whole_layer = self._layer_options(layer_full, layout, "bytes", selective=False)
+            replayed = whole_layer if layout.recompute else whole_layer - layer_kept
             transient = replayed + last * logits_gradient
             stages.append(StageMemory(
                 stage=i, parameters=params,
@@ -400,10 +405,8 @@ class CostModel:
         p2p = pp_link.latency if d > 1 else 0.0
 
         lf, lb = self._compute("layer", b, t, rc)
-        if not rc:
-            lf, lb = (self._layer_options(lf, layout, "time"),
-                      self._layer_options(lb, layout, "time"))
-            lb += self._replayed_core(lf, layout)
+        lf, lb = self._layer_options(lf, layout, "time"), self._layer_options(lb, layout, "time")
+        lb += self._replayed_core(lf, layout) + self._flash_scores(lf, layout)
         ef, eb = self._compute("embedding", b, t, False)
         hf, hb = self._compute("head", b, t, False)
         forward, backward, tp_time = [], [], []
@@ -510,12 +513,14 @@ class CostModel:
         b, t, e = layout.b, layout.t, self.element_bytes
         sp = self._sequence_parallel(t)
         selective = layout.selective if selective is None else selective
+        flash = self.flash_attention
         if what == "bytes":
             ratio = (self.model.layer_activation_bytes(b, t, e, sequence_parallel=sp,
-                                                       selective_recompute=selective)
+                                                       selective_recompute=selective,
+                                                       flash_attention=flash)
                      / self.model.layer_activation_bytes(b, t, e))
         else:
-            ratio = (self.kernel_time("layer", b, t, sequence_parallel=sp)
+            ratio = (self.kernel_time("layer", b, t, sequence_parallel=sp, flash_attention=flash)
                      / self.kernel_time("layer", b, t))
         return plain * ratio
 
@@ -525,12 +530,29 @@ class CostModel:
         if not layout.selective:
             return 0.0
         b, t = layout.b, layout.t
-        gemms, streamed = self.model.attention_core_kernels(b, t, self.element_bytes)
+        gemms, streamed = self.model.attention_core_kernels(
+            b, t, self.element_bytes, flash_attention=self.flash_attention)
+        return self._share_of_layer(layer_forward, layout, gemms, streamed)
+
+    def _flash_scores(self, layer_forward: float, layout: Layout) -> float:
+        """Seconds FlashAttention's backward adds: QK^T once more (the attention core's first
+        GEMM), its share of the layer's forward by the closed forms."""
+        if not self.flash_attention:
+            return 0.0
+        scores = self.model.attention_core_kernels(layout.b, layout.t, self.element_bytes,
+                                                   flash_attention=True)[0][:1]
+        return self._share_of_layer(layer_forward, layout, scores, 0.0)
+
+    def _share_of_layer(self, layer_forward: float, layout: Layout, gemms: list,
+                        streamed: float) -> float:
+        """`layer_forward` x (these kernels' time / the layer forward's), by the closed forms."""
+        b, t = layout.b, layout.t
         rate = self.cluster.gemm_flops
-        core = (sum(flops / rate(self.precision, n) for flops, n in gemms)
+        part = (sum(flops / rate(self.precision, n) for flops, n in gemms)
                 + streamed / self.cluster.stream_bandwidth)
-        whole = self.kernel_time("layer", b, t, sequence_parallel=self._sequence_parallel(t))
-        return layer_forward * core / whole
+        whole = self.kernel_time("layer", b, t, sequence_parallel=self._sequence_parallel(t),
+                                 flash_attention=self.flash_attention)
+        return layer_forward * part / whole
 
     def _compute(self, part: str, b: int, t: int, recompute: bool) -> tuple[float, float]:
         """(forward, backward) seconds of one part on one of t ranks, no communication: the
@@ -545,12 +567,14 @@ class CostModel:
         backward = 2 * forward + (forward if recompute else 0.0)
         return forward, backward
 
-    def kernel_time(self, part: str, b: int, t: int, sequence_parallel: bool = False) -> float:
+    def kernel_time(self, part: str, b: int, t: int, sequence_parallel: bool = False,
+                    flash_attention: bool = False) -> float:
         """Forward seconds of a part on one of t ranks from its kernels: each GEMM's FLOPs at
         the rate of its shape (Cluster.gemm_flops), plus element-wise bytes at the sustained
         memory bandwidth."""
         gemms, streamed = kernels(self.model, part, b, t, self.element_bytes,
-                                  sequence_parallel=sequence_parallel)
+                                  sequence_parallel=sequence_parallel,
+                                  flash_attention=flash_attention)
         rate = self.cluster.gemm_flops
         return (sum(flops / rate(self.precision, n) for flops, n in gemms)
                 + streamed / self.cluster.stream_bandwidth)
@@ -630,12 +654,13 @@ def _closed_form_bytes(model: ModelSpec, part: str, b: int, t: int, recompute: b
 
 
 def kernels(model: ModelSpec, part: str, b: int, t: int, e: int,
-            sequence_parallel: bool = False) -> tuple[list[tuple[float, int]], float]:
+            sequence_parallel: bool = False,
+            flash_attention: bool = False) -> tuple[list[tuple[float, int]], float]:
     """(GEMMs as (FLOPs, smallest dimension), streamed bytes) of one part's forward on one of t
     ranks."""
     if part == "layer":
         return model.layer_gemms(b, t), model.layer_streamed_bytes(
-            b, t, e, sequence_parallel=sequence_parallel)
+            b, t, e, sequence_parallel=sequence_parallel, flash_attention=flash_attention)
     if part == "head":
         return model.head_gemms(b, t), model.head_streamed_bytes(b, t, e)
     return [], model.embedding_streamed_bytes(b, e)

@@ -44,6 +44,8 @@ class ForcedLayout:
     """"gpt" or "bert" when the command names pretrain_bert*.py or pretrain_gpt*.py."""
     sequence_parallel: bool = False
     """--sequence-parallel in the command."""
+    attention_backend: str | None = None
+    """--attention-backend in the command (None: not said)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ def _command_parser() -> argparse.ArgumentParser:
     add("--bf16", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
     add("--sequence-parallel", action="store_true")
+    add("--attention-backend", default=None)
+    add("--use-flash-attn", action="store_true")  # Megatron-LM before --attention-backend
     add("--clip-grad", type=float, default=1.0)
     add("--nnodes", type=str, default=None)
     add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
@@ -179,7 +183,8 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
             "gpt" if re.search(r"pretrain_gpt", text) else None)
     given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
     return ForcedLayout(layout, given, precision, args.use_distributed_optimizer,
-                        args.clip_grad > 0, kind, args.sequence_parallel)
+                        args.clip_grad > 0, kind, args.sequence_parallel,
+                        args.attention_backend or ("flash" if args.use_flash_attn else None))
 
 
 def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluation:

@@ -170,7 +170,8 @@ class ModelSpec:
         return gemms + [(bmm, min(s, head_dim)), (bmm, min(s, head_dim))]
 
     def layer_streamed_bytes(self, b: int, t: int, element_bytes: int, *,
-                             sequence_parallel: bool = False) -> float:
+                             sequence_parallel: bool = False,
+                             flash_attention: bool = False) -> float:
         """Bytes the element-wise kernels of one layer's forward read and write on one of t
         ranks (Megatron's fused kernels, no flash attention): two LayerNorms (read, write) and
         two bias-dropout-adds (read two, write one, and the mask), replicated over TP; the
@@ -184,15 +185,21 @@ class ModelSpec:
         if sequence_parallel:
             replicated /= t
         gelu = 2 * tokens * f // t * e
-        return replicated + gelu + self.attention_core_kernels(b, t, e)[1]
+        return replicated + gelu + self.attention_core_kernels(
+            b, t, e, flash_attention=flash_attention)[1]
 
-    def attention_core_kernels(self, b: int, t: int,
-                               element_bytes: int) -> tuple[list[tuple[float, int]], float]:
+    def attention_core_kernels(self, b: int, t: int, element_bytes: int, *,
+                               flash_attention: bool = False
+                               ) -> tuple[list[tuple[float, int]], float]:
         """(GEMMs, streamed bytes) of the attention core on one of t ranks, what selective
         recomputation replays (Korthikanti et al. 2022, Section 5): per head QK^T and
         attention x V (the last two of layer_gemms), the scale-mask-softmax and the attention
-        dropout over the a/t score matrices."""
+        dropout over the a/t score matrices. FlashAttention (Dao et al. 2022) keeps the score
+        tiles on chip: it streams Q, K, V in and the output out (4sbh/t elements) and no
+        s x s matrix; its dropout mask is regenerated from the RNG state."""
         s, a, e = self.seq_length, self.num_attention_heads, element_bytes
+        if flash_attention:
+            return self.layer_gemms(b, t)[-2:], 4 * s * b * self.hidden_size * e / t
         masks = MASK_BYTES if self.dropout else 0
         scores = a * s * s * b / t
         streamed = scores * (2 * e + ((2 * e + masks) if self.dropout else 0))
@@ -221,7 +228,8 @@ class ModelSpec:
     # ---- activations ----------------------------------------------------------------------
     def layer_activation_bytes(self, b: int, t: int, element_bytes: int, *,
                                sequence_parallel: bool = False,
-                               selective_recompute: bool = False) -> float:
+                               selective_recompute: bool = False,
+                               flash_attention: bool = False) -> float:
         """Bytes one layer keeps for its backward pass, per microbatch of b sequences, on one
         of t tensor-parallel ranks.
 
@@ -235,7 +243,8 @@ class ModelSpec:
             (as^2b (2e + 1)); without dropout only the softmax output (as^2b e).
         Sequence parallelism (Section 4.2.2) splits the replicated part over t too: sbh 34/t;
         selective recomputation (Section 5) recomputes the attention core and keeps none of
-        its per-head tensors: the 5as/h term goes."""
+        its per-head tensors: the 5as/h term goes. FlashAttention keeps of them only the
+        softmax's log-sum-exp per row, in fp32 (4asb/t bytes; Dao et al. 2022, Algorithm 2)."""
         h, a, s, f, e = (self.hidden_size, self.num_attention_heads, self.seq_length,
                          self.ffn, element_bytes)
         masks = MASK_BYTES if self.dropout else 0
@@ -243,6 +252,8 @@ class ModelSpec:
         if sequence_parallel:
             replicated /= t
         attention = a * s * s * b * ((2 * e + masks) if self.dropout else e)
+        if flash_attention:
+            attention = 4 * a * s * b
         if selective_recompute:
             attention = 0
         split = (s * b * (4 * h + 2 * f) * e + attention) / t
