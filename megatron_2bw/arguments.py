@@ -757,8 +757,7 @@ def _validate_training(args: argparse.Namespace) -> None:
 
 
 def _validate_pipemare(args: argparse.Namespace) -> None:
-    """The --pipemare-* flags need --pipeline-schedule pipemare; the discrepancy correction's
-    running average is not in checkpoints, so a run with it does not resume from one."""
+    """The --pipemare-* flags need --pipeline-schedule pipemare."""
     given = [flag for flag, off in (("--pipemare-discrepancy-decay", None),
                                     ("--pipemare-lr-warmup-steps", 0),
                                     ("--pipemare-sync-iters", 0))
@@ -766,9 +765,6 @@ def _validate_pipemare(args: argparse.Namespace) -> None:
     for flag in given:
         _require(args.pipeline_schedule == "pipemare", flag,
                  f"only with --pipeline-schedule pipemare, not {args.pipeline_schedule}")
-    _require(args.pipemare_discrepancy_decay is None or args.load is None,
-             "--pipemare-discrepancy-decay", "not with --load: the correction's running "
-             "average of the updates is not saved in checkpoints")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from megatron_2bw.logparse import parse_log
 from tests import dist as launch
@@ -28,7 +29,10 @@ from tests import dist as launch
 TRAIN_ITERS = 24
 STOP_AT = 12
 # schedules whose checkpoint/resume is tested; add a schedule here once it trains end to end
-RESUME_SCHEDULES = ["megatron", "2bw"]
+RESUME_SCHEDULES = {  # name -> flags
+    "megatron": ["--pipeline-schedule", "megatron"],
+    "2bw": ["--pipeline-schedule", "2bw"],
+}
 LAYOUTS = {  # name -> (tensor, pipeline); data-parallel = 2 / (tensor x pipeline)
     "TP=2": (2, 1),
     "PP=2": (1, 2),
@@ -119,7 +123,7 @@ def test_tensor_and_data_parallel_runs_agree(tiny_gpt_data):
 def test_resume_matches_uninterrupted_run(tiny_gpt_data, tmp_path, schedule):
     """PP=2: stop at STOP_AT with a checkpoint, resume to TRAIN_ITERS, compare every logged
     loss after the stop (and the final validation loss) with an uninterrupted run."""
-    flags = model_flags(tiny_gpt_data, tp=1, pp=2, schedule=schedule)
+    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2), *RESUME_SCHEDULES[schedule]]
     checkpoint = str(tmp_path / "checkpoint")
 
     full = train(flags)
@@ -136,6 +140,44 @@ def test_resume_matches_uninterrupted_run(tiny_gpt_data, tmp_path, schedule):
         resumed.launch.tail()
     _same(resumed.losses, full.losses, range(STOP_AT + 1, TRAIN_ITERS + 1))
     _same(resumed.validation, full.validation, [TRAIN_ITERS])
+
+
+def _saved_tensors(root: Path, iteration: int, prefix: str) -> dict:
+    """The tensors under ``prefix`` keys of a saved checkpoint, read offline."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megatron_2bw.training.checkpointing import checkpoint_dir
+
+    flat = root / f"flat{iteration}.pt"
+    dcp_to_torch_save(checkpoint_dir(str(root), iteration), str(flat))
+    state = torch.load(flat, weights_only=False)
+    return {key: value for key, value in state.items() if key.startswith(prefix)}
+
+
+def test_pipemare_discrepancy_correction_resumes_with_its_delta(tiny_gpt_data, tmp_path):
+    """PipeMare with T2 (D = 0.9): delta, the running average of each stage's updates, goes
+    into the checkpoint and comes back. Its effect on the losses is below their printed
+    precision here (about lr^2), so the test reads delta itself: saved at the end of an
+    uninterrupted run and of a run stopped at STOP_AT and resumed, the two are equal, while
+    restarting delta at zero would leave 0.9^12 = 28% of the stop's delta missing. Stage 0's
+    delta is non-zero, the last stage's (which corrects nothing) zero."""
+    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2), "--pipeline-schedule", "pipemare",
+             "--pipemare-discrepancy-decay", "0.9"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    full = train([*flags, "--save", str(whole)])
+    full.check_succeeded()
+    train([*flags, "--save", str(parts), "--exit-interval", str(STOP_AT)]).check_succeeded()
+    resumed = train([*flags, "--load", str(parts), "--save", str(parts)])
+    resumed.check_succeeded()
+    _same(resumed.losses, full.losses, range(STOP_AT + 1, TRAIN_ITERS + 1))
+
+    expected = _saved_tensors(whole, TRAIN_ITERS, "pipemare_delta.")
+    actual = _saved_tensors(parts, TRAIN_ITERS, "pipemare_delta.")
+    assert expected and sorted(actual) == sorted(expected)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-9, msg=key)
+    layers = expected["pipemare_delta.decoder.layers.mlp.linear_fc1.weight"]  # (L, f, h)
+    assert layers[0].abs().max() > 0 and layers[1].abs().max() == 0  # stage 0, stage 1
 
 
 PRECISIONS = {  # flags -> (relative tolerance against fp32, the 2BW step mode rank 0 reports)

@@ -158,6 +158,8 @@ class PipelineRunner:
         self.step_mode: str | None = None  # how 2BW steps, once known (first call)
         self.pipemare = PipeMareOptions()
         self.correction: DiscrepancyCorrection | None = None  # pipemare's T2, once bound
+        # T2's delta read from a checkpoint, (tensors, version), until the correction binds
+        self.loaded_delta: tuple[list[torch.Tensor], int] | None = None
         # (microbatch, chunk) -> the version its forward read, until its backward
         self.forward_read: dict[tuple[int, int], int] = {}
 
@@ -298,6 +300,9 @@ class PipelineRunner:
         span = correction_span(self.depth, microbatches, self.stage)
         if span > 0:
             self.correction = DiscrepancyCorrection(self.versions, decay, span)
+            if self.loaded_delta is not None:
+                self.correction.delta, self.correction.version = self.loaded_delta
+                self.loaded_delta = None
 
     def _execute(self, program: list[Step], call: _Call, run_action: Callable) -> None:
         """Run a program's steps in order; on a failure print the grid with the step marked."""
@@ -496,7 +501,9 @@ class PipelineRunner:
     # ---- checkpoints (2BW keeps its older weight version) --------------------------------
     def checkpoint_extra(self, model: list, sharded: dict) -> None:
         """Add what a resumed 2BW run needs to continue exactly: the older weight version
-        (batch ``batches_done`` still reads it) and the version numbers."""
+        (batch ``batches_done`` still reads it) and the version numbers; under PipeMare's T2
+        each stage's delta at the newest version (the pipeline is drained and every step
+        tracked; zeros on the last stage, which corrects nothing)."""
         if not keeps_versions(self.schedule):
             return
         self.bind(model)
@@ -506,6 +513,15 @@ class PipelineRunner:
         sharded["twobw_versions"] = {"batches_done": self.batches_done,
                                      "newest": self.versions.newest, "older": older_version}
         sharded["twobw_older_weights"] = _version_sharded(model, self.versions, older_tensors)
+        if self._corrects():
+            if self.correction is not None:
+                self.correction.track()
+                delta = self.correction.delta
+            else:  # the last stage corrects nothing; its layers' shards complete the tensors
+                delta = [torch.zeros_like(t) for t in self.versions.tensors_of(
+                    self.versions.newest)]
+            sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
+                                                         _DELTA_PREFIX)
 
     def prepare_load(self, model: list, sharded: dict, path: str) -> None:
         """Loading counterpart of :meth:`checkpoint_extra`: the older version is read into the
@@ -520,6 +536,16 @@ class PipelineRunner:
         sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None}
         sharded["twobw_older_weights"] = _version_sharded(model, self.versions,
                                                           self.versions.spare_tensors())
+        if self._corrects() and _has_sharded(path, _DELTA_PREFIX):
+            delta = [torch.zeros_like(t) for t in self.versions.tensors_of(self.versions.newest)]
+            self.loaded_delta = (delta, -1)
+            sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
+                                                         _DELTA_PREFIX)
+
+    def _corrects(self) -> bool:
+        """Whether the run has PipeMare's T2 (the same on every rank: checkpoints hold delta
+        for every stage, the stacked layer tensors span the pipeline)."""
+        return self.schedule == "pipemare" and self.pipemare.discrepancy_decay is not None
 
     def checkpoint_loaded(self, model: list, loaded: dict) -> None:
         if not keeps_versions(self.schedule):
@@ -532,6 +558,8 @@ class PipelineRunner:
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
         self.versions.loaded(info["newest"], info["older"])
+        if self.loaded_delta is not None:  # saved at the newest version (checkpoint_extra)
+            self.loaded_delta = (self.loaded_delta[0], info["newest"])
 
 
 _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
@@ -591,28 +619,43 @@ def _iterators(data_iterator, chunks: int) -> list:
     return [data_iterator] * chunks
 
 
-def _version_sharded(model, versions: WeightVersions, tensors: list[torch.Tensor]) -> dict:
-    """The model's sharded tensors re-pointed at one weight version's ``tensors`` under
-    ``twobw_older.`` keys, one dict per chunk ("chunk0", ...) with virtual stages.
+_OLDER_PREFIX, _DELTA_PREFIX = "twobw_older.", "pipemare_delta."
+"""Checkpoint keys of the older weight version and of PipeMare's delta: the parameter's key
+after the prefix."""
+
+
+def _has_sharded(path: str, prefix: str) -> bool:
+    """Whether the checkpoint at ``path`` holds sharded tensors under ``prefix``."""
+    from megatron.core import dist_checkpointing
+
+    return any(key.startswith(prefix)
+               for key in dist_checkpointing.load_tensors_metadata(path))
+
+
+def _version_sharded(model, versions: WeightVersions, tensors: list[torch.Tensor],
+                     prefix: str = _OLDER_PREFIX) -> dict:
+    """The model's sharded tensors re-pointed at one weight version's ``tensors`` (or tensors
+    shaped like it) under ``prefix`` keys, one dict per chunk ("chunk0", ...) with virtual
+    stages.
     (megatron's ShardedTensors hold the Parameter itself, whose storage moves between
     versions, so each is given its version's tensor explicitly.)"""
     index_of = {id(p): i for i, p in enumerate(versions.params)}
     chunks = _chunks(model)
-    by_chunk = [_repointed(chunk.module.sharded_state_dict(), index_of, tensors)
+    by_chunk = [_repointed(chunk.module.sharded_state_dict(), index_of, tensors, prefix)
                 for chunk in chunks]
     return by_chunk[0] if len(chunks) == 1 else {f"chunk{i}": d for i, d in enumerate(by_chunk)}
 
 
-def _repointed(sharded: dict, index_of: dict, tensors: list) -> dict:
+def _repointed(sharded: dict, index_of: dict, tensors: list, prefix: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     out = {}
     for name, value in sharded.items():
         if isinstance(value, ShardedTensor) and id(value.data) in index_of:
-            out[name] = replace(value, key="twobw_older." + value.key,
+            out[name] = replace(value, key=prefix + value.key,
                                 data=tensors[index_of[id(value.data)]])
         elif isinstance(value, dict):
-            out[name] = _repointed(value, index_of, tensors)
+            out[name] = _repointed(value, index_of, tensors, prefix)
     return out
 
 
