@@ -11,34 +11,56 @@ from typing import Callable
 
 from .actions import Action, Kind
 
-__all__ = ["flush", "one_f_one_b"]
+__all__ = ["flush", "one_f_one_b", "warmup_slots", "slot_pass"]
+
+
+def warmup_slots(depth: int, stage: int, chunks: int = 1) -> int:
+    """w_i: the forwards stage `stage` runs before its first backward: d - i - 1 under 1F1B;
+    with V = `chunks` > 1 model chunks, 2(d - i - 1) + (V - 1)d (megatron-core's interleaved
+    order, ``get_schedule_table``)."""
+    if chunks == 1:
+        return depth - stage - 1
+    return 2 * (depth - stage - 1) + (chunks - 1) * depth
+
+
+def slot_pass(depth: int, chunks: int, slot: int, *, backward: bool) -> tuple[int, int]:
+    """(global microbatch, chunk) of a stage's forward or backward `slot` (counted from the
+    training's start): d microbatches through chunk 0, the same d through chunk 1, ..., then
+    the next d; backwards take the chunks in reverse. One chunk: slot s is microbatch s."""
+    group, within = divmod(slot, depth * chunks)
+    chunk = within // depth
+    return group * depth + within % depth, chunks - 1 - chunk if backward else chunk
 
 
 def one_f_one_b(depth: int, microbatches: int, stage: int, batch: int, *, fill: bool,
                 drain: bool, version_of: Callable[[int], int],
-                backward_version_of: Callable[[int], int] | None = None) -> list[Action]:
-    """The 1F1B order of stage `stage` for the backwards of `batch`, then the step.
+                backward_version_of: Callable[[int], int] | None = None,
+                chunks: int = 1) -> list[Action]:
+    """The 1F1B order of stage `stage` for the backwards of `batch`, then the step: w_i
+    warm-up forward slots, then F(slot s + w_i), B(slot s) (at most w_i + 1 passes stashed),
+    each slot a (microbatch, chunk) pass (`slot_pass`; one chunk: the microbatch).
 
     With `fill` the list starts with the warm-up forwards of the batch (pipeline empty before);
     without, they ran in the previous call. With `drain` no forward beyond `batch` runs (the
-    cool-down); without, the forwards run `lag` microbatches into the next batch.
+    cool-down); without, the forwards run w_i slots into the next batch.
     `version_of(k)` is the weight version (global) microbatch k reads, in its forward and, unless
     `backward_version_of(k)` says otherwise (no weight stashing), in its backward.
     """
-    lag = min(depth - stage - 1, microbatches)  # warm-up forwards w_i
-    first = batch * microbatches
-
+    per_batch = microbatches * chunks
+    lag = min(warmup_slots(depth, stage, chunks), per_batch)
+    first = batch * per_batch
     backward_version_of = backward_version_of or version_of
 
-    def action(kind: Kind, k: int) -> Action:
+    def action(kind: Kind, slot: int) -> Action:
+        k, chunk = slot_pass(depth, chunks, slot, backward=kind is Kind.BACKWARD)
         rule = version_of if kind is Kind.FORWARD else backward_version_of
-        return Action(kind, k, k // microbatches, rule(k))
+        return Action(kind, k, k // microbatches, rule(k), chunk)
 
-    actions = [action(Kind.FORWARD, first + j) for j in range(lag)] if fill else []
-    for j in range(microbatches):
-        if not drain or j + lag < microbatches:
-            actions.append(action(Kind.FORWARD, first + j + lag))
-        actions.append(action(Kind.BACKWARD, first + j))
+    actions = [action(Kind.FORWARD, first + s) for s in range(lag)] if fill else []
+    for s in range(per_batch):
+        if not drain or s + lag < per_batch:
+            actions.append(action(Kind.FORWARD, first + s + lag))
+        actions.append(action(Kind.BACKWARD, first + s))
     return actions + [Action(Kind.STEP, None, batch, batch + 1)]
 
 

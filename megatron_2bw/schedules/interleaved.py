@@ -12,8 +12,8 @@ then alternates F(slot s + w_i), B(slot s). With equal chunk costs f and b the f
 takes m*V*(f + b) + (d - 1)*(f + b) per batch: its bubble is 1/V of 1F1B's for the same
 stage work (V*f and V*b per microbatch). Slots need m to be a multiple of d.
 
-2BW-interleaved runs the same slots over the whole training as one sequence, as 2BW does
-with 1F1B: call t holds the backwards of batch t, its forwards run w_i slots ahead into batch
+The order is `flush.one_f_one_b` with `chunks` (1F1B over slots). 2BW-interleaved runs the
+same slots over the whole training as one sequence, as 2BW does with 1F1B: call t holds the backwards of batch t, its forwards run w_i slots ahead into batch
 t+1, and batch b reads weight version max(b - 1, 0) (1-stale: W(t+1) = W(t) - lr grad f(W(t-1))).
 A stage then holds two versions as long as its look-ahead stays within the next batch,
 w_0 <= m*V; with more, batch t+2's forwards would need a third version, so it is refused.
@@ -30,32 +30,18 @@ one chunk's f + b per batch boundary to the early receive of the look-ahead befo
 
 from __future__ import annotations
 
-from typing import Callable
 
-from .actions import Action, Kind
+from .actions import Action
+from .flush import one_f_one_b, slot_pass, warmup_slots
 from .twobw import twobw_version
 
-__all__ = ["interleaved_slots", "interleaved_flush", "interleaved_twobw", "warmup_slots",
-           "forward_slots"]
-
-
-def warmup_slots(depth: int, stage: int, chunks: int) -> int:
-    """w_i: the forwards stage `stage` runs before its first backward."""
-    return 2 * (depth - stage - 1) + (chunks - 1) * depth
-
-
-def _slot(depth: int, chunks: int, slot: int, *,
-          backward: bool) -> tuple[int, int]:
-    """(global microbatch, chunk) of a stage's `slot` (counted from the training's start)."""
-    group, within = divmod(slot, depth * chunks)
-    chunk = within // depth
-    return group * depth + within % depth, chunks - 1 - chunk if backward else chunk
+__all__ = ["interleaved_flush", "interleaved_twobw", "warmup_slots", "forward_slots"]
 
 
 def forward_slots(depth: int, microbatches: int, chunks: int) -> list[tuple[int, int]]:
     """(microbatch, chunk) of one batch's forwards in slot order (an evaluation call)."""
     _check(depth, microbatches, chunks)
-    return [_slot(depth, chunks, s, backward=False) for s in range(microbatches * chunks)]
+    return [slot_pass(depth, chunks, s, backward=False) for s in range(microbatches * chunks)]
 
 
 def _check(depth: int, microbatches: int, chunks: int) -> None:
@@ -67,36 +53,13 @@ def _check(depth: int, microbatches: int, chunks: int) -> None:
                          f"multiple of the pipeline size: m={microbatches}, d={depth}")
 
 
-def interleaved_slots(depth: int, microbatches: int, stage: int, batch: int, chunks: int, *,
-                      fill: bool, drain: bool,
-                      version_of: Callable[[int], int]) -> list[Action]:
-    """Stage `stage`'s interleaved 1F1B for the backwards of `batch`, then the step.
-
-    `fill`: the call starts with the warm-up forwards (pipeline empty before). `drain`: no
-    forward beyond `batch` runs. `version_of(k)` is the version microbatch k reads."""
-    _check(depth, microbatches, chunks)
-    per_batch = microbatches * chunks
-    lag = min(warmup_slots(depth, stage, chunks), per_batch)
-    first = batch * per_batch
-
-    def action(kind: Kind, slot: int) -> Action:
-        k, chunk = _slot(depth, chunks, slot, backward=kind is Kind.BACKWARD)
-        return Action(kind, k, k // microbatches, version_of(k), chunk)
-
-    actions = [action(Kind.FORWARD, first + s) for s in range(lag)] if fill else []
-    for s in range(per_batch):
-        if not drain or s + lag < per_batch:
-            actions.append(action(Kind.FORWARD, first + s + lag))
-        actions.append(action(Kind.BACKWARD, first + s))
-    return actions + [Action(Kind.STEP, None, batch, batch + 1)]
-
-
 def interleaved_flush(depth: int, microbatches: int, stage: int, batch: int, chunks: int, *,
                       fill: bool = True, drain: bool = True) -> list[Action]:
     """Megatron's interleaved 1F1B: every call fills and drains; batch b reads version b."""
     del fill, drain
-    return interleaved_slots(depth, microbatches, stage, batch, chunks, fill=True, drain=True,
-                             version_of=lambda k: k // microbatches)
+    _check(depth, microbatches, chunks)
+    return one_f_one_b(depth, microbatches, stage, batch, fill=True, drain=True,
+                       version_of=lambda k: k // microbatches, chunks=chunks)
 
 
 def interleaved_twobw(depth: int, microbatches: int, stage: int, batch: int, chunks: int, *,
@@ -108,5 +71,5 @@ def interleaved_twobw(depth: int, microbatches: int, stage: int, batch: int, chu
             f"2BW-interleaved with d={depth}, V={chunks} needs m*V >= 2(d-1) + (V-1)d = "
             f"{warmup_slots(depth, 0, chunks)} (the first stage's look-ahead within one batch, "
             f"two weight versions), got m={microbatches}")
-    return interleaved_slots(depth, microbatches, stage, batch, chunks, fill=fill, drain=drain,
-                             version_of=lambda k: twobw_version(k // microbatches))
+    return one_f_one_b(depth, microbatches, stage, batch, fill=fill, drain=drain,
+                       version_of=lambda k: twobw_version(k // microbatches), chunks=chunks)
