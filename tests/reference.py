@@ -302,11 +302,14 @@ def _initial_weights(model: Model) -> dict:
 def run_jobs(init_path: str, out: str, jobs: dict) -> None:
     """In a process whose torch.distributed environment (world size 1) is set: write the initial
     weights to `init_path` and each job's result to `out`/<job>.pt. A job is {rule, replicas,
-    microbatches, iterations, tie[, model: {Model field: value}]}."""
+    microbatches, iterations, tie[, model: {Model field: value}]}. The initial weights are
+    those of the deepest job's model; a shallower one takes its first layers (and the rest)."""
     from megatron_2bw.runtime import distributed
 
     distributed.initialize(1, 1, MODEL.seed, force_cpu=True)
-    init = _initial_weights(MODEL)
+    layers = max([MODEL.num_layers] + [job.get("model", {}).get("num_layers", 0)
+                                       for job in jobs.values()])
+    init = _initial_weights(replace(MODEL, num_layers=layers))
     torch.save(init, init_path)
     for name, job in jobs.items():
         job = dict(job)

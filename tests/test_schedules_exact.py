@@ -98,6 +98,8 @@ class Case:
     drains: tuple[int, ...] = ()
     """Iterations after which the run drains (as before an evaluation); the reference has
     none: the schedules' weights do not depend on drains."""
+    layers: int = 4
+    """Transformer layers (d x V must divide them)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -106,7 +108,7 @@ class Case:
 
     @property
     def model(self) -> dict:
-        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup}
+        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers}
 
     @property
     def name(self) -> str:
@@ -115,7 +117,8 @@ class Case:
                 f"{'' if self.deferred else '-sync-step'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
-                f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}")
+                f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
 
     @property
     def world(self) -> int:
@@ -127,7 +130,8 @@ class Case:
         return (f"{rule}{f'-d{self.d}' if rule in PER_STAGE else ''}-w{self.w}-m{self.m}"
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
-                f"{''.join(f'-{k}{v}' for k, v in options.items())}")
+                f"{''.join(f'-{k}{v}' for k, v in options.items())}"
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""
@@ -153,9 +157,11 @@ ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and
 PER_STAGE = ("pipedream", "pipemare")
 """Rules of tests/reference.py that hold weights per stage (they need the depth)."""
 TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
-INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layer 2c + s
+INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layers of virtual stage cd + s
     Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS),
+    Case("flush", d=4, m=4, w=1, iters=5, flags=TWO_CHUNKS, layers=8),
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS),  # its step runs at the loop
+    Case("2bw", d=4, m=8, w=1, iters=6, flags=TWO_CHUNKS, layers=8),  # m V >= 2(d-1) + d
 ]
 TWOBW_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3),
@@ -186,6 +192,7 @@ PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed
     Case("pipemare", d=4, m=4, w=1, iters=6, tie=False, decay=0.5, drains=(2,)),
     # ... and with the loop's step; two synchronous (flush) iterations first
     Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
+    Case("pipemare", d=4, m=8, w=1, iters=6),
 ]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
@@ -199,9 +206,11 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
 def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
-    for label, cases in (("sync", SYNC_CASES + ZBH1_CASES + INTERLEAVED_CASES[:1]),
+    interleaved_sync = [case for case in INTERLEAVED_CASES if case.rule == "sync"]
+    interleaved_2bw = [case for case in INTERLEAVED_CASES if case.rule != "sync"]
+    for label, cases in (("sync", SYNC_CASES + ZBH1_CASES + interleaved_sync),
                          ("2bw", TWOBW_CASES + PIPEDREAM_CASES + PIPEMARE_CASES
-                          + INTERLEAVED_CASES[1:])):
+                          + interleaved_2bw)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
