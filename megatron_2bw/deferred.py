@@ -112,10 +112,11 @@ def _inner(optimizer):
     return optimizer
 
 
-def why_not_deferred(optimizer, config, chunk) -> str | None:
+def why_not_deferred(optimizer, config, chunks: list) -> str | None:
     """Why the step of this stage cannot be deferred, or None when it can (and is worth it:
     its step holds a collective that spans the pipeline; a ChainedOptimizer's always does, as
-    it all-reduces the grad norm also without clipping, which the deferred step skips)."""
+    it all-reduces the grad norm also without clipping, which the deferred step skips).
+    ``chunks``: the stage's model chunks (several with virtual stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
@@ -129,7 +130,8 @@ def why_not_deferred(optimizer, config, chunk) -> str | None:
         return "one pipeline stage (nothing to wait for)"
     if getattr(inner, "grad_scaler", None) is not None:
         return "fp16 loss scaling (the next batch's loss scale depends on this step)"
-    if getattr(chunk, "ddp_config", None) is not None and chunk.ddp_config.overlap_grad_reduce:
+    if any(getattr(chunk, "ddp_config", None) is not None
+           and chunk.ddp_config.overlap_grad_reduce for chunk in chunks):
         return "--overlap-grad-reduce"
     if config.calculate_per_token_loss:
         return "per-token loss normalisation"
@@ -142,13 +144,15 @@ def why_not_deferred(optimizer, config, chunk) -> str | None:
             and torch.distributed.get_rank() in torch.distributed.get_process_group_ranks(pos_group):
         return "position embeddings shared across stages"
     chained = getattr(optimizer, "chained_optimizers", None) is not None
-    if inner.config.clip_grad <= 0 and _tied_embedding(chunk) is None and not chained:
+    if inner.config.clip_grad <= 0 and _tied_embedding(chunks) is None and not chained:
         return "no clipping and no tied embeddings (the step is stage-local already)"
     return None
 
 
-def _tied_embedding(chunk):
-    """This stage's copy of the word embeddings when it is shared with another stage."""
+def _tied_embedding(chunks: list):
+    """This stage's copy of the word embeddings when it is shared with another stage: the
+    first chunk's input embedding on the first stage, the last chunk's output layer on the
+    last (the other chunks have neither)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -156,10 +160,14 @@ def _tied_embedding(chunk):
     if group is None or torch.distributed.get_world_size(group) < 2 or \
             torch.distributed.get_rank() not in torch.distributed.get_process_group_ranks(group):
         return None
-    model = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
-    if not getattr(model, "share_embeddings_and_output_weights", False):
-        return None
-    return model.shared_embedding_or_output_weight()
+    for chunk in chunks:
+        model = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+        if not getattr(model, "share_embeddings_and_output_weights", False):
+            continue
+        weight = model.shared_embedding_or_output_weight()
+        if weight is not None:
+            return weight
+    return None
 
 
 _MAIN_GROUPS = (("float16_groups", "fp32_from_float16_groups"),
@@ -200,9 +208,12 @@ _SQUARE = None  # a chain step: the local squared norm (the others all-reduce it
 class DeferredStep:
     """One stage's pending optimizer step (see the module docstring)."""
 
-    def __init__(self, optimizer, config, chunk, timeout: datetime.timedelta | None = None):
-        """``timeout`` bounds every wait on the step's collectives (None: the process's
-        --distributed-timeout-minutes, which every group was created with)."""
+    def __init__(self, optimizer, config, chunks: list,
+                 timeout: datetime.timedelta | None = None):
+        """``chunks``: the stage's model chunks, whose one optimizer steps them together (one
+        weight version spans them). ``timeout`` bounds every wait on the step's collectives
+        (None: the process's --distributed-timeout-minutes, which every group was created
+        with)."""
         from megatron.core import parallel_state as ps
 
         from megatron_2bw.runtime import distributed
@@ -210,11 +221,11 @@ class DeferredStep:
         self.optimizer = optimizer
         self.inner = _inner(optimizer)
         self.config = config
-        self.chunk = chunk
+        self.chunks = list(chunks)
         self.timeout = timeout if timeout is not None else distributed.timeout()
         self.params = self.inner.get_parameters()
         self.copies: list[torch.Tensor | None] | None = None
-        embedding = _tied_embedding(chunk)
+        embedding = _tied_embedding(self.chunks)
         main = None if embedding is None else _main_param(self.inner, embedding)
         self.embedding_index = next((i for i, p in enumerate(self.params) if p is main), None)
         self.embedding_group = ps.get_embedding_group(check_initialized=False)
@@ -245,9 +256,10 @@ class DeferredStep:
         from megatron.core.distributed.finalize_model_grads import (
             _allreduce_non_tensor_model_parallel_grads, reset_model_temporary_tensors)
 
-        self.chunk.finish_grad_sync()
-        _allreduce_non_tensor_model_parallel_grads([self.chunk], self.config, self.tp_group)
-        reset_model_temporary_tensors(self.config, [self.chunk])
+        for chunk in self.chunks:
+            chunk.finish_grad_sync()
+        _allreduce_non_tensor_model_parallel_grads(self.chunks, self.config, self.tp_group)
+        reset_model_temporary_tensors(self.config, self.chunks)
 
     # ---- the parts ------------------------------------------------------------------------
     def begin(self, new_version: int) -> None:

@@ -242,10 +242,9 @@ class PipelineRunner:
 
         reason = "no optimizer attached" if self.optimizer is None else \
             "--no-deferred-step" if not self.defer else \
-            "virtual stages (the deferred step serves one model chunk)" if len(models) > 1 else \
-            why_not_deferred(self.optimizer, config, models[0])
+            why_not_deferred(self.optimizer, config, models)
         if reason is None:
-            self.deferred = DeferredStep(self.optimizer, config, models[0],
+            self.deferred = DeferredStep(self.optimizer, config, models,
                                          timeout=distributed.timeout())
             self.step_mode = "deferred"
         else:

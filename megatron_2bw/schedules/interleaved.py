@@ -21,8 +21,8 @@ w_0 <= m*V; with more, batch t+2's forwards would need a third version, so it is
 The executor runs both (``--num-virtual-stages-per-pipeline-rank V`` with
 ``--pipeline-schedule flush`` or ``2bw``; tests/test_interleaved.py): flush gives the losses of
 megatron-core's interleaved schedule, 2BW-interleaved those of 2bw with one chunk. Under
-2BW-interleaved one weight version spans the stage's V chunks and the optimizer step runs where
-the loop calls it (the deferred step serves one chunk). Exchanges (``comm.fuse`` with
+2BW-interleaved one weight version spans the stage's V chunks, and the deferred optimizer step
+(megatron_2bw.deferred) finalizes and steps them together. Exchanges (``comm.fuse`` with
 ``chunks``) hold one group per forward/backward pair, as megatron-core posts them, and run under
 NCCL's rendezvous on the simulator: flush in the buffered time, 2BW-interleaved losing about
 one chunk's f + b per batch boundary to the early receive of the look-ahead before the step.
