@@ -82,15 +82,19 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["scores", "flash"])
 @pytest.mark.parametrize("shape,t,d,w,b,m,distributed,schedule", LAYOUTS,
                          ids=["1.3b-t2d4", "6.7b-t4d2-m1", "13b-t8d8-distopt"])
 def test_first_stage_memory_matches_megatron_theoretical_memory(shape, t, d, w, b, m,
-                                                                distributed, schedule):
+                                                                distributed, schedule, flash):
+    # Megatron's formula keeps no attention scores, as FlashAttention runs: with
+    # --attention-backend flash the 5as^2b/t difference goes, and ours adds only the
+    # softmax's fp32 log-sum-exp per row and head, 4asb/t per layer.
     h, a, L = shape
     model = ModelSpec("gpt", num_layers=L, hidden_size=h, num_attention_heads=a,
                       seq_length=2048, vocab_size=50257, ffn_hidden_size=4 * h)
     cost = CostModel(model, preset("dgx-a100", nodes=8), "bf16",
-                     distributed_optimizer=distributed)
+                     distributed_optimizer=distributed, flash_attention=flash)
     first = cost.memory(Layout(t, d, w, b, m, False, schedule)).stages[0]
     assert first.extra_versions == 0 and first.gradient_copy == 0
 
@@ -101,9 +105,11 @@ def test_first_stage_memory_matches_megatron_theoretical_memory(shape, t, d, w, 
     assert ours_weights == pytest.approx(weights, rel=TOLERANCE)
 
     in_flight = min(1, m / d)
+    attention_bytes = (4 * a * model.seq_length * b / t if flash
+                       else attention_scores_bytes(model, t, b))
     activations = (megatron_activation_bytes_without_sp(model, t, d, b, m) / 1.05
                    - 8 * model.seq_length * b * d * in_flight
-                   + attention_scores_bytes(model, t, b) * L * in_flight)
+                   + attention_bytes * L * in_flight)
     assert first.activations == pytest.approx(activations, rel=TOLERANCE)
 
 
@@ -149,23 +155,3 @@ def test_first_stage_with_sequence_parallel_and_selective_matches_megatron(t, d,
     # The attention core exists again while one layer's backward replays it.
     assert first.transient == pytest.approx(attention_scores_bytes(model, t, b), rel=TOLERANCE)
 
-
-@pytest.mark.parametrize("shape,t,d,w,b,m,distributed,schedule", LAYOUTS,
-                         ids=["1.3b-t2d4", "6.7b-t4d2-m1", "13b-t8d8-distopt"])
-def test_first_stage_with_flash_attention_keeps_what_megatron_counts(shape, t, d, w, b, m,
-                                                                     distributed, schedule):
-    # Megatron's formula keeps no attention scores, as FlashAttention runs: with
-    # --attention-backend flash the 5as^2b/t difference goes, and ours adds only the
-    # softmax's fp32 log-sum-exp per row and head, 4asb/t per layer.
-    h, a, L = shape
-    model = ModelSpec("gpt", num_layers=L, hidden_size=h, num_attention_heads=a,
-                      seq_length=2048, vocab_size=50257, ffn_hidden_size=4 * h)
-    cost = CostModel(model, preset("dgx-a100", nodes=8), "bf16",
-                     distributed_optimizer=distributed, flash_attention=True)
-    first = cost.memory(Layout(t, d, w, b, m, False, schedule)).stages[0]
-    in_flight = min(1, m / d)
-    log_sum_exp = 4 * a * model.seq_length * b / t
-    activations = (megatron_activation_bytes_without_sp(model, t, d, b, m) / 1.05
-                   - 8 * model.seq_length * b * d * in_flight
-                   + log_sum_exp * L * in_flight)
-    assert first.activations == pytest.approx(activations, rel=TOLERANCE)
