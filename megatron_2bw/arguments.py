@@ -588,9 +588,10 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
              f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
              f"(V = {V}); use --pipeline-schedule {' or '.join(VIRTUAL_STAGE_SCHEDULES)}")
     if args.pipeline_schedule != "megatron":
-        _require(not args.overlap_grad_reduce, "--overlap-grad-reduce",
+        _require(not args.overlap_param_gather, "--overlap-param-gather",
                  f"not yet with virtual stages under --pipeline-schedule "
-                 f"{args.pipeline_schedule} (each chunk's reduction is launched at the step)")
+                 f"{args.pipeline_schedule} (each chunk's all-gather would be launched ahead of "
+                 f"its first forward by the schedule, as megatron-core's interleaved one does)")
     least = 2 if args.overlap_p2p_comm or args.pipeline_schedule != "megatron" else 3
     _require(pp >= least, "--pipeline-model-parallel-size",
              f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"

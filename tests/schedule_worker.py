@@ -199,7 +199,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     _load_slice(model, torch.load(init_path), tie, model_spec.num_layers)
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
-    build.attach_config_hooks(config, model, optimizer)
+    build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
@@ -226,7 +226,11 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     (out / run["name"]).mkdir(parents=True, exist_ok=True)
     torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
                 "losses": losses, "seconds": seconds,
-                "step_mode": getattr(fb, "step_mode", None)},
+                "step_mode": getattr(fb, "step_mode", None),
+                # DDP's hooks ran with the reductions on at some backward (a bucket group
+                # records its per-parameter readiness then and leaves its first-batch mode)
+                "hooks_reduced": all(not group.is_first_batch for chunk in model
+                                     for group in getattr(chunk, "bucket_groups", ()))},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)

@@ -177,7 +177,8 @@ def _world(flags: list[str]) -> int:
      "--num-virtual-stages-per-pipeline-rank", "--pipeline-schedule gpipe does not run virtual "
      "stages yet"),
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "flush",
-      "--overlap-grad-reduce"], "--overlap-grad-reduce", "not yet with virtual stages"),
+      "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--overlap-param-gather", "not yet with virtual stages"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "pipedream"],
      "--num-layers-per-virtual-pipeline-stage", "pipedream does not run virtual stages yet"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "2bw",

@@ -157,9 +157,15 @@ ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and
 PER_STAGE = ("pipedream", "pipemare")
 """Rules of tests/reference.py that hold weights per stage (they need the depth)."""
 TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
+OVERLAP = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layers of virtual stage cd + s
     Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS),
     Case("flush", d=4, m=4, w=1, iters=5, flags=TWO_CHUNKS, layers=8),
+    # each chunk's bucket reductions launched at its last backward (from DDP's hooks, or
+    # after it with --align-grad-reduce's grad_sync_func), as megatron-core's interleaved 1F1B
+    Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS + OVERLAP),
+    Case("flush", d=2, m=4, w=2, iters=5,
+         flags=TWO_CHUNKS + OVERLAP + ("--no-align-grad-reduce",)),
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS),  # the deferred step over 2 chunks
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, deferred=False),
     Case("2bw", d=4, m=8, w=1, iters=6, flags=TWO_CHUNKS, layers=8),  # m V >= 2(d-1) + d
@@ -472,6 +478,9 @@ def test_interleaved_schedules_match_their_references(launch, case):
                  for path in (launch.out / case.name).glob("rank*.pt")}
         assert modes == ({"deferred"} if case.deferred else
                          {"at the loop's optimizer.step() (--no-deferred-step)"}), modes
+    if "--no-align-grad-reduce" in case.flags:  # each chunk's last backward launched its own
+        assert all(torch.load(path)["hooks_reduced"]
+                   for path in (launch.out / case.name).glob("rank*.pt"))
     _check_against_reference(launch, case)
 
 

@@ -70,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -117,6 +117,8 @@ class _Call:
     force_all_reduce: bool
     last_param_grads: Action | None = None
     """The call's last B or W: the one whose parameter gradients complete the batch."""
+    last_param_grads_of: dict = field(default_factory=dict)
+    """chunk -> the call's last B or W of that chunk (its gradients complete the chunk's)."""
     split_backward: bool = False
     """The call's backwards are split into I and W."""
 
@@ -280,8 +282,9 @@ class PipelineRunner:
         program = call_program(schedule, self.depth, m, self.stage, batch,
                                fill=self.pipeline_empty, drain=drain, chunks=self.chunks)
         actions = [step for step in program if isinstance(step, Action)]
-        call.last_param_grads = next((a for a in reversed(actions)
-                                      if a.kind in MAKES_PARAM_GRADS), None)
+        makes_grads = [a for a in actions if a.kind in MAKES_PARAM_GRADS]
+        call.last_param_grads = makes_grads[-1] if makes_grads else None
+        call.last_param_grads_of = {a.chunk: a for a in makes_grads}
         call.split_backward = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._execute(program, call, self._run)
         self.batches_done += 1
@@ -452,7 +455,14 @@ class PipelineRunner:
         """Around a B or W: all but the call's last run under ``config.no_sync_func``.
         Megatron's 1F1B: with a grad_sync_func (--overlap-grad-reduce, aligned), only the first
         stage launches its bucket reductions from the last one's hooks; the others launch them
-        all once it is done."""
+        all once it is done. With virtual stages each chunk's last B or W of the call
+        completes that chunk's gradients, as in megatron-core's interleaved schedule: it runs
+        with the reductions on (only that chunk's parameters receive gradients), or, with a
+        grad_sync_func, launches that chunk's reductions right after it."""
+        if len(call.models) > 1:
+            with self._chunk_param_grads(action, call):
+                yield
+            return
         config = call.config
         last_of_batch = action == call.last_param_grads
         reduce_in_backward = last_of_batch and (config.grad_sync_func is None or self.stage == 0)
@@ -460,6 +470,16 @@ class PipelineRunner:
             yield
         if last_of_batch and not reduce_in_backward:
             config.grad_sync_func(call.model.parameters())
+
+    @contextlib.contextmanager
+    def _chunk_param_grads(self, action: Action, call: _Call):
+        config, c = call.config, action.chunk
+        last_of_chunk = action == call.last_param_grads_of.get(c)
+        reduce_in_backward = last_of_chunk and config.grad_sync_func is None
+        with contextlib.nullcontext() if reduce_in_backward else _no_sync(config):
+            yield
+        if last_of_chunk and not reduce_in_backward:
+            config.grad_sync_func[c](call.models[c].parameters())
 
     def _step(self, action: Action, call: _Call) -> None:
         if self.deferred is not None:
