@@ -115,10 +115,9 @@ class _Call:
     num_tokens: torch.Tensor
     pg_collection: object
     force_all_reduce: bool
-    last_param_grads: Action | None = None
-    """The call's last B or W: the one whose parameter gradients complete the batch."""
     last_param_grads_of: dict = field(default_factory=dict)
-    """chunk -> the call's last B or W of that chunk (its gradients complete the chunk's)."""
+    """chunk -> the call's last B or W of that chunk: its parameter gradients complete the
+    chunk's for the batch."""
     split_backward: bool = False
     """The call's backwards are split into I and W."""
 
@@ -160,8 +159,9 @@ class PipelineRunner:
         self.step_mode: str | None = None  # how 2BW steps, once known (first call)
         self.pipemare = PipeMareOptions()
         self.correction: DiscrepancyCorrection | None = None  # pipemare's T2, once bound
-        # T2's delta read from a checkpoint, (tensors, version), until the correction binds
-        self.loaded_delta: tuple[list[torch.Tensor], int] | None = None
+        # T2's delta read from a checkpoint (at the newest version, which the correction binds
+        # at before the next step), until the correction binds
+        self.loaded_delta: list[torch.Tensor] | None = None
         # (microbatch, chunk) -> the version its forward read, until its backward
         self.forward_read: dict[tuple[int, int], int] = {}
 
@@ -282,9 +282,7 @@ class PipelineRunner:
         program = call_program(schedule, self.depth, m, self.stage, batch,
                                fill=self.pipeline_empty, drain=drain, chunks=self.chunks)
         actions = [step for step in program if isinstance(step, Action)]
-        makes_grads = [a for a in actions if a.kind in MAKES_PARAM_GRADS]
-        call.last_param_grads = makes_grads[-1] if makes_grads else None
-        call.last_param_grads_of = {a.chunk: a for a in makes_grads}
+        call.last_param_grads_of = {a.chunk: a for a in actions if a.kind in MAKES_PARAM_GRADS}
         call.split_backward = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._execute(program, call, self._run)
         self.batches_done += 1
@@ -303,8 +301,8 @@ class PipelineRunner:
         if span > 0:
             self.correction = DiscrepancyCorrection(self.versions, decay, span)
             if self.loaded_delta is not None:
-                self.correction.delta, self.correction.version = self.loaded_delta
-                self.loaded_delta = None
+                self.correction.delta = self.loaded_delta
+        self.loaded_delta = None
 
     def _execute(self, program: list[Step], call: _Call, run_action: Callable) -> None:
         """Run a program's steps in order; on a failure print the grid with the step marked."""
@@ -452,34 +450,22 @@ class PipelineRunner:
 
     @contextlib.contextmanager
     def _param_grads(self, action: Action, call: _Call):
-        """Around a B or W: all but the call's last run under ``config.no_sync_func``.
-        Megatron's 1F1B: with a grad_sync_func (--overlap-grad-reduce, aligned), only the first
-        stage launches its bucket reductions from the last one's hooks; the others launch them
-        all once it is done. With virtual stages each chunk's last B or W of the call
-        completes that chunk's gradients, as in megatron-core's interleaved schedule: it runs
-        with the reductions on (only that chunk's parameters receive gradients), or, with a
-        grad_sync_func, launches that chunk's reductions right after it."""
-        if len(call.models) > 1:
-            with self._chunk_param_grads(action, call):
-                yield
-            return
-        config = call.config
-        last_of_batch = action == call.last_param_grads
-        reduce_in_backward = last_of_batch and (config.grad_sync_func is None or self.stage == 0)
-        with contextlib.nullcontext() if reduce_in_backward else _no_sync(config):
-            yield
-        if last_of_batch and not reduce_in_backward:
-            config.grad_sync_func(call.model.parameters())
-
-    @contextlib.contextmanager
-    def _chunk_param_grads(self, action: Action, call: _Call):
+        """Around a B or W: each chunk's last one of the call completes that chunk's gradients;
+        all others run under ``config.no_sync_func``. With a grad_sync_func (--overlap-grad-
+        reduce, aligned) the chunk's bucket reductions are launched right after its last one,
+        except on the first stage of Megatron's 1F1B (one chunk), which launches them from that
+        backward's hooks; with virtual stages every stage launches them after, as megatron-core's
+        interleaved schedule does (a chunk's backward gives gradients to its parameters only)."""
         config, c = call.config, action.chunk
         last_of_chunk = action == call.last_param_grads_of.get(c)
-        reduce_in_backward = last_of_chunk and config.grad_sync_func is None
-        with contextlib.nullcontext() if reduce_in_backward else _no_sync(config):
+        sync_after = config.grad_sync_func is not None and (len(call.models) > 1
+                                                            or self.stage > 0)
+        with contextlib.nullcontext() if last_of_chunk and not sync_after else _no_sync(config):
             yield
-        if last_of_chunk and not reduce_in_backward:
-            config.grad_sync_func[c](call.models[c].parameters())
+        if last_of_chunk and sync_after:
+            grad_sync = config.grad_sync_func
+            chunk_sync = grad_sync[c] if isinstance(grad_sync, (list, tuple)) else grad_sync
+            chunk_sync(call.models[c].parameters())
 
     def _step(self, action: Action, call: _Call) -> None:
         if self.deferred is not None:
@@ -537,8 +523,7 @@ class PipelineRunner:
                 self.correction.track()
                 delta = self.correction.delta
             else:  # the last stage corrects nothing; its layers' shards complete the tensors
-                delta = [torch.zeros_like(t) for t in self.versions.tensors_of(
-                    self.versions.newest)]
+                delta = self._weights_shaped_zeros()
             sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
                                                          _DELTA_PREFIX)
 
@@ -556,10 +541,12 @@ class PipelineRunner:
         sharded["twobw_older_weights"] = _version_sharded(model, self.versions,
                                                           self.versions.spare_tensors())
         if self._corrects() and _has_sharded(path, _DELTA_PREFIX):
-            delta = [torch.zeros_like(t) for t in self.versions.tensors_of(self.versions.newest)]
-            self.loaded_delta = (delta, -1)
-            sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
+            self.loaded_delta = self._weights_shaped_zeros()
+            sharded["pipemare_delta"] = _version_sharded(model, self.versions, self.loaded_delta,
                                                          _DELTA_PREFIX)
+
+    def _weights_shaped_zeros(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(t) for t in self.versions.tensors_of(self.versions.newest)]
 
     def _corrects(self) -> bool:
         """Whether the run has PipeMare's T2 (the same on every rank: checkpoints hold delta
@@ -577,8 +564,6 @@ class PipelineRunner:
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
         self.versions.loaded(info["newest"], info["older"])
-        if self.loaded_delta is not None:  # saved at the newest version (checkpoint_extra)
-            self.loaded_delta = (self.loaded_delta[0], info["newest"])
 
 
 _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
