@@ -129,9 +129,9 @@ class Cluster:
         or fused attention). ValueError (one line) for flash or fused on devices without."""
         if backend in ("flash", "fused"):
             if not self.flash_attention:
-                raise ValueError(f"--attention-backend {backend}: cluster {self.name}'s devices "
-                                 f"have no FlashAttention kernels (they need compute "
-                                 f"capability 8.0, A100 or later)")
+                raise ValueError(f"{backend}: cluster {self.name}'s devices have no "
+                                 f"FlashAttention kernels (they need compute capability 8.0, "
+                                 f"A100 or later)")
             return True
         if backend == "auto":
             return self.flash_attention and precision in ("fp16", "bf16")
