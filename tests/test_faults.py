@@ -196,6 +196,35 @@ def test_a_killed_rank_ends_the_run_without_stray_processes(tmp_path):
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
+_SAVE_QUEUE_HANDOVER = """
+import queue, sys
+from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+bind_helpers_to_this_process()
+results = filesystem_async._get_write_results_queue()
+late = 0
+for i in range(200):
+    results.put({0: [i]})
+    try:
+        got = results.get_nowait()
+    except queue.Empty:
+        late += 1
+        got = results.get(timeout=10)
+    assert got == {0: [i]}, got
+print("late", late)
+"""
+
+
+def test_the_save_result_queue_hands_over_at_once():
+    """A synchronous torch_dist save puts its writers' results into megatron-core's result
+    queue and reads them back at once with ``get_nowait`` in the same process; a queue whose put
+    lands later (a ``multiprocessing.Queue``'s feeder thread) failed saves under load with
+    "results_queue should not be empty". After binding, 200 put/get_nowait pairs never miss."""
+    result = launch.python(["-c", _SAVE_QUEUE_HANDOVER], timeout=60)
+    assert result.returncode == 0, result.tail()
+    assert "late 0" in result.output, result.tail()
+
+
 def test_a_wrong_load_path_does_not_overwrite_another_run(tmp_path):
     """--load names an empty directory while --save holds a run: refused up front, one line,
     exit 2, the other run's tracker untouched; --overwrite-save is the way past it."""

@@ -7,16 +7,20 @@ the OOM killer, torchrun stopping the others) runs no clean-up, so both outlived
 
 :func:`bind_helpers_to_this_process` (idempotent, Linux) makes every process forked from this
 one receive SIGKILL when this one dies (``PR_SET_PDEATHSIG``), and hands the checkpoint writer a
-fork-context queue instead of the Manager's (a synchronous save puts and gets its results in
-this process and its forked writers only), so no spawned server exists at all.
+plain in-process queue instead of the Manager's, so no spawned server exists at all. A
+synchronous save (--async-save is refused) puts its writers' collected results into that queue
+and reads them back in this same process; the forked writers report through a queue of their
+own. The queue must hand over synchronously: megatron-core reads it with ``get_nowait`` right
+after the put, and a ``multiprocessing.Queue`` only reaches its pipe later, through a feeder
+thread, so under load the save failed with "results_queue should not be empty".
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import multiprocessing
 import os
+import queue
 import signal
 import sys
 
@@ -49,4 +53,4 @@ def bind_helpers_to_this_process() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+        filesystem_async._results_queue = queue.Queue()
