@@ -387,6 +387,43 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert f"resumed from {root} at iteration 2" in resumed.output
 
 
+def _state_fails_on_rank_1_worker(rank: int, world: int, root: str) -> dict:
+    from megatron_2bw.training.checkpointing import (CheckpointError, TrainState,
+                                                     save_checkpoint)
+    from tests.test_overlap import _build
+
+    args, _, model, optimizer, scheduler, _, _ = _build(world, "megatron", [])
+
+    def extra(sharded: dict) -> None:  # a schedule's own entries, unavailable on rank 1
+        if rank == 1:
+            raise RuntimeError("rank 1 has no second weight version")
+
+    started = time.monotonic()
+    try:
+        save_checkpoint(root, model, optimizer, scheduler, TrainState(iteration=3), args,
+                        extra=extra)
+    except CheckpointError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_state_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """Rank 1 cannot build its state dict (before any of dist_checkpointing's collectives, which
+    rank 0 would enter and wait in until the process-group timeout): both ranks raise
+    CheckpointError within seconds, rank 1 naming its cause and rank 0 "another rank", and
+    no directory of the failed save remains."""
+    root = tmp_path / "checkpoints"
+    results = launch.spawn(_state_fails_on_rank_1_worker, 2, str(root), out_dir=tmp_path / "out",
+                           timeout=50)
+    prefix = f"--save: could not write the checkpoint of iteration 3 to {root}/iter_0000003 ("
+    suffix = "); no earlier checkpoint exists"
+    assert results[1]["error"] == f"{prefix}RuntimeError: rank 1 has no second weight version" \
+                                  f"{suffix}", results
+    assert results[0]["error"] == f"{prefix}it failed on another rank{suffix}", results
+    assert all(r["seconds"] < 20 for r in results), results
+    assert list(root.iterdir()) == [], list(root.iterdir())
+
+
 def test_ckpt_keep_keeps_the_newest(tmp_path):
     """--ckpt-keep 2 with a save every iteration: after 4 iterations iterations 3 and 4 remain,
     the tracker names 4."""

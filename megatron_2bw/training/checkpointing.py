@@ -297,9 +297,11 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
     --no-save-rng leave those parts out). ``extra(sharded_state_dict)`` may add entries (the
     2BW schedule adds its second weight version). With ``keep``, only the ``keep`` newest
     checkpoints remain, older ones deleted after the new one is complete and named by the
-    tracker. A write that fails on any rank (a full disk) fails on every rank with
-    CheckpointError; the partial directory is removed and the previous checkpoints and the
-    tracker are untouched."""
+    tracker. A save that fails on any rank (a full disk, a state that cannot be gathered)
+    fails on every rank with CheckpointError; the partial directory is removed and the previous
+    checkpoints and the tracker are untouched. Every step a rank can fail alone (rank 0's
+    directory, each rank's state dict, the write, rank 0's publishing) is followed by an
+    agreement, so no rank is left waiting in a collective the failed one never enters."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
@@ -309,12 +311,16 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
 
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
+    error = None
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
-    dist.barrier()
+        error = _attempt(lambda: os.makedirs(tmp, exist_ok=True))
+    _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
     metadata = _content_metadata(args)
-    sharded = _state_to_save(model, optimizer, scheduler, state, args, metadata, extra)
+    sharded: dict = {}
+    error = _attempt(lambda: sharded.update(
+        _state_to_save(model, optimizer, scheduler, state, args, metadata, extra)))
+    _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
     error = _attempt(lambda: dist_checkpointing.save(
         sharded, tmp, content_metadata=_clean_metadata_for_serialization(metadata)))
     _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
