@@ -588,10 +588,11 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
              f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
              f"(V = {V}); use --pipeline-schedule {' or '.join(VIRTUAL_STAGE_SCHEDULES)}")
     if args.pipeline_schedule != "megatron":
-        _require(not args.overlap_param_gather, "--overlap-param-gather",
-                 f"not yet with virtual stages under --pipeline-schedule "
-                 f"{args.pipeline_schedule} (each chunk's all-gather would be launched ahead of "
-                 f"its first forward by the schedule, as megatron-core's interleaved one does)")
+        _require(not args.overlap_param_gather_with_optimizer_step,
+                 "--overlap-param-gather-with-optimizer-step",
+                 f"not yet under --pipeline-schedule {args.pipeline_schedule} (megatron-core "
+                 f"then gives chunk 0 an optimizer of its own); use --overlap-param-gather "
+                 f"alone, whose all-gathers the schedule launches ahead of each chunk")
     least = 2 if args.overlap_p2p_comm or args.pipeline_schedule != "megatron" else 3
     _require(pp >= least, "--pipeline-model-parallel-size",
              f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"

@@ -200,6 +200,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
+    param_gathers = _count_param_gathers(config, model)
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
@@ -230,10 +231,31 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 # DDP's hooks ran with the reductions on at some backward (a bucket group
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
-                                     for group in getattr(chunk, "bucket_groups", ()))},
+                                     for group in getattr(chunk, "bucket_groups", ())),
+                "param_gathers": param_gathers},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
+
+
+def _count_param_gathers(config, model: list) -> list[dict]:
+    """Per chunk, as the run goes: how often the schedule launched its parameter all-gathers
+    (``config.param_sync_func``: virtual stages with --overlap-param-gather) and how often one
+    of its bucket groups had been launched already then (a pre-hook was first: too late)."""
+    counts = [{"launched": 0, "late": 0} for _ in model]
+    if not isinstance(config.param_sync_func, list):
+        return counts
+
+    def counted(chunk: int, launch):
+        def launch_counted(*args, **kwargs):
+            counts[chunk]["launched"] += 1
+            counts[chunk]["late"] += any(group.param_gather_dispatched
+                                         for group in model[chunk].bucket_groups)
+            return launch(*args, **kwargs)
+        return launch_counted
+
+    config.param_sync_func = [counted(c, f) for c, f in enumerate(config.param_sync_func)]
+    return counts
 
 
 def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,

@@ -176,9 +176,10 @@ def _world(flags: list[str]) -> int:
     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "gpipe"],
      "--num-virtual-stages-per-pipeline-rank", "--pipeline-schedule gpipe does not run virtual "
      "stages yet"),
-    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "flush",
-      "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-     "--overlap-param-gather", "not yet with virtual stages"),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "2bw",
+      "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+      "--overlap-param-gather-with-optimizer-step"],
+     "--overlap-param-gather-with-optimizer-step", "not yet under --pipeline-schedule 2bw"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-schedule", "pipedream"],
      "--num-layers-per-virtual-pipeline-stage", "pipedream does not run virtual stages yet"),
     (["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "2bw",

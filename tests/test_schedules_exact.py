@@ -158,6 +158,7 @@ PER_STAGE = ("pipedream", "pipemare")
 """Rules of tests/reference.py that hold weights per stage (they need the depth)."""
 TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
 OVERLAP = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
+GATHER = ("--use-distributed-optimizer", "--overlap-param-gather") + OVERLAP
 INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layers of virtual stage cd + s
     Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS),
     Case("flush", d=4, m=4, w=1, iters=5, flags=TWO_CHUNKS, layers=8),
@@ -166,6 +167,11 @@ INTERLEAVED_CASES = [  # virtual stages: chunk c of stage s holds layers of virt
     Case("flush", d=2, m=4, w=2, iters=5, flags=TWO_CHUNKS + OVERLAP),
     Case("flush", d=2, m=4, w=2, iters=5,
          flags=TWO_CHUNKS + OVERLAP + ("--no-align-grad-reduce",)),
+    # the distributed optimizer's all-gathers launched ahead as megatron-core's interleaved
+    # 1F1B launches them: chunks 0 and 1 as the call begins, chunk 2 at chunk 1's first forward
+    Case("flush", d=2, m=4, w=2, iters=5, layers=6,
+         flags=("--num-virtual-stages-per-pipeline-rank", "3") + GATHER),
+    Case("2bw", d=2, m=4, w=2, iters=6, flags=TWO_CHUNKS + GATHER, deferred=False),
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS),  # the deferred step over 2 chunks
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, deferred=False),
     Case("2bw", d=4, m=8, w=1, iters=6, flags=TWO_CHUNKS, layers=8),  # m V >= 2(d-1) + d
@@ -481,6 +487,11 @@ def test_interleaved_schedules_match_their_references(launch, case):
     if "--no-align-grad-reduce" in case.flags:  # each chunk's last backward launched its own
         assert all(torch.load(path)["hooks_reduced"]
                    for path in (launch.out / case.name).glob("rank*.pt"))
+    if "--overlap-param-gather" in case.flags:  # every chunk's, once per call, none too late
+        for path in (launch.out / case.name).glob("rank*.pt"):
+            gathers = torch.load(path)["param_gathers"]
+            assert gathers == [{"launched": case.iters, "late": 0}] * len(gathers) \
+                and len(gathers) > 1, (path, gathers)
     _check_against_reference(launch, case)
 
 

@@ -34,6 +34,14 @@ Steps are dispatched through a table:
        2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
        deferred 2BW step, begin it (the first action reading the new version applies it)
 
+Parameter all-gathers (the distributed optimizer with --overlap-param-gather): without virtual
+stages DDP's forward pre-hooks launch them. With virtual stages and --align-param-gather
+(``config.param_sync_func``, one per chunk) they are launched as megatron-core's interleaved
+1F1B launches them: chunks 0 and 1 when a training call begins (after the last step), chunk
+c+1 when chunk c's first forward of the call runs; each chunk's pre-hooks then wait for its
+own. Every rank of a data-parallel group runs the same action list, so they launch them in
+the same order.
+
 Split backward (zb-h1): autograd saves no split, so W traverses the microbatch's graph again
 (on the first stage W is the whole backward), and a stage keeps a microbatch's whole graph
 until its W; some backwards modify what they saved in place (megatron-core's vocab-parallel
@@ -120,6 +128,9 @@ class _Call:
     chunk's for the batch."""
     split_backward: bool = False
     """The call's backwards are split into I and W."""
+    gathers_next_chunk_at: dict = field(default_factory=dict)
+    """chunk c+1 -> chunk c's first forward of the call, where chunk c+1's parameter
+    all-gathers are launched (virtual stages with ``config.param_sync_func``; c+1 >= 2)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -284,12 +295,28 @@ class PipelineRunner:
         actions = [step for step in program if isinstance(step, Action)]
         call.last_param_grads_of = {a.chunk: a for a in actions if a.kind in MAKES_PARAM_GRADS}
         call.split_backward = any(a.kind is Kind.INPUT_GRAD for a in actions)
+        self._launch_param_gathers(call, actions)
         self._execute(program, call, self._run)
         self.batches_done += 1
         self.pipeline_empty = drain
         self.in_flight_m = None if drain else m
         self.drain_next = False
         return call.losses
+
+    def _launch_param_gathers(self, call: _Call, actions: list[Action]) -> None:
+        """Virtual stages with --overlap-param-gather and --align-param-gather: launch chunks
+        0 and 1's all-gathers now and note where each later chunk's is launched (its
+        predecessor's first forward), as megatron-core's interleaved schedule does."""
+        param_sync = call.config.param_sync_func
+        if param_sync is None or len(call.models) == 1:
+            return
+        for chunk in range(2):
+            param_sync[chunk](call.models[chunk].parameters())
+        for action in actions:
+            after = action.chunk + 1
+            if (action.kind is Kind.FORWARD and 2 <= after < len(call.models)
+                    and after not in call.gathers_next_chunk_at):
+                call.gathers_next_chunk_at[after] = action
 
     def _bind_correction(self, microbatches: int) -> None:
         """PipeMare's T2 on this stage, from its first call on (none where no backward reads
@@ -380,6 +407,8 @@ class PipelineRunner:
         if self.versions is not None:
             self.versions.use(action.version)
         k, m, c = action.microbatch, call.num_microbatches, action.chunk
+        if call.gathers_next_chunk_at.get(c + 1) is action:
+            call.config.param_sync_func[c + 1](call.models[c + 1].parameters())
         input_tensor = self._input(k, c)
         with _saved_tensors_copied_on_use() if call.traversed_twice(self) else \
                 contextlib.nullcontext():
