@@ -142,6 +142,28 @@ def test_resume_matches_uninterrupted_run(tiny_gpt_data, tmp_path, schedule):
     _same(resumed.validation, full.validation, [TRAIN_ITERS])
 
 
+def test_evaluations_and_a_resume_leave_the_dropout_masks_alone(tiny_gpt_data, tmp_path):
+    """With dropout (0.1), DP=2, 6 iterations: a run that evaluates after iterations 2 and 4,
+    stopped at 3 with a checkpoint and resumed, logs the training losses of a run that
+    evaluates only at the end. Data iterators (the resumed run's, each evaluation's) draw
+    their seed from the generator dropout reads; drawn from it, they shifted every later mask
+    (the losses moved by ~1e-3)."""
+    flags = [*model_flags(tiny_gpt_data, tp=1, pp=1), "--hidden-dropout", "0.1",
+             "--attention-dropout", "0.1", "--train-iters", "6", "--eval-iters", "1"]
+    checkpoint = str(tmp_path / "checkpoint")
+    quiet = train([*flags, "--eval-interval", "6"])
+    quiet.check_succeeded()
+    evaluating = [*flags, "--eval-interval", "2"]
+    stopped = train([*evaluating, "--save", checkpoint, "--exit-interval", "3"])
+    stopped.check_succeeded()
+    resumed = train([*evaluating, "--load", checkpoint])
+    resumed.check_succeeded()
+    assert list(stopped.validation) == [2] and list(resumed.validation) == [4, 6], \
+        (stopped.validation, resumed.validation)
+    _same(stopped.losses, quiet.losses, range(1, 4), rtol=1e-6)
+    _same(resumed.losses, quiet.losses, range(4, 7), rtol=1e-6)
+
+
 def _saved_tensors(root: Path, iteration: int, prefix: str) -> dict:
     """The tensors under ``prefix`` keys of a saved checkpoint, read offline."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -102,7 +102,8 @@ class Trainer:
         self.flops_per_iteration = logs.transformer_flops_per_iteration(args, vocab_size)
         self.state = self._maybe_load()
         _start_batch_size_ramp(args, self.info.rank, self.state.consumed_train_samples)
-        self.data = _per_chunk_data(data_provider, args, self.state, len(self.model))
+        with _training_rng_untouched():
+            self.data = _per_chunk_data(data_provider, args, self.state, len(self.model))
         self.housekeeping = Housekeeping(args, self.info.rank, self.info.device,
                                          self.logger.print)
 
@@ -216,9 +217,10 @@ class Trainer:
         self._drain()
         for chunk in self.model:
             chunk.eval()
-        iterator, losses = make_iterator(), []
+        losses = []
         with self.housekeeping.evaluating(), logs.timers_detached(self.config), \
-                build.forward_pre_hook_paused(self.model):
+                build.forward_pre_hook_paused(self.model), _training_rng_untouched():
+            iterator = make_iterator()
             for _ in range(self.args.eval_iters):
                 loss_dicts = self.forward_backward(  # full batches, as Megatron-LM evaluates
                     data_iterator=iterator,
@@ -392,6 +394,19 @@ class Trainer:
 
 def _virtual_stages_note(chunks: int) -> str:
     return "" if chunks == 1 else f", {chunks} virtual stages (model chunks) per pipeline rank"
+
+
+@contextlib.contextmanager
+def _training_rng_untouched():
+    """Around building data iterators and around evaluations: torch's global CPU generator is
+    as it was before. A DataLoader iterator draws its base seed from that generator when it is
+    made (an evaluation's cyclic one at its first batch), and dropout reads the same generator
+    (the CPU runtime's "cuda" generator is that one). Without this, the iterators a resumed run
+    builds after restoring the checkpoint's RNG state, and every evaluation, would shift the
+    dropout masks of the iterations after them: a resumed run, or one that evaluates, would not
+    train as the uninterrupted run without evaluations does."""
+    with torch.random.fork_rng(devices=[]):
+        yield
 
 
 def _per_chunk_data(data_provider: Callable[[argparse.Namespace, TrainState], DataIterators],
