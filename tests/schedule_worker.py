@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `pretrain_gpt
 
 import torch
 
-from megatron_2bw.runtime.ports import free_port
+from megatron_2bw.runtime.ports import free_port, free_ports
 
 from tests.reference import MODEL, Model, microbatch
 
@@ -340,16 +340,27 @@ def _stopped(pid: int) -> bool:
 
 def fork_all(world: int, logs: Path, timeout_s: float, target, *target_args) -> dict:
     """Fork `world` processes running `target`; wait for each (killing all at the deadline)."""
+    return _wait(*_fork(world, logs, free_port(), target, *target_args), timeout_s)
+
+
+def _fork(world: int, logs: Path, port: int, target, *target_args) -> tuple[list, float]:
+    """`world` started processes running `target` (one process group on `port`), and when
+    they started."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
     logs.mkdir(parents=True, exist_ok=True)
-    port, started = free_port(), time.perf_counter()
+    started = time.perf_counter()
     procs = [context.Process(target=_child, args=(rank, world, port, str(logs / f"rank{rank}.log"),
                                                   target, *target_args))
              for rank in range(world)]
     for p in procs:
         p.start()
+    return procs, started
+
+
+def _wait(procs: list, started: float, timeout_s: float) -> dict:
+    """Wait for the processes of one `_fork`, killing all of them at the deadline."""
     deadline = started + timeout_s
     while any(p.is_alive() for p in procs) and time.perf_counter() < deadline:
         if all(_stopped(p.pid) for p in procs if p.is_alive()):
@@ -386,9 +397,18 @@ def launch(spec_path: str) -> None:
                                          spec["init"], spec["out"], spec["reference"])
         print("reference:", summary["reference"], flush=True)
     if summary.get("reference", {}).get("exit_codes", [0]) == [0]:
-        for name, group in spec.get("groups", {}).items():
-            summary[name] = fork_all(group["world"], out / name, group.get("timeout_s", 300),
-                                      run_group, spec, name)
+        groups = spec.get("groups", {})
+        for name, group in groups.items():
+            if not group.get("waits"):
+                summary[name] = fork_all(group["world"], out / name,
+                                          group.get("timeout_s", 300), run_group, spec, name)
+                print(f"{name}:", summary[name], flush=True)
+        # groups that mostly wait (for a failed peer, until their timeout) run side by side
+        waits = [name for name, group in groups.items() if group.get("waits")]
+        waiting = {name: _fork(groups[name]["world"], out / name, port, run_group, spec, name)
+                   for name, port in zip(waits, free_ports(len(waits)))}
+        for name, forked in waiting.items():
+            summary[name] = _wait(*forked, groups[name].get("timeout_s", 300))
             print(f"{name}:", summary[name], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))
 

@@ -234,6 +234,7 @@ def _groups() -> dict:
         # the survivors wait for the failed rank's receives at most 0.2 minutes, as under NCCL
         # (gloo would notice the closed connection; strict mode, like NCCL, does not)
         groups[group] = {"world": case.world, "timeout_s": 60, "timeout_minutes": 0.2,
+                         "waits": True,
                          "runs": [{**case.run(), "fail": {"stage": stage, "send": send}}]}
     return groups
 
