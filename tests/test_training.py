@@ -178,21 +178,22 @@ def test_pipemare_discrepancy_correction_resumes_with_its_delta(tiny_gpt_data, t
     """PipeMare with T2 (D = 0.9): delta, the running average of each stage's updates, goes
     into the checkpoint and comes back. Its effect on the losses is below their printed
     precision here (about lr^2), so the test reads delta itself: saved at the end of an
-    uninterrupted run and of a run stopped at STOP_AT and resumed, the two are equal, while
-    restarting delta at zero would leave 0.9^12 = 28% of the stop's delta missing. Stage 0's
-    delta is non-zero, the last stage's (which corrects nothing) zero."""
-    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2), "--pipeline-schedule", "pipemare",
-             "--pipemare-discrepancy-decay", "0.9"]
+    uninterrupted run of 12 iterations and of a run stopped at 6 and resumed, the two are
+    equal, while restarting delta at zero would leave 0.9^6 = 53% of the stop's delta
+    missing. Stage 0's delta is non-zero, the last stage's (which corrects nothing) zero."""
+    iters, stop_at = 12, 6
+    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2, schedule="pipemare"),
+             "--pipemare-discrepancy-decay", "0.9", "--train-iters", str(iters)]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     full = train([*flags, "--save", str(whole)])
     full.check_succeeded()
-    train([*flags, "--save", str(parts), "--exit-interval", str(STOP_AT)]).check_succeeded()
+    train([*flags, "--save", str(parts), "--exit-interval", str(stop_at)]).check_succeeded()
     resumed = train([*flags, "--load", str(parts), "--save", str(parts)])
     resumed.check_succeeded()
-    _same(resumed.losses, full.losses, range(STOP_AT + 1, TRAIN_ITERS + 1))
+    _same(resumed.losses, full.losses, range(stop_at + 1, iters + 1))
 
-    expected = _saved_tensors(whole, TRAIN_ITERS, "pipemare_delta.")
-    actual = _saved_tensors(parts, TRAIN_ITERS, "pipemare_delta.")
+    expected = _saved_tensors(whole, iters, "pipemare_delta.")
+    actual = _saved_tensors(parts, iters, "pipemare_delta.")
     assert expected and sorted(actual) == sorted(expected)
     for key, tensor in expected.items():
         torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-9, msg=key)
