@@ -90,6 +90,10 @@ FLAG_CASES = {
         ["--num-layers", "four"],
         ["--num-layers", "4"],
         1, "--num-layers", ["'four'"]),
+    "fp8-with-two-weight-versions": (
+        ["--pipeline-schedule", "2bw", "--fp8-format", "hybrid"],
+        ["--pipeline-schedule", "flush", "--fp8-format", "hybrid"],
+        1, "--fp8-format", ["--pipeline-schedule 2bw", "first microbatch", "look-ahead"]),
 }
 
 
@@ -100,6 +104,22 @@ def test_flag_error(tiny_gpt_data, case):
     parse_args([*TINY, *repaired, *data], world_size=world)  # the repaired twin is valid
     result = launch.python([SCRIPT, *TINY, *bad, *data], timeout=60, WORLD_SIZE=str(world))
     assert_one_error_line(result, flag, *fragments)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "pipedream", "pipemare"])
+@pytest.mark.parametrize("flag, value", [("--fp8-format", "e4m3"), ("--fp4-format", "e2m1")])
+def test_low_precision_weights_are_refused_where_two_versions_live(schedule, flag, value):
+    """transformer-engine caches a weight's FP8/FP4 copy at a batch's first microbatch; a
+    schedule whose look-ahead forwards read another version than the batch's backwards would
+    overwrite it. The schedules with one version per batch accept the flag (no effect on the
+    CPU)."""
+    from megatron_2bw.arguments import FlagError
+
+    flags = [*TINY, "--global-batch-size", "4", "--mock-data"]
+    with pytest.raises(FlagError, match=f"^{flag}: not with --pipeline-schedule {schedule}: "):
+        parse_args([*flags, "--pipeline-schedule", schedule, flag, value], world_size=1)
+    for accepted in ("flush", "gpipe", "zb-h1", "naive", "megatron"):
+        parse_args([*flags, "--pipeline-schedule", accepted, flag, value], world_size=1)
 
 
 # flag, bad value, a valid value, the interval the message must state
