@@ -120,6 +120,29 @@ def test_cpu_runtime_on_cuda_is_refused(clean_runtime, monkeypatch):
     assert calls == []
 
 
+def test_per_token_loss_count_is_on_the_stage_device(monkeypatch):
+    """--calculate-per-token-loss: a call's token count is created on the stage's device, the
+    one its exchanges use (``training_device()``), as megatron-core's schedules create it
+    (``torch.zeros([], dtype=torch.int, device="cuda")``): the last stage adds the loss
+    function's device count to it and ``finalize_model_grads`` broadcasts it over the pipeline
+    group, NCCL on a GPU. "meta" stands in for the GPU (a count made on the CPU is not on it)."""
+    from types import SimpleNamespace
+
+    from megatron_2bw.schedules import executor
+
+    stage_device = torch.device("meta")
+    runner = executor.PipelineRunner("flush")
+    monkeypatch.setattr(runner, "_setup", lambda *_: setattr(
+        runner, "comm", SimpleNamespace(device=stage_device)))
+    monkeypatch.setattr(runner, "_train_call", lambda call: call)
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace()
+    call = runner(forward_step_func=None, data_iterator=None, model=model, num_microbatches=2,
+                  seq_length=4, micro_batch_size=1)
+    assert call.num_tokens.device == stage_device
+    assert (call.num_tokens.shape, call.num_tokens.dtype) == (torch.Size([]), torch.int)
+
+
 # ---- batches --------------------------------------------------------------------------------
 
 def test_to_device_on_cpu_moves_and_pins_nothing():

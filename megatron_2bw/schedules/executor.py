@@ -190,7 +190,7 @@ class PipelineRunner:
                     seq_length if decoder_seq_length is None else decoder_seq_length,
                     micro_batch_size)
         call = _Call(forward_step_func, _iterators(data_iterator, len(models)), models, config,
-                     num_microbatches, [], torch.zeros([], dtype=torch.int), pg_collection,
+                     num_microbatches, [], token_count(self.comm.device), pg_collection,
                      force_all_reduce)
         if forward_only:
             return self._forward_only(call, collect_non_loss_data)
@@ -609,6 +609,15 @@ def _saved_tensors_copied_on_use():
     per saved tensor per traversal; the saved tensors themselves are not copied."""
     with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, torch.clone):
         yield
+
+
+def token_count(device: torch.device) -> torch.Tensor:
+    """A call's running count of loss tokens (--calculate-per-token-loss), zero, on the stage's
+    training device as megatron-core's schedules create it (``torch.zeros([], dtype=torch.int,
+    device="cuda")``): the last stage adds the loss function's count, a tensor on that device,
+    and ``finalize_model_grads`` broadcasts it over the pipeline group, which under NCCL takes
+    device tensors only."""
+    return torch.zeros([], dtype=torch.int, device=device)
 
 
 def _run_backward(output: torch.Tensor, output_grad: torch.Tensor, inputs: tuple, *,
