@@ -14,6 +14,10 @@ Invariants:
   * The corrected weights live in the store's spare slot (``WeightVersions.use_derived``): the
     backwards that read them come after every forward of the call that reads the older
     version there.
+  * ``delta`` is fp32 whatever the parameters' dtype, as megatron-core keeps main parameters:
+    in bf16 a learning-rate-sized W(t+1) - W(t), scaled by 1 - gamma, is below the rounding
+    step of delta and would be lost; each difference of two versions is taken in fp32 (exact
+    for 16-bit weights), and the corrected weights are rounded to the parameters' dtype once.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ import torch
 
 from .weights import WeightVersions
 
-__all__ = ["DiscrepancyCorrection"]
+__all__ = ["DiscrepancyCorrection", "zeros_like_delta"]
+
+DELTA_DTYPE = torch.float32
+
+
+def zeros_like_delta(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """delta(0) = 0 for ``weights``: their shapes and device, in fp32."""
+    return [torch.zeros_like(w, dtype=DELTA_DTYPE) for w in weights]
 
 
 class DiscrepancyCorrection:
@@ -33,7 +44,7 @@ class DiscrepancyCorrection:
             raise ValueError(f"need 0 < D < 1 and a span >= 1, got D={decay}, span={span}")
         self.versions = versions
         self.gamma = decay ** (1.0 / span)
-        self.delta = [torch.zeros_like(t) for t in versions.tensors_of(versions.newest)]
+        self.delta = zeros_like_delta(versions.tensors_of(versions.newest))
         self.version = versions.newest
 
     def track(self) -> None:
@@ -48,7 +59,8 @@ class DiscrepancyCorrection:
         with torch.no_grad():
             for delta, new, old in zip(self.delta, self.versions.tensors_of(newest),
                                        self.versions.tensors_of(newest - 1)):
-                delta.mul_(gamma).add_(new - old, alpha=1.0 - gamma)
+                step = new.to(torch.float32, copy=True).sub_(old)  # exact: fp32 of 16-bit
+                delta.mul_(gamma).add_(step, alpha=1.0 - gamma)
         self.version = newest
 
     def use(self, version: int, scale: int) -> None:

@@ -180,9 +180,11 @@ def test_pipemare_discrepancy_correction_resumes_with_its_delta(tiny_gpt_data, t
     precision here (about lr^2), so the test reads delta itself: saved at the end of an
     uninterrupted run of 12 iterations and of a run stopped at 6 and resumed, the two are
     equal, while restarting delta at zero would leave 0.9^6 = 53% of the stop's delta
-    missing. Stage 0's delta is non-zero, the last stage's (which corrects nothing) zero."""
+    missing. Stage 0's delta is non-zero, the last stage's (which corrects nothing) zero.
+    In bf16, delta is kept and saved in fp32 (a bf16 delta would round its lr-sized steps
+    away)."""
     iters, stop_at = 12, 6
-    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2, schedule="pipemare"),
+    flags = [*model_flags(tiny_gpt_data, tp=1, pp=2, schedule="pipemare"), "--bf16",
              "--pipemare-discrepancy-decay", "0.9", "--train-iters", str(iters)]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     full = train([*flags, "--save", str(whole)])
@@ -196,6 +198,7 @@ def test_pipemare_discrepancy_correction_resumes_with_its_delta(tiny_gpt_data, t
     actual = _saved_tensors(parts, iters, "pipemare_delta.")
     assert expected and sorted(actual) == sorted(expected)
     for key, tensor in expected.items():
+        assert tensor.dtype == torch.float32, (key, tensor.dtype)
         torch.testing.assert_close(actual[key], tensor, rtol=1e-5, atol=1e-9, msg=key)
     layers = expected["pipemare_delta.decoder.layers.mlp.linear_fc1.weight"]  # (L, f, h)
     assert layers[0].abs().max() > 0 and layers[1].abs().max() == 0  # stage 0, stage 1

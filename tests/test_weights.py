@@ -123,3 +123,33 @@ def test_discrepancy_delta_follows_its_recurrence():
     versions.fork(4)
     with pytest.raises(RuntimeError, match="a step was not tracked"):
         correction.track()
+
+
+def test_discrepancy_delta_of_bf16_weights_keeps_learning_rate_sized_steps():
+    """In bf16 (the weights' dtype), delta is kept in fp32, as megatron-core keeps main
+    parameters: bf16 weights moved by learning-rate-sized steps (Adam at lr 1e-4: every element
+    by about lr per step), D = 0.99, s = 1 (gamma = 0.99), against the recurrence over the same
+    bf16 weights computed here in fp64. A bf16 delta rounds each (1 - gamma) (W(t+1) - W(t))
+    against its own rounding step (about 0.4 % of delta) and loses most of it."""
+    lr, gamma, steps = 1e-4, 0.99, 60
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter((0.02 * torch.randn(64)).to(torch.bfloat16))
+    versions = WeightVersions([weight])
+    correction = DiscrepancyCorrection(versions, decay=gamma, span=1)
+    signs = torch.where(torch.rand(steps, 64) < 0.8, 1.0, -1.0)  # a drift, with noise
+    expected = torch.zeros(64, dtype=torch.float64)
+    for t in range(steps):
+        before = weight.detach().double()
+        versions.fork(t + 1)
+        with torch.no_grad():  # an optimizer writing the new bf16 version
+            weight.copy_((weight.float() - lr * signs[t]).to(torch.bfloat16))
+        versions.after_step()
+        correction.track()
+        expected = gamma * expected + (1 - gamma) * (weight.detach().double() - before)
+    assert expected.abs().max() > 1e-5  # the steps are there to keep
+    torch.testing.assert_close(correction.delta[0].double(), expected, rtol=1e-5, atol=1e-9)
+    assert correction.delta[0].dtype == torch.float32
+    correction.use(steps, scale=2)  # the corrected weights: rounded to bf16 once
+    newest = versions.tensors_of(steps)[0]
+    assert weight.data.dtype == torch.bfloat16
+    assert torch.equal(weight.data, (newest.float() - 2 * correction.delta[0]).to(torch.bfloat16))

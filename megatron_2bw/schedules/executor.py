@@ -84,7 +84,7 @@ from typing import Callable
 import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
-from megatron_2bw.discrepancy import DiscrepancyCorrection
+from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
@@ -552,7 +552,7 @@ class PipelineRunner:
                 self.correction.track()
                 delta = self.correction.delta
             else:  # the last stage corrects nothing; its layers' shards complete the tensors
-                delta = self._weights_shaped_zeros()
+                delta = zeros_like_delta(self.versions.tensors_of(self.versions.newest))
             sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
                                                          _DELTA_PREFIX)
 
@@ -570,12 +570,9 @@ class PipelineRunner:
         sharded["twobw_older_weights"] = _version_sharded(model, self.versions,
                                                           self.versions.spare_tensors())
         if self._corrects() and _has_sharded(path, _DELTA_PREFIX):
-            self.loaded_delta = self._weights_shaped_zeros()
+            self.loaded_delta = zeros_like_delta(self.versions.tensors_of(self.versions.newest))
             sharded["pipemare_delta"] = _version_sharded(model, self.versions, self.loaded_delta,
                                                          _DELTA_PREFIX)
-
-    def _weights_shaped_zeros(self) -> list[torch.Tensor]:
-        return [torch.zeros_like(t) for t in self.versions.tensors_of(self.versions.newest)]
 
     def _corrects(self) -> bool:
         """Whether the run has PipeMare's T2 (the same on every rank: checkpoints hold delta
@@ -694,8 +691,8 @@ def _repointed(sharded: dict, index_of: dict, tensors: list, prefix: str) -> dic
     out = {}
     for name, value in sharded.items():
         if isinstance(value, ShardedTensor) and id(value.data) in index_of:
-            out[name] = replace(value, key=prefix + value.key,
-                                data=tensors[index_of[id(value.data)]])
+            data = tensors[index_of[id(value.data)]]  # PipeMare's delta: fp32
+            out[name] = replace(value, key=prefix + value.key, data=data, dtype=data.dtype)
         elif isinstance(value, dict):
             out[name] = _repointed(value, index_of, tensors, prefix)
     return out

@@ -147,5 +147,6 @@ def lr_factor(step: int, warmup_steps: int, tau: int) -> float:
 
 def weight_buffers(depth: int, microbatches: int, stage: int, correction: bool) -> int:
     """Weight-sized buffers PipeMare holds on `stage`: the one version, and with T2 on a stage
-    that corrects, delta and the corrected copy."""
+    that corrects, delta and the corrected copy (delta is fp32: in a 16-bit run it takes the
+    bytes of two)."""
     return 3 if correction and correction_span(depth, microbatches, stage) > 0 else 1
