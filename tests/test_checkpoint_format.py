@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import random
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +139,7 @@ def test_our_checkpoint_holds_megatron_lm_state(run):
     assert (saved_args.tensor_model_parallel_size, saved_args.pipeline_model_parallel_size,
             saved_args.data_parallel_size, saved_args.world_size) == (1, 2, 1, 2)
     assert common["layout"] == {"tensor": 1, "pipeline": 2, "data": 1}  # our extra
+    assert common["rng_device"] == "cpu"  # ours: the "cuda" RNG states are the CPU generator's
 
     sharded = load_sharded_metadata(str(path))
     tensors = {k for k, v in sharded.items() if isinstance(v, ShardedTensor)}
@@ -224,6 +227,85 @@ def test_override_takes_the_schedule_from_the_flags(run, tmp_path):
     for i in (3, 4):
         assert logged[i] == pytest.approx(cosine_lr(i, 2e-3), rel=1e-6), (i, logged)
     assert logged[3] != pytest.approx(cosine_lr(3, LR), rel=1e-2)
+
+
+# ---- RNG states of another kind of device, in one process --------------------------------------
+
+def _philox_state(seed: int, offset: int) -> torch.Tensor:
+    """A CUDA generator's state as ``torch.cuda.get_rng_state`` returns it: torch's Philox
+    generator, its seed and offset as two 8-byte little-endian integers (16 bytes)."""
+    return torch.tensor(list(seed.to_bytes(8, "little") + offset.to_bytes(8, "little")),
+                        dtype=torch.uint8)
+
+
+def _rng_list(device_state: torch.Tensor) -> list:
+    """Megatron-LM's ``get_rng_state`` entry for one rank whose device generator state (and the
+    tracker's, megatron-core's "model-parallel-rng") is ``device_state``; the CPU generators
+    drawn from seed 1."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": device_state,
+             "rng_tracker_states": {"model-parallel-rng": device_state.clone()}}]
+
+
+@pytest.mark.parametrize("written_on, device_state, resumed_on", [
+    ("cuda", _philox_state(1234, 8), "cpu"),  # Megatron-LM's or ours, from a GPU
+    ("cpu", torch.Generator().manual_seed(5).get_state(), "cuda"),  # a CPU run's, on a GPU
+])
+def test_rng_states_of_another_device_kind_restore_the_cpu_generators(
+        monkeypatch, written_on, device_state, resumed_on):
+    """A checkpoint's "cuda_rng_state" and tracker states are its device generator's: a GPU's
+    (16 bytes) is no CPU generator state and a CPU run's (5056 bytes) no CUDA one, and
+    ``set_rng_state`` rejects either on the other kind (the checkpoint would be reported
+    unreadable). Across kinds the python, numpy and torch CPU generators are restored, the
+    device generator and the tracker keep their state (never set), one warning says so."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_2bw.training import checkpointing
+
+    saved = _rng_list(device_state)
+    random.seed(2)
+    np.random.seed(2)
+    torch.manual_seed(2)
+    tracker_before = dict(get_cuda_rng_tracker().get_states())
+
+    def never(*_args, **_kwargs):
+        raise AssertionError(f"a {written_on} generator state was set on {resumed_on}")
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", never)
+    monkeypatch.setattr(get_cuda_rng_tracker(), "set_states", never)
+    warnings = []
+    checkpointing._set_rng_state(saved, resumed_on, None, "ckpt/iter_0000002", warnings.append)
+    assert random.getstate() == saved[0]["random_rng_state"]
+    assert (np.random.get_state()[1] == saved[0]["np_rng_state"][1]).all()
+    assert torch.equal(torch.get_rng_state(), saved[0]["torch_rng_state"])
+    assert get_cuda_rng_tracker().get_states().keys() == tracker_before.keys()
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        f" warning: ckpt/iter_0000002 holds device RNG states of a {written_on.upper()} run, "
+        f"this run is on {resumed_on.upper()}: the CPU generators (python, numpy, torch) are "
+        f"restored; the {resumed_on.upper()} generator"), warnings[0]
+    assert "--no-load-rng" in warnings[0]
+
+
+@pytest.mark.parametrize("saved_kind, device_kind, restored", [
+    ("cpu", "cpu", True), ("cuda", "cuda", True), ("cpu", "cuda", False), ("cuda", "cpu", False)])
+def test_device_rng_states_are_restored_on_their_own_kind_only(saved_kind, device_kind,
+                                                               restored):
+    from megatron_2bw.training import checkpointing
+
+    assert checkpointing.restores_device_rng(saved_kind, device_kind) is restored
+
+
+def test_the_device_kind_of_an_rng_state_is_told_by_its_size():
+    """Checkpoints without "rng_device" (Megatron-LM's): a CPU generator state is the CPU's,
+    CUDA's 16-byte Philox state the GPU's."""
+    from megatron_2bw.training import checkpointing
+
+    assert checkpointing.rng_device_of(torch.get_rng_state()) == "cpu"
+    assert checkpointing.rng_device_of(_philox_state(1, 0)) == "cuda"
 
 
 # ---- the scheduler flags on megatron-core's own scheduler, in one process ----------------------

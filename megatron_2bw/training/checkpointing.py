@@ -11,8 +11,12 @@ the data position in ``args.consumed_train_samples`` / ``consumed_valid_samples`
 "model1", ... one per chunk) and "optimizer" (sharded), "opt_param_scheduler"
 (counted in samples, as Megatron-LM steps it), "rng_state" (a ShardedObject of a list of one
 dict per (PP rank, TP rank)) and "num_floating_point_operations_so_far"; plus our own keys,
-which Megatron-LM ignores: "layout" and a schedule's extras (2BW's older weight version).
-Checkpoints written by megatron-2bw before it wrote Megatron-LM's state still load.
+which Megatron-LM ignores: "layout", "rng_device" (the kind of device, "cpu" or "cuda", whose
+generator the "cuda" RNG states come from) and a schedule's extras (2BW's older weight
+version). Checkpoints written by megatron-2bw before it wrote Megatron-LM's state still load.
+A checkpoint's device RNG states are restored only on the kind of device that wrote them; across
+kinds (a CPU checkpoint resumed on a GPU, or the reverse) the CPU generators are restored and
+the device's keep their state from --seed, with a warning.
 
 Invariants: a checkpoint directory is complete before the tracker file names it (written under
 a temporary name, renamed after every rank finished), so a crash mid-save leaves the previous
@@ -106,9 +110,15 @@ def _rng_state():
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _set_rng_state(saved) -> None:
+def _set_rng_state(saved, device_kind: str, saved_kind: str | None, where: str,
+                   warn: Callable[[str], None]) -> None:
     """Restore what :func:`_rng_state` saved (Megatron-LM's list, whose first entry all
-    data-parallel ranks share), or the dict of checkpoints from before it."""
+    data-parallel ranks share, or the dict of checkpoints from before it) on a process that
+    trains on ``device_kind``. The python, numpy and torch CPU generators are always restored;
+    the device generator and megatron-core's model-parallel tracker only when their states
+    come from the same kind of device (``saved_kind``, else told by the states themselves):
+    a CUDA generator state is not a CPU one and ``set_rng_state`` rejects it. Across kinds
+    they keep their state from --seed (as with --no-load-rng), said in one warning."""
     from megatron.core.tensor_parallel import convert_cuda_rng_state, get_cuda_rng_tracker
 
     if isinstance(saved, dict):  # megatron-2bw's own layout before Megatron-LM's
@@ -120,9 +130,40 @@ def _set_rng_state(saved) -> None:
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
+    saved_kind = saved_kind or rng_device_of(state["cuda_rng_state"])
+    if not restores_device_rng(saved_kind, device_kind):
+        warn(f" warning: {where} holds device RNG states of a {saved_kind.upper()} run, this "
+             f"run is on {device_kind.upper()}: the CPU generators (python, numpy, torch) are "
+             f"restored; the {device_kind.upper()} generator and megatron-core's "
+             "model-parallel RNG tracker keep their state from --seed, as with --no-load-rng")
+        return
     torch.cuda.set_rng_state(state["cuda_rng_state"])
     get_cuda_rng_tracker().set_states({name: convert_cuda_rng_state(value) for name, value
                                        in state["rng_tracker_states"].items()})
+
+
+def rng_device_of(cuda_rng_state: torch.Tensor) -> str:
+    """The device kind whose generator wrote a checkpoint's "cuda_rng_state" (for checkpoints
+    without our "rng_device" key: Megatron-LM's, ours from before it): "cpu" when it has the
+    size of the CPU generator's state (torch's Mersenne Twister, 5056 bytes; the CPU runtime
+    saves it there), "cuda" otherwise (CUDA's Philox state: seed and offset, 16 bytes)."""
+    cpu_state_bytes = torch.Generator().get_state().numel()
+    return "cpu" if cuda_rng_state.numel() == cpu_state_bytes else "cuda"
+
+
+def restores_device_rng(saved_kind: str, device_kind: str) -> bool:
+    """Whether a checkpoint's device RNG states ("cuda_rng_state" and the tracker's), written
+    on ``saved_kind``, are restored on a process training on ``device_kind``: only on the same
+    kind (a CPU generator's state is no CUDA one, and the reverse)."""
+    return saved_kind == device_kind
+
+
+def _device_kind() -> str:
+    """What this process trains on, "cuda" or "cpu" (the CPU runtime's "cuda" RNG state is
+    the CPU generator's)."""
+    from megatron_2bw.runtime.distributed import training_device
+
+    return training_device().type
 
 
 def _layout() -> dict:
@@ -281,6 +322,7 @@ def _state_to_save(model, optimizer, scheduler, state: TrainState, args: argpars
         sharded["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         sharded["rng_state"] = _rng_state()
+        sharded["rng_device"] = _device_kind()
     sharded["num_floating_point_operations_so_far"] = state.num_floating_point_operations_so_far
     sharded["layout"] = _layout()
     if extra is not None:
@@ -536,7 +578,7 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     else:
         optimizer.reload_model_params()
     if load_rng:
-        _set_rng_state(loaded["rng_state"])
+        _set_rng_state(loaded["rng_state"], _device_kind(), common.get("rng_device"), path, warn)
     if on_loaded is not None:
         on_loaded(loaded)
     return _train_state(loaded)
