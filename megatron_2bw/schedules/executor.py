@@ -52,7 +52,7 @@ equal flush's (the tests' single-process reference). Megatron's reentrant activa
 backward that ignores ``inputs=`` (it would make parameter gradients in I and again in W), so
 arguments.py refuses zb-h1 with --recompute-granularity; megatron-core's gradient
 accumulation fusion, which writes parameter gradients inside the input-gradient pass, is off
-in this package (training/build.py).
+under zb-h1 (training/fusions.py).
 
 PipeMare (``configure_pipemare``): with --pipemare-sync-iters N, calls 0..N-1 run flush's
 program (they fill and drain; the version store still makes each step's version), the first

@@ -27,7 +27,9 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
     ``core_transformer_config_from_args``, megatron/training/arguments.py at core_v0.16.1:
     flags named like a config field are copied, GQA and the activation are translated), with
     fused kernels off on the CPU. ``args`` went through ``validate_args`` (ffn_hidden_size,
-    kv_channels, num_query_groups and add_qkv_bias hold Megatron-LM's derived values)."""
+    kv_channels, num_query_groups and add_qkv_bias hold Megatron-LM's derived values). The
+    masked-softmax, RoPE and gradient-accumulation fusions follow Megatron-LM's flags on CUDA
+    where their kernels import (:mod:`megatron_2bw.training.fusions`)."""
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = device == "cuda"
@@ -64,9 +66,7 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         autocast_dtype=dtype,
         use_cpu_initialization=not on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **_fusions(args, device),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
@@ -91,6 +91,24 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         fields.update(cuda_config_fields(args))
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+_noted: set[str] = set()  # notes printed once per process
+
+
+def _fusions(args: argparse.Namespace, device: str) -> dict:
+    """:func:`~megatron_2bw.training.fusions.fusion_fields` for this process's kernels; each
+    note printed once, on rank 0."""
+    from megatron_2bw.training.fusions import FusionKernels, fusion_fields
+
+    kernels = FusionKernels.probe() if device == "cuda" else None
+    fields, notes = fusion_fields(args, device, kernels)
+    for note in notes:
+        if note not in _noted and (not torch.distributed.is_initialized()
+                                   or torch.distributed.get_rank() == 0):
+            print(note, flush=True)
+        _noted.add(note)
+    return fields
 
 
 def _activation(args: argparse.Namespace, on_gpu: bool) -> dict:
