@@ -53,8 +53,13 @@ _C = Category
 CATEGORIES = {
     # GPU-only features: no effect on the CPU
     "fusion": _C("cpu-noop", "a CUDA kernel fusion", cuda="config"),
+    "default-fusion": _C("cpu-noop", "a CUDA kernel fusion, on by default on CUDA where its "
+                         "kernel imports (megatron_2bw/training/fusions.py)", cuda="config"),
     "cuda-setting": _C("cpu-noop", "a CUDA numerics/memory setting", cuda="config"),
     "fp8": _C("cpu-noop", "an FP8/FP4 transformer-engine recipe", cuda="te"),
+    "fp8-format": _C("cpu-noop", "an FP8/FP4 transformer-engine recipe, refused under 2bw, "
+                     "pipedream and pipemare (transformer-engine's cached low-precision weight "
+                     "would be overwritten by the next batch's look-ahead forwards)", cuda="te"),
     "te": _C("cpu-noop", "a transformer-engine option", cuda="te"),
     "comm-overlap": _C("cpu-noop", "a CUDA/NCCL communication optimization (userbuffers, "
                        "NCCL, SHARP, CUDA graphs, streams)"),
@@ -111,10 +116,12 @@ _BY_FLAG = [
     (r"--(moe|num-experts|expert-|overlap-moe|ep-overlap)", "moe"),
     (r"--(context-parallel|hierarchical-context|max-seqlen-per-dp-cp|hybrid-context|cp-comm)",
      "context-parallel"),
+    (r"--(fp8|fp4)-format$", "fp8-format"),
     (r"--(fp8|fp4|no-fp8|first-last-layers-bf16|num-layers-at-(start|end)-in-bf16|"
      r"keep-fp8|reuse-grad-buf-for-mxfp8|te-precision-config)", "fp8"),
     (r"--(te-rng-tracker|use-te-activation-func)", "te"),
     (r"--tiktoken", "tiktoken"),
+    (r"--no-(masked-softmax|rope|gradient-accumulation)-fusion$", "default-fusion"),
     (r"--(no-(masked-softmax|bias-gelu|bias-swiglu|bias-dropout|rope|gradient-accumulation)-"
      r"fusion|no-clone-scatter-output|use-fused-weighted-squared-relu|use-flash-attn)", "fusion"),
     (r"--(use-cpu-initialization|deterministic-mode|disable-bf16-reduced-precision|"
