@@ -14,17 +14,18 @@ be applied at (2BW's step runs where its collectives are found finished). Iterat
 (first-call set-up, fill) are left out. The bound is megatron-core's own schedule
 (``--pipeline-schedule megatron``) on the same flags and the same number of model chunks, on
 the same stage, in the same processes; the training step around the schedule (optimizer,
-loss average) is the same code for all. Observed on CPU: megatron 67 and 69 syncs per
-iteration on stages 0 and 1 (5 of them its p2p's ``torch.cuda.synchronize()``), 62 with 2
-chunks; ours 62 and 64 with one chunk and two, none of them per microbatch (a ``bool(t)``
-per forward, added to the executor, fails both tests: 70 vs 62 with 2 chunks).
+loss average) is the same code for all. Observed on CPU per iteration (stage 0 / stage 1):
+megatron 67 / 69 (5 of them its p2p's ``torch.cuda.synchronize()``), 62 / 64 with 2 chunks;
+every schedule of ours 62 / 64, with one chunk and two. The only sync in this package's code
+is 2BW's (PipeDream's, PipeMare's) deferred step reading its grad norm, once per iteration, as
+megatron-core's clipping does where the step is not deferred. A ``bool(t)`` per forward,
+added to the executor, fails both tests (70 vs 62 with 2 chunks).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
