@@ -3,6 +3,7 @@
 #   make test   the test suite (CPU, gloo)
 #   make bench  schedules side by side on 2 CPU processes
 #   make compare / make convergence   the paper's baseline table and Figure 5 on CPU
+#   make gpu-wheels   the wheels scripts/gpu_check.py needs on a bare GPU machine, into wheels/
 
 PYTHON_BOOT ?= python3
 VENV        := .venv
@@ -13,7 +14,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench compare convergence data clean-venv
+.PHONY: demo test bench compare convergence data clean-venv gpu-wheels
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -39,6 +40,18 @@ compare: $(VENV)/.installed
 
 convergence: $(VENV)/.installed
 	$(PY) tools/convergence.py
+
+# The GPU machine (Python 3.12, CUDA build of torch, no network) has numpy, packaging, psutil,
+# sentencepiece, regex and tensorboard but no megatron-core: its cp312 wheel (~2.6 MB) travels
+# in wheels/ (git-ignored); see README "Checking on a GPU".
+GPU_WHEELS  ?= megatron-core==0.16.1
+PIP_BOOT    ?= $(PYTHON_BOOT) -m pip
+
+gpu-wheels:
+	$(PIP_BOOT) download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
+	@ls -l wheels
 
 clean-venv:
 	rm -rf $(VENV)

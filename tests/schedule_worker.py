@@ -3,7 +3,7 @@
     python tests/schedule_worker.py SPEC.json               # launcher: forks every process
     torchrun --standalone --nproc-per-node N tests/schedule_worker.py SPEC.json --group NAME
 
-The spec: {"out": dir, "init": path, "timeout_minutes": float,
+The spec: {"out": dir, "init": path | null, "timeout_minutes": float, "count_host_syncs"?: bool,
            "reference": {job: {...}},                       # tests/reference.py jobs (optional)
            "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
 
@@ -22,6 +22,10 @@ megatron_2bw/training/loop.py (zero_grad_buffer, zero_grad, forward_backward_fun
 schedule with `prepare_drain` gets it before its last call and `drain()` after it. Each rank
 then writes its parameters under their PP=1/TP=1 names with the dimension tensor parallelism
 splits them on, and the losses its last stage saw, to <out>/<run>/rank<r>.pt.
+
+With "count_host_syncs" the launcher installs the host-sync counter (tests/strict/host_syncs.py)
+before it forks, and each rank's result holds its syncs per iteration by site ("host_syncs").
+Without "init" the runs keep megatron-core's initial weights (from the seed).
 
 A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
 "model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes the
@@ -188,15 +192,17 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
-                                  timeout_minutes=timeout_minutes)
     args = parse_args(training_flags(run, model_spec, world), world_size=world)
+    info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
+                                  timeout_minutes=timeout_minutes,
+                                  virtual_stages=args.virtual_pipeline_model_parallel_size)
     config = build.transformer_config(args, info.device)
     provider = partial(pretrain_gpt_2bw.model_provider, args=args,
                        vocab_size=model_spec.vocab_size)
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
-    _load_slice(model, torch.load(init_path), tie, model_spec.num_layers)
+    if init_path:  # else megatron-core's own initialization from the seed
+        _load_slice(model, torch.load(init_path), tie, model_spec.num_layers)
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
@@ -212,9 +218,11 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     started = time.perf_counter()
     data = [_data(model_spec, args.num_microbatches) for _ in model]  # one stream per chunk
     data = data[0] if len(data) == 1 else data
+    host_syncs = []
     losses = [record["lm loss"] for record in train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
-        defer=run.get("deferred", True), drains=tuple(run.get("drains", ())))]
+        defer=run.get("deferred", True), drains=tuple(run.get("drains", ())),
+        host_syncs=host_syncs)]
     with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
         seconds = time.perf_counter() - started
 
@@ -232,7 +240,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
                                      for group in getattr(chunk, "bucket_groups", ())),
-                "param_gathers": param_gathers},
+                "param_gathers": param_gathers, "host_syncs": host_syncs},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
@@ -259,12 +267,19 @@ def _count_param_gathers(config, model: list) -> list[dict]:
 
 
 def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
-                     scheduler, defer: bool = True, drains: tuple[int, ...] = ()) -> list[dict]:
+                     scheduler, defer: bool = True, drains: tuple[int, ...] = (),
+                     host_syncs: list | None = None) -> list[dict]:
     """Megatron's training step, ``args.train_iters`` times, with the schedule's drain on the
     last and after the iterations in ``drains`` (as before an evaluation: ``prepare_drain``,
     the call, the step, ``drain()``); on the stage that computes the loss, each iteration's
     mean of every logged loss. The schedule gets the optimizer first (2bw defers its step
-    unless ``defer`` is False)."""
+    unless ``defer`` is False). Where the host-sync counter is installed (tests/strict/
+    host_syncs.py), ``host_syncs`` gets each iteration's syncs by site (from one iteration's
+    start to the next's; the last iteration's up to the end, its drain included)."""
+    from tests.strict import host_syncs as sync_counter
+
+    counter = sync_counter.counter() if host_syncs is not None else None
+    marks = []
     if hasattr(fb, "attach_optimizer"):
         fb.attach_optimizer(optimizer, defer=defer)
     if args.pipeline_schedule == "pipemare":
@@ -273,6 +288,8 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         fb.configure_pipemare(PipeMareOptions.from_args(args))
     losses = []
     for iteration in range(args.train_iters):
+        if counter is not None:
+            marks.append(counter.snapshot()[1])
         pausing = iteration == args.train_iters - 1 or iteration in drains
         if pausing and hasattr(fb, "prepare_drain"):
             fb.prepare_drain()
@@ -294,6 +311,10 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
             fb.drain()
     if hasattr(fb, "drain"):
         fb.drain()
+    if counter is not None:
+        marks.append(counter.snapshot()[1])
+        host_syncs.extend({site: n - before.get(site, 0) for site, n in after.items()
+                           if n != before.get(site, 0)} for before, after in zip(marks, marks[1:]))
     return losses
 
 
@@ -390,6 +411,10 @@ def launch(spec_path: str) -> None:
     from tests import reference
 
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("count_host_syncs"):  # installed before the forks: every process counts
+        from tests.strict import host_syncs
+
+        host_syncs.install()
     out = Path(spec["out"])
     summary = {}
     if spec.get("reference"):

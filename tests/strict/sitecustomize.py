@@ -1,7 +1,9 @@
 """Installs the strict NCCL mode (``strict_comm``) in every process the tests start: the test
 session puts this directory on PYTHONPATH unless ``MEGATRON_2BW_STRICT=0``. Installed at
 interpreter start, before any module can bind ``torch.distributed``'s functions by name. A
-``sitecustomize`` later on the path (the environment's own, if it has one) still runs."""
+``sitecustomize`` later on the path (the environment's own, if it has one) still runs.
+With ``MEGATRON_2BW_COUNT_HOST_SYNCS=1`` it also installs the host-sync counter
+(``host_syncs``)."""
 
 import os
 import sys
@@ -27,3 +29,8 @@ if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0" and os.environ.get("MEGATRO
     import strict_comm
 
     strict_comm.install()
+
+if os.environ.get("MEGATRON_2BW_COUNT_HOST_SYNCS", "0") == "1":
+    import host_syncs
+
+    host_syncs.install()
