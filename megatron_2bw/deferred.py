@@ -83,6 +83,11 @@ every rank. The polling only moves WHEN the norm all-reduce is launched, never t
 collectives within a group; and on every rank the groups are entered in the same relative
 order (data-parallel, tensor-parallel, embedding, grad-stats within an iteration). A pending
 collective sits on its own communicator while the pipeline's p2p (pipeline group) goes on.
+Launching one never blocks the host: every group's communicator was created at set-up
+(``runtime.distributed.create_communicators``). Created lazily, as NCCL does by default, the
+last stage's first grad-norm launch would wait for stage 0 to join the group, while stage 0,
+which launches its own only after the embedding all-reduce, sits in an exchange with it or in
+the log's world collective after the call.
 
 Invariants: at most one step is pending; the copy is taken before any gradient of batch t+1
 exists, and the optimizer reads only the copy; the step writes the slot ``fork`` freed, which
