@@ -216,9 +216,9 @@ class DeferredStep:
     def __init__(self, optimizer, config, chunks: list,
                  timeout: datetime.timedelta | None = None):
         """``chunks``: the stage's model chunks, whose one optimizer steps them together (one
-        weight version spans them). ``timeout`` bounds every wait on the step's collectives
-        (None: the process's --distributed-timeout-minutes, which every group was created
-        with)."""
+        weight version spans them). ``timeout``: the bound on every wait on the step's
+        collectives, which is each group's own timeout, named in errors (None: the process's
+        --distributed-timeout-minutes, which every group was created with)."""
         from megatron.core import parallel_state as ps
 
         from megatron_2bw.runtime import distributed
@@ -410,10 +410,12 @@ class DeferredStep:
         return entry
 
     def _wait(self, entry: tuple) -> None:
+        """A plain ``wait()``, bounded by the group's timeout (every group was created with
+        --distributed-timeout-minutes); a timed wait would make NCCL's host thread poll."""
         work, group, what = entry
         timeout = self.timeout
         try:
-            completed = work.wait(timeout=timeout)
+            completed = work.wait()
         except Exception as error:
             raise RuntimeError(self._failed(what, group, error, timeout)) from error
         if completed is False:  # a backend that reports the timeout instead of raising

@@ -94,7 +94,8 @@ class Trainer:
         self.loss_key = loss_key
         self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir,
                                   logs.LogFlags.from_args(args), self.info.device)
-        self.timers = logs.attach_timers(args, self.config, self.optimizer)
+        self.timers = logs.attach_timers(args, self.config, self.optimizer,
+                                           self.info.device)
         self.interval = logs.IntervalStats()
         if args.log_num_zeros_in_grad and keeps_versions(args.pipeline_schedule):
             self.logger.print(" --log-num-zeros-in-grad: not counted where the optimizer "
