@@ -220,3 +220,25 @@ def test_a_training_run_is_strict_and_its_members_agree(own_records, monkeypatch
     assert "all_reduce" in ops, ops
     assert records.finished[run] == set(range(depth))
     assert records.problems() == []
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("depth", [2, 3, 4, 6])
+def test_the_neighbour_warm_up_cannot_deadlock(depth, ring):
+    """Each stage's warm-up exchanges (runtime.distributed.warm_up_pairs), run as rendezvous
+    (an exchange happens once both stages have it first in their remaining lists), all happen:
+    every neighbouring pair once, the ring's closing pair too with virtual stages."""
+    from megatron_2bw.runtime.distributed import warm_up_pairs
+
+    todo = {stage: list(warm_up_pairs(stage, depth, ring)) for stage in range(depth)}
+    done = []
+    while any(todo.values()):
+        ready = {pairs[0] for stage, pairs in todo.items() if pairs
+                 and all(todo[s] and todo[s][0] == pairs[0] for s in pairs[0])}
+        assert ready, f"deadlock with {todo}"
+        for pair in sorted(ready):
+            for stage in pair:
+                todo[stage].pop(0)
+            done.append(pair)
+    expected = {(s, s + 1) for s in range(depth - 1)} | ({(0, depth - 1)} if ring else set())
+    assert sorted(done) == sorted(expected)

@@ -216,19 +216,21 @@ def _warm_up_neighbours(device: torch.device) -> None:
             work.wait()
 
 
-def create_communicators(device: torch.device) -> None:
+def create_communicators(device: torch.device, groups: list | None = None) -> None:
     """Create every communicator of this rank before the first step: one all-reduce on each
     group it belongs to, in creation order (the same relative order on every rank), then one
     batched exchange with each pipeline neighbour. Each wait is bounded by the group's
     timeout. On CUDA the gloo groups are skipped (gloo connects when a group is created) and
     the NCCL groups exist already (``device_id``); the warm-up then costs a few microseconds
-    per group."""
-    for group in _member_groups():
+    per group. ``groups``: only these (a group made later, by every member at the same point),
+    all-reduced on their own backend's device, and no exchange."""
+    for group in _member_groups() if groups is None else groups:
         backend = dist.get_backend(group)
-        if device.type == "cuda" and backend == "gloo":
+        if groups is None and device.type == "cuda" and backend == "gloo":
             continue
         _warm_up(group, device if backend != "gloo" else torch.device("cpu"))
-    _warm_up_neighbours(device)
+    if groups is None:
+        _warm_up_neighbours(device)
 
 
 def set_seed(seed: int) -> None:
