@@ -83,6 +83,11 @@ every rank. The polling only moves WHEN the norm all-reduce is launched, never t
 collectives within a group; and on every rank the groups are entered in the same relative
 order (data-parallel, tensor-parallel, embedding, grad-stats within an iteration). A pending
 collective sits on its own communicator while the pipeline's p2p (pipeline group) goes on.
+Launching one never blocks the host: every group's communicator was created at set-up
+(``runtime.distributed.create_communicators``). Created lazily, as NCCL does by default, the
+last stage's first grad-norm launch would wait for stage 0 to join the group, while stage 0,
+which launches its own only after the embedding all-reduce, sits in an exchange with it or in
+the log's world collective after the call.
 
 Invariants: at most one step is pending; the copy is taken before any gradient of batch t+1
 exists, and the optimizer reads only the copy; the step writes the slot ``fork`` freed, which
@@ -211,9 +216,9 @@ class DeferredStep:
     def __init__(self, optimizer, config, chunks: list,
                  timeout: datetime.timedelta | None = None):
         """``chunks``: the stage's model chunks, whose one optimizer steps them together (one
-        weight version spans them). ``timeout`` bounds every wait on the step's collectives
-        (None: the process's --distributed-timeout-minutes, which every group was created
-        with)."""
+        weight version spans them). ``timeout``: the bound on every wait on the step's
+        collectives, which is each group's own timeout, named in errors (None: the process's
+        --distributed-timeout-minutes, which every group was created with)."""
         from megatron.core import parallel_state as ps
 
         from megatron_2bw.runtime import distributed
@@ -405,10 +410,12 @@ class DeferredStep:
         return entry
 
     def _wait(self, entry: tuple) -> None:
+        """A plain ``wait()``, bounded by the group's timeout (every group was created with
+        --distributed-timeout-minutes); a timed wait would make NCCL's host thread poll."""
         work, group, what = entry
         timeout = self.timeout
         try:
-            completed = work.wait(timeout=timeout)
+            completed = work.wait()
         except Exception as error:
             raise RuntimeError(self._failed(what, group, error, timeout)) from error
         if completed is False:  # a backend that reports the timeout instead of raising

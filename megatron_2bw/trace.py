@@ -11,7 +11,9 @@ A record is one action as it ran on one stage: the executor's
 
 Per-rank files of a real run (one JSON-lines file per rank, :func:`save_records`): the first
 line is a header ``{"rank", "stage", "clock": "perf_counter", "wall_offset"}``, then one record
-per line with ``start``/``end`` in that process's ``time.perf_counter()`` seconds.
+per line with ``start``/``end`` in that process's ``time.perf_counter()`` seconds. On CUDA the
+executor times each action with CUDA events, placed on that time line after each call
+(``runtime.clock``), so an action's span is its compute on the device, not its launch.
 ``wall_offset = time.time() - time.perf_counter()`` is sampled once when the file is written,
 so ``start + wall_offset`` is wall-clock time, comparable across processes and (with NTP)
 across hosts. :func:`load_records` / :func:`merge_records` put every rank on that wall clock

@@ -5,7 +5,8 @@ References:
   * a CUDA-looking host is simulated in this process (torch.cuda.is_available/device_count
     patched; set_device/current_device recorded, never run): ``--cpu`` there selects the CPU
     runtime and ``training_device()`` is the CPU; without ``--cpu``, ``set_device(LOCAL_RANK)``
-    comes before ``init_process_group(nccl)``, and an active CPU runtime is refused;
+    comes before ``init_process_group(nccl)``, which gets ``device_id`` (NCCL's eager
+    communicator creation), and an active CPU runtime is refused;
   * timeouts: after ``initialize()`` on 2 gloo processes, torch's own record of each group's
     timeout (``group._get_backend(cpu).options._timeout``) for the default group, every
     megatron-core group and the training loop's control group; and the ``timeout=`` that each
@@ -97,8 +98,8 @@ def test_cuda_host_sets_the_device_before_the_process_group(clean_runtime, monke
     class Stop(Exception):
         pass
 
-    def init_process_group(backend, rank, world_size, timeout):
-        calls.append(("init_process_group", backend, timeout))
+    def init_process_group(backend, rank, world_size, timeout, device_id):
+        calls.append(("init_process_group", backend, timeout, device_id))
         raise Stop  # what follows needs real NCCL
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
@@ -106,7 +107,8 @@ def test_cuda_host_sets_the_device_before_the_process_group(clean_runtime, monke
     with pytest.raises(Stop):
         distributed.initialize(1, 1, seed=1, timeout_minutes=0.5)
     assert calls == [("set_device", 1),
-                     ("init_process_group", "nccl", datetime.timedelta(seconds=30))]
+                     ("init_process_group", "nccl", datetime.timedelta(seconds=30),
+                      torch.device("cuda", 1))]  # bound device: NCCL groups connect eagerly
     assert not cpu.is_installed()
     assert distributed.training_device() == torch.device("cuda", 1)
 

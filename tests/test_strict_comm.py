@@ -10,9 +10,10 @@ References, each a rule of NCCL the mode must enforce and plain gloo does not:
   * an all-reduce issued from a second thread raises; the same call on the main thread does not;
   * members issuing collectives of different shapes are reported by ``check()`` with the index
     and both entries; identical sequences give no report;
-  * a real training run (pretrain_gpt_2bw.py, 2 stages, 2BW with clipping and tied embeddings:
-    the deferred step's async all-reduces) runs with the wrappers installed, records its
-    collectives on both ranks, and its members agree.
+  * a real training run (pretrain_gpt_2bw.py, 2 and 4 stages, 2BW with clipping and tied
+    embeddings: the deferred step's async all-reduces; timers and the parameter norm logged
+    every iteration) runs with the wrappers installed, never blocks in a group's lazy
+    communicator creation, records its collectives on every rank, and its members agree.
 """
 
 from __future__ import annotations
@@ -192,20 +193,52 @@ def test_members_with_different_collectives_are_reported(own_records, tmp_path, 
         assert by_rank[0] == by_rank[1] == [("all_reduce", [6], "torch.float32")] * 2
 
 
-def test_a_training_run_is_strict_and_its_members_agree(own_records, monkeypatch):
-    """2 stages of 2BW with Megatron's defaults (clipping 1.0, tied embeddings): the deferred
-    step's async all-reduces, DDP's and the loop's collectives, all recorded on both ranks."""
+@pytest.mark.parametrize("depth", [2, 4])
+def test_a_training_run_is_strict_and_its_members_agree(own_records, monkeypatch, depth):
+    """The README's example (2BW, Megatron's defaults: clipping 1.0, tied embeddings, the
+    deferred step's async all-reduces) at d = 2 and 4, logging every iteration with timers and
+    the parameter norm (world collectives right after the call): every group's first use is a
+    barrier of its members, as NCCL's lazy communicator creation is. Before communicators were
+    created up front, the last stage sat in the creation of the grad-norm group while stage 0
+    waited in the log's world collective: the strict mode's creation barrier reported it after
+    the 30 s timeout. DDP's and the loop's collectives are recorded on every rank and agree."""
     _strict_path(monkeypatch)
     monkeypatch.delenv("MEGATRON_2BW_STRICT_TIMEOUT_S")
     flags = [*launch.tiny_training_flags(seq_length=16, train_iters=3), "--mock-data",
-             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
-    result = launch.torchrun(["pretrain_gpt_2bw.py", *flags], 2, timeout=240)
+             "--num-layers", str(depth), "--pipeline-model-parallel-size", str(depth),
+             "--pipeline-schedule", "2bw", "--timing-log-level", "1", "--log-params-norm",
+             "--distributed-timeout-minutes", "0.5"]
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *flags], depth, timeout=240)
+    assert "lazy communicator creation would hang" not in result.output, result.tail()
     assert result.returncode == 0, result.tail()
     assert "2bw optimizer step on stage 0: deferred" in result.output
+    assert "iteration        3/       3" in result.output, result.tail()
     records = strict_comm.Records(own_records)
     (run,) = records.update()
     ops = {op for (r, _), by_rank in records.sequences.items() if r == run
            for sequence in by_rank.values() for op, _, _ in sequence}
     assert "all_reduce" in ops, ops
-    assert records.finished[run] == {0, 1}
+    assert records.finished[run] == set(range(depth))
     assert records.problems() == []
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("depth", [2, 3, 4, 6])
+def test_the_neighbour_warm_up_cannot_deadlock(depth, ring):
+    """Each stage's warm-up exchanges (runtime.distributed.warm_up_pairs), run as rendezvous
+    (an exchange happens once both stages have it first in their remaining lists), all happen:
+    every neighbouring pair once, the ring's closing pair too with virtual stages."""
+    from megatron_2bw.runtime.distributed import warm_up_pairs
+
+    todo = {stage: list(warm_up_pairs(stage, depth, ring)) for stage in range(depth)}
+    done = []
+    while any(todo.values()):
+        ready = {pairs[0] for stage, pairs in todo.items() if pairs
+                 and all(todo[s] and todo[s][0] == pairs[0] for s in pairs[0])}
+        assert ready, f"deadlock with {todo}"
+        for pair in sorted(ready):
+            for stage in pair:
+                todo[stage].pop(0)
+            done.append(pair)
+    expected = {(s, s + 1) for s in range(depth - 1)} | ({(0, depth - 1)} if ring else set())
+    assert sorted(done) == sorted(expected)

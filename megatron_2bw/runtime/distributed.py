@@ -13,6 +13,14 @@ Invariants:
     else decides the device from ``torch.cuda.is_available()``.
   * Every group has a bounded wait: the default group and all megatron-core model-parallel groups
     get ``--distributed-timeout-minutes``.
+  * Every communicator exists before the first training step (:func:`create_communicators`).
+    NCCL creates a group's communicator lazily, at its first collective or batched p2p, and that
+    blocks the host until every member of the group has called in; two stages whose first use of
+    a group comes at different points of a schedule (2BW's deferred step launches the grad-norm
+    all-reduce on the last stage at its batch's end, on stage 0 later) would each wait for the
+    other. On CUDA ``init_process_group`` gets ``device_id``, so ``new_group`` connects every
+    NCCL group at once; and on every device each group this rank belongs to is used once at
+    set-up, in creation order, which is the same on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from megatron_2bw.runtime.ports import free_port
 
 __all__ = ["DeviceChoice", "ProcessInfo", "choose_device", "select_device", "device_choice",
            "initialize", "training_device", "to_device", "timeout", "set_seed", "destroy",
-           "DEFAULT_TIMEOUT_MINUTES"]
+           "create_communicators", "warm_up_pairs", "init_kwargs", "DEFAULT_TIMEOUT_MINUTES"]
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's --distributed-timeout-minutes default
 
@@ -139,6 +147,16 @@ def timeout() -> datetime.timedelta:
     return _timeout
 
 
+def init_kwargs(choice: DeviceChoice, bound: datetime.timedelta) -> dict:
+    """``init_process_group``'s arguments besides the rank and world size: on CUDA the device
+    (``device_id``: eager NCCL initialisation; every ``new_group`` inherits the bound device and
+    creates its communicator when it is created, not at its first use)."""
+    kwargs = dict(backend=choice.backend, timeout=bound)
+    if choice.kind == "cuda":
+        kwargs["device_id"] = torch.device("cuda", choice.index)
+    return kwargs
+
+
 def _init_process_group(choice: DeviceChoice, bound: datetime.timedelta) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a plain single process: any free port will do
@@ -146,11 +164,73 @@ def _init_process_group(choice: DeviceChoice, bound: datetime.timedelta) -> None
             raise RuntimeError("WORLD_SIZE > 1 without MASTER_PORT: launch with torchrun")
         os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group(
-        backend=choice.backend,
         rank=int(os.environ.get("RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        timeout=bound,
+        **init_kwargs(choice, bound),
     )
+
+
+def _member_groups() -> list:
+    """The process groups this rank belongs to, in the order they were created (torch's
+    registry; every rank creates every group in the same order, so any two ranks' lists order
+    their common groups alike). The default group comes first."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def _warm_up(group, device: torch.device) -> None:
+    """One all-reduce of one element on ``group``: creates its communicator now."""
+    one = torch.ones(1, device=device)
+    dist.all_reduce(one, group=group)
+
+
+def warm_up_pairs(stage: int, depth: int, ring: bool) -> list[tuple[int, int]]:
+    """The pipeline neighbours (stage pairs) that exchange, in the order every stage visits
+    its own: (s, s+1) for each stage, and (0, depth-1) where the stages form a ring (virtual
+    stages). Sorted pairs: a total order, so the exchanges cannot wait on each other in a
+    cycle. Only the pairs that contain ``stage``."""
+    pairs = {(s, s + 1) for s in range(depth - 1)}
+    if ring and depth > 2:
+        pairs.add((0, depth - 1))
+    return sorted(pair for pair in pairs if stage in pair)
+
+
+def _warm_up_neighbours(device: torch.device) -> None:
+    """One batched exchange (a send and a receive) with each pipeline neighbour on the
+    pipeline group, as the schedules' exchanges are batched."""
+    from megatron.core import parallel_state as ps
+
+    depth = ps.get_pipeline_model_parallel_world_size()
+    if depth == 1:
+        return
+    stage, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    ring = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    for pair in warm_up_pairs(stage, depth, ring):
+        peer = ranks[pair[0] if pair[1] == stage else pair[1]]
+        mine, theirs = torch.ones(1, device=device), torch.empty(1, device=device)
+        ops = [dist.P2POp(dist.isend, mine, peer, group),
+               dist.P2POp(dist.irecv, theirs, peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def create_communicators(device: torch.device, groups: list | None = None) -> None:
+    """Create every communicator of this rank before the first step: one all-reduce on each
+    group it belongs to, in creation order (the same relative order on every rank), then one
+    batched exchange with each pipeline neighbour. Each wait is bounded by the group's
+    timeout. On CUDA the gloo groups are skipped (gloo connects when a group is created) and
+    the NCCL groups exist already (``device_id``); the warm-up then costs a few microseconds
+    per group. ``groups``: only these (a group made later, by every member at the same point),
+    all-reduced on their own backend's device, and no exchange."""
+    for group in _member_groups() if groups is None else groups:
+        backend = dist.get_backend(group)
+        if groups is None and device.type == "cuda" and backend == "gloo":
+            continue
+        _warm_up(group, device if backend != "gloo" else torch.device("cpu"))
+    if groups is None:
+        _warm_up_neighbours(device)
 
 
 def set_seed(seed: int) -> None:
@@ -197,6 +277,7 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cp
     )
     _bound_every_group(bound)
     _timeout = bound
+    create_communicators(training_device())
     set_seed(seed)
     return ProcessInfo(
         rank=dist.get_rank(),

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -86,6 +85,7 @@ import torch
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
 from megatron_2bw.runtime import distributed
+from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
@@ -98,7 +98,10 @@ __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "Time
 
 @dataclass(frozen=True)
 class TimelineRecord:
-    """One executed action, for timelines (``tools/timeline.py``)."""
+    """One executed action, for timelines (``tools/timeline.py``): ``start``/``end`` in
+    ``time.perf_counter()`` seconds. On CUDA both are CUDA events recorded around the action on
+    the current stream, placed on that time line after the call (``runtime.clock``): the
+    action's compute, not its launch; on the CPU host clock readings."""
 
     stage: int
     kind: str
@@ -164,6 +167,8 @@ class PipelineRunner:
         self.versions: WeightVersions | None = None
         self.comm: StageComm | None = None
         self.timeline: list[TimelineRecord] | None = None  # set to [] to record
+        self.clock = None  # the timeline's clock (runtime.clock), made at the first record
+        self._unresolved: list[tuple] = []  # (kind, microbatch, version, start, end) marks
         self.optimizer = None  # attach_optimizer(): 2BW may then defer the step
         self.defer = True
         self.deferred: DeferredStep | None = None
@@ -192,9 +197,12 @@ class PipelineRunner:
         call = _Call(forward_step_func, _iterators(data_iterator, len(models)), models, config,
                      num_microbatches, [], token_count(self.comm.device), pg_collection,
                      force_all_reduce)
-        if forward_only:
-            return self._forward_only(call, collect_non_loss_data)
-        return self._train_call(call)
+        try:
+            if forward_only:
+                return self._forward_only(call, collect_non_loss_data)
+            return self._train_call(call)
+        finally:
+            self._resolve_timeline()
 
     def prepare_drain(self) -> None:
         """The next training call leaves no microbatch in flight."""
@@ -223,6 +231,7 @@ class PipelineRunner:
                                "prepare_drain() before the last training call")
         if self.deferred is not None:
             self._apply_deferred()
+        self._resolve_timeline()
 
     def abandon(self) -> None:
         """Training ends here without another step (divergence): a deferred step's pending
@@ -360,21 +369,41 @@ class PipelineRunner:
             self.deferred.progress()  # moves its collectives on; never blocks
             if action.version == self.deferred.pending_version and action.kind is not Kind.STEP:
                 self._apply_deferred()  # the first action to read the new version
-        start = time.perf_counter()
+        start = self._mark()
         _HANDLERS[action.kind](self, action, call)
-        if self.timeline is not None:
-            self.timeline.append(TimelineRecord(self.stage, action.kind.value, action.microbatch,
-                                                action.version, start, time.perf_counter()))
+        self._record(action.kind.value, action.microbatch, action.version, start)
 
     def _apply_deferred(self) -> None:
         """Run a pending deferred step; timelines show it as a step record where it ran."""
-        version, start = self.deferred.pending_version, time.perf_counter()
+        version, start = self.deferred.pending_version, self._mark()
         self.deferred.apply(self.versions)
         if self.correction is not None:
             self.correction.track()
-        if self.timeline is not None and version is not None:
-            self.timeline.append(TimelineRecord(self.stage, Kind.STEP.value, None, version, start,
-                                                time.perf_counter()))
+        if version is not None:
+            self._record(Kind.STEP.value, None, version, start)
+
+    # ---- timelines -----------------------------------------------------------------------
+    def _mark(self):
+        """A clock mark when recording a timeline (None otherwise): a CUDA event on CUDA, the
+        host clock on the CPU (``runtime.clock.clock_for``). Never waits."""
+        if self.timeline is None:
+            return None
+        if self.clock is None:
+            self.clock = clock_for(distributed.training_device(), anchored=True)
+        return self.clock.mark()
+
+    def _record(self, kind: str, microbatch: int | None, version: int | None, start) -> None:
+        if self.timeline is not None and start is not None:
+            self._unresolved.append((kind, microbatch, version, start, self.clock.mark()))
+
+    def _resolve_timeline(self) -> None:
+        """After a call: the call's marks become TimelineRecords on the perf_counter time line
+        (on CUDA this waits for the call's last event, once per call, not per action)."""
+        if self.timeline is not None:
+            self.timeline += [TimelineRecord(self.stage, kind, microbatch, version,
+                                             self.clock.at(start), self.clock.at(end))
+                              for kind, microbatch, version, start, end in self._unresolved]
+        self._unresolved = []
 
     def _first(self, chunk: int) -> bool:
         """Whether ``chunk`` of this stage is the model's first virtual stage (reads data)."""

@@ -5,7 +5,9 @@ its sends and receives, to either neighbour, go out as ONE ``batch_isend_irecv``
 call returns when all of them completed. That is what NCCL needs: a send completes only once the
 peer's matching receive runs, p2p between two ranks runs in issue order, and the pass that made
 the program mirrored every group on the peer, so the two sides always meet. Every wait is bounded
-by ``--distributed-timeout-minutes``; a wait that runs out names the peer and the transfers.
+by ``--distributed-timeout-minutes``, the pipeline group's timeout (a plain ``wait()``, as
+megatron-core's; gloo raises when it runs out, NCCL's watchdog aborts the communicator); a wait
+that fails names the peer and the transfers.
 
 Every ``torch.distributed`` call of the executor lives here, on the main thread.
 """
@@ -77,8 +79,11 @@ class StageComm:
         return tensor.detach().contiguous()
 
     def _wait(self, work, exchange: Exchange, before: str) -> None:
+        """Wait for one transfer of the group, bounded by the pipeline group's timeout
+        (``--distributed-timeout-minutes``), as megatron-core waits: a plain ``wait()``. A
+        timed ``wait(timeout=...)`` would make NCCL's host thread poll the transfer."""
         try:
-            completed = work.wait(timeout=self.timeout)
+            completed = work.wait()
         except Exception as error:
             raise CommError(self._stalled(exchange, before, error)) from error
         if completed is False:  # a backend that reports the timeout instead of raising

@@ -136,17 +136,21 @@ def timers_to_log(level: int) -> list[str]:
     return list(_TIMERS_LEVEL_1 if level >= 1 else ()) + list(_TIMERS_LEVEL_2 if level >= 2 else ())
 
 
-def attach_timers(args: argparse.Namespace, model_config, optimizer):
+def attach_timers(args: argparse.Namespace, model_config, optimizer, device: str = "cpu"):
     """megatron-core ``Timers(--timing-log-level, --timing-log-option)``, set where Megatron-LM
     sets them: ``config.timers`` of the model (megatron-core's schedules, forward/backward
     steps, ``finalize_model_grads``) and of the optimizer (its ``optimizer-*`` timers); and the
-    optimizer's ``log_num_zeros_in_grad``. Level-1 timers barrier only under megatron-core's own
-    schedule: inside a stage's step of our schedules a barrier is the pipeline-wide wait
-    that 2BW's deferred step removes (and it would sit between a stage's sends and receives)."""
-    from megatron.core.timers import Timers
+    optimizer's ``log_num_zeros_in_grad``. Under megatron-core's own schedule they are its
+    ``Timers`` (a device synchronize at each start and stop, a barrier at level 1, as in
+    Megatron-LM). Under ours they neither synchronize nor barrier (:mod:`.timers`: CUDA events
+    on ``device`` "cuda"): inside a stage's step a barrier is the pipeline-wide wait that 2BW's
+    deferred step removes (and it would sit between a stage's sends and receives), and a
+    device synchronize waits for the deferred step's all-reduces in flight."""
+    from megatron_2bw.training.timers import syncs_device, timers_for
 
-    timers = Timers(args.timing_log_level, args.timing_log_option)
-    barrier = args.pipeline_schedule == "megatron"
+    timers = timers_for(args.pipeline_schedule, args.timing_log_level, args.timing_log_option,
+                        torch.device(device))
+    barrier = syncs_device(args.pipeline_schedule)
     model_config.timers, model_config.barrier_with_L1_time = timers, barrier
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner.config.timers, inner.config.barrier_with_L1_time = timers, barrier

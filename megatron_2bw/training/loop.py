@@ -43,10 +43,13 @@ class DataIterators:
 
 def _cpu_group():
     """A gloo group over all ranks for small control messages (also on NCCL clusters), with the
-    same bound on its waits as every other group (--distributed-timeout-minutes)."""
+    same bound on its waits as every other group (--distributed-timeout-minutes); used once
+    when made (every rank makes it before the first iteration), so that it is connected before
+    the first step as every other group is (gloo connects at creation anyway)."""
     global _CPU_GROUP
     if _CPU_GROUP is None:
         _CPU_GROUP = dist.new_group(backend="gloo", timeout=distributed.timeout())
+        distributed.create_communicators(torch.device("cpu"), groups=[_CPU_GROUP])
     return _CPU_GROUP
 
 
@@ -94,7 +97,8 @@ class Trainer:
         self.loss_key = loss_key
         self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir,
                                   logs.LogFlags.from_args(args), self.info.device)
-        self.timers = logs.attach_timers(args, self.config, self.optimizer)
+        self.timers = logs.attach_timers(args, self.config, self.optimizer,
+                                           self.info.device)
         self.interval = logs.IntervalStats()
         if args.log_num_zeros_in_grad and keeps_versions(args.pipeline_schedule):
             self.logger.print(" --log-num-zeros-in-grad: not counted where the optimizer "

@@ -18,6 +18,14 @@ communication functions so that:
 3. **Every member of a group issues the same collectives**: each process appends one JSON line
    per collective (op, group, shape, dtype) to ``$MEGATRON_2BW_STRICT_DIR``; :func:`check`
    compares the members' sequences per run (``MASTER_ADDR:MASTER_PORT``) and group.
+4. **Communicators are created lazily**, as NCCL creates them unless ``init_process_group`` got
+   ``device_id`` (the default group then has a bound device, and every ``new_group`` inherits
+   it and connects at once): a group's first collective or first ``batch_isend_irecv`` (which
+   NCCL runs on the group's communicator) blocks until every member of the group reached its
+   own first use, through the store. A member that never gets there within the timeout (above)
+   makes it raise ``StrictModeError`` naming the group, where it was first used, and who is
+   missing: under NCCL that creation hangs. Groups made with ``backend="gloo"`` connect when
+   they are created and are exempt.
 
 Only the outermost wrapped call counts: ``all_gather_object`` calling ``all_gather``, or
 ``batch_isend_irecv`` calling ``isend``, is one call. Groups are told apart by torch's group
@@ -66,6 +74,8 @@ _originals: dict[str, object] = {}
 _sent: dict[tuple, int] = defaultdict(int)      # (group, src, dst) -> sends issued
 _received: dict[tuple, int] = defaultdict(int)  # (group, src, dst) -> receives posted
 _log = None
+_used: set[str] = set()    # groups whose communicator this process created (first use done)
+_gloo: set[str] = set()    # groups created with backend="gloo": connected at creation
 
 
 _MARK = "_megatron_2bw_strict"  # set on every wrapper, whichever copy of this module made it
@@ -124,6 +134,8 @@ def _wrap(name: str, original):
 
 def _outermost(name: str, original, signature, args, kwargs):
     if name == "batch_isend_irecv":
+        if args[0]:
+            _first_use(name, args[0][0].group)
         _handshake([(op.op.__name__, op.tensor, _global_peer(op), op.group) for op in args[0]])
     elif name in P2P:
         bound = signature.bind(*args, **kwargs).arguments
@@ -135,7 +147,14 @@ def _outermost(name: str, original, signature, args, kwargs):
                                   f"(a receive from any source): NCCL has none")
         _handshake([(name, bound.get("tensor"), peer, bound.get("group"))])
     elif name in COLLECTIVES:
-        _record(name, signature.bind(*args, **kwargs).arguments)
+        arguments = signature.bind(*args, **kwargs).arguments
+        _first_use(name, arguments.get("group"))
+        _record(name, arguments)
+    elif name == "new_group":
+        group = original(*args, **kwargs)
+        if str(signature.bind(*args, **kwargs).arguments.get("backend")).lower() == "gloo":
+            _gloo.add(getattr(group, "group_name", None))
+        return group
     elif name == "init_process_group":
         result = original(*args, **kwargs)
         _publish_run_key()
@@ -144,6 +163,8 @@ def _outermost(name: str, original, signature, args, kwargs):
         bound = signature.bind(*args, **kwargs).arguments
         if bound.get("group") is None:
             _write({"op": _END})
+            _used.clear()  # a later init_process_group starts over with new communicators
+            _gloo.clear()
     return original(*args, **kwargs)
 
 
@@ -225,6 +246,55 @@ def _handshake(ops: list[tuple]) -> None:
 def _token(channel: tuple, n: int) -> str:
     group, src, dst = channel
     return f"strict/{group}/{src}->{dst}/{n}"
+
+
+# ---- lazy communicator creation: a group's first use is a barrier of its members ------------
+
+def _eager() -> bool:
+    """Whether NCCL would create every group's communicator when the group is created: the
+    default group is bound to a device (``init_process_group(device_id=...)``)."""
+    return getattr(_default_group(), "bound_device_id", None) is not None
+
+
+def _caller() -> str:
+    """file:line (function) of the innermost frame outside torch and this module."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = frame.filename.replace(os.sep, "/")
+        if "/torch/" not in path and not path.endswith("strict_comm.py"):
+            return f"{path}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+def _first_use(name: str, group) -> None:
+    """Model NCCL's lazy creation of ``group``'s communicator at its first use (module
+    docstring, rule 4): wait, through the store, until every member reached its own."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    group_name = _group_name(group)
+    if group_name in _used or group_name in _gloo:
+        return
+    _used.add(group_name)
+    if _eager():
+        return
+    store, me = c10d._get_default_store(), dist.get_rank()
+    ranks = dist.get_process_group_ranks(group or _default_group())
+    where, bound = _caller(), _timeout(group)
+    store.set(f"strict/created/{group_name}/{me}", where)
+    keys = [f"strict/created/{group_name}/{rank}" for rank in ranks]
+    try:
+        store.wait(keys, bound)
+    except Exception as error:  # the store raises on its timeout
+        missing = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        description = getattr(group or _default_group(), "group_desc", "") or "unnamed"
+        raise StrictModeError(
+            f"strict NCCL mode: lazy communicator creation would hang on NCCL: group "
+            f"{group_name} ({description}, ranks {ranks}) first used by {name} at {where} on "
+            f"rank {me}; rank(s) {missing} did not reach their first use of it within "
+            f"{bound.total_seconds():g} s (create every communicator up front: "
+            f"init_process_group(device_id=...) or a warm-up collective per group)") from error
 
 
 # ---- collectives: one JSON line each ---------------------------------------------------------
