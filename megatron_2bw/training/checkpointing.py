@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration", "model_keys",
-           "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError"]
+           "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError",
+           "CheckpointRefused"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's generate_state_dict
@@ -54,8 +55,12 @@ class CheckpointError(ValueError):
     """A --load/--save problem the user must fix; ``str()`` is the one line they see."""
 
 
-class _ScheduleMismatch(CheckpointError):
-    """The flags disagree with the checkpoint: no older checkpoint is tried."""
+class CheckpointRefused(CheckpointError):
+    """The checkpoint cannot serve this run (not unreadable): no older checkpoint is tried."""
+
+
+class _ScheduleMismatch(CheckpointRefused):
+    """The flags disagree with the checkpoint's learning-rate schedule."""
 
 
 @dataclass
@@ -487,8 +492,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
                 warn(f" warning: skipped unreadable checkpoint(s) {'; '.join(failures)}; "
                      f"loaded {path}")
             return state
-        if isinstance(error, _ScheduleMismatch):  # the same on every rank: common state
-            raise error
+        if not _all_ranks_agree(not isinstance(error, CheckpointRefused)):
+            raise error if isinstance(error, CheckpointRefused) else CheckpointRefused(
+                f"--load: {path} was refused on another rank")
         why = "unreadable on another rank" if error is None else _reason(error)
         failures.append(f"{path} ({why})")
     raise CheckpointError(f"--load: no readable checkpoint in {root}: {failures[0]}")
