@@ -589,6 +589,12 @@ class PipelineRunner:
             sharded["pipemare_delta"] = delta.sharded
             self.loading["pipemare_delta"] = delta
 
+    def weight_tensors(self) -> list[torch.Tensor] | None:
+        """Every alive weight version's tensors (None for a schedule without versions)."""
+        if self.versions is None:
+            return None
+        return [t for version in self.versions.alive for t in self.versions.tensors_of(version)]
+
     def _entries(self, model: list, tensors: list[torch.Tensor], prefix: str):
         return version_entries(_chunks(model), self.versions.params, tensors, prefix)
 
