@@ -392,9 +392,10 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(two_checkpoi
     assert "Traceback" not in result.output, result.tail()  # torch's logged read failure
 
 
-def test_a_torn_tracker_file_falls_back_to_the_directories(two_checkpoints, tmp_path):
-    """A tracker file of garbage bytes: a warning naming it, and the newest checkpoint
-    directory (iteration 4) loads."""
+def test_a_tracker_file_of_garbage_is_refused(two_checkpoints, tmp_path):
+    """A tracker file that holds neither an iteration number nor 'release': one line naming
+    it on every rank that got to print, and nothing trained or loaded (Megatron-LM's
+    read_metadata refuses it: "Invalid metadata file"), rather than some other checkpoint."""
     import shutil
 
     root = tmp_path / "checkpoints"
@@ -403,10 +404,33 @@ def test_a_torn_tracker_file_falls_back_to_the_directories(two_checkpoints, tmp_
     tracker.write_bytes(b"4\x00\x00garbage")
     result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "4", "--lr",
                               "1e-3", "--load", str(root)], 2, timeout=240)
-    assert result.returncode == 0, result.tail()
-    assert re.search(rf"warning: {tracker} does not hold an iteration number: .*; trying the "
-                     rf"checkpoint directories newest first", result.output), result.tail()
-    assert f"resumed from {root} at iteration 4" in result.output, result.tail()
+    assert result.returncode != 0, result.tail()
+    errors = set(re.findall(r"^error: --load: invalid tracker file (\S+): it holds .*, not an "
+                            r"iteration number or 'release'", result.output, re.MULTILINE))
+    assert errors == {str(tracker)}, result.tail()
+    assert "resumed from" not in result.output, result.tail()
+    assert not re.search(r"iteration +\d+/", result.output), result.tail()
+
+
+def test_tracker_words():
+    """An iteration number or 'release' (Megatron-LM's {root}/release), nothing else."""
+    import tempfile
+
+    from megatron_2bw.training.checkpointing import (RELEASE, CheckpointRefused,
+                                                     checkpoint_dir, latest_iteration)
+
+    root = tempfile.mkdtemp()
+    assert latest_iteration(root) is None
+    for text, expected in (("12\n", 12), ("release", RELEASE)):
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(text)
+        assert latest_iteration(root) == expected
+    assert checkpoint_dir(root, RELEASE) == os.path.join(root, "release")
+    for text in ("", "-1", "3.0", "iter_0000003", "\u00b2"):
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(text)
+        with pytest.raises(CheckpointRefused, match="invalid tracker file"):
+            latest_iteration(root)
 
 
 def test_no_readable_checkpoint_is_one_line(two_checkpoints, tmp_path):

@@ -615,7 +615,8 @@ class PipelineRunner:
         info = loaded.get("twobw_versions")
         if info is None:  # one version: batch k reads "version k-1", the same weights
             iteration = loaded["iteration"]
-            info = {"batches_done": iteration, "newest": iteration, "older": iteration - 1}
+            info = {"batches_done": iteration, "newest": iteration,
+                    "older": iteration - 1 if iteration > 0 else None}
             for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
