@@ -2,7 +2,8 @@
 
 References:
   * the divergence rules as a table (fp32/bf16: a non-finite loss or gradient norm; fp16 with
-    dynamic loss scaling: only --loss-scale-window consecutive skipped steps);
+    dynamic loss scaling: --loss-scale-window consecutive skipped steps, or 3 consecutive
+    non-finite losses);
   * a real 2-stage 2BW run with --lr 1e30 reaches a NaN loss: the ranks end with exit code 1
     and the same line naming the first non-finite iteration K, and no checkpoint at or after K is
     written (--save-interval 2), the tracker still names the last good one;
@@ -12,7 +13,12 @@ References:
     up front with one line and the other run's tracker untouched; a newest checkpoint whose
     metadata is missing or truncated is skipped with a warning and the previous one loads
     (training goes on from its iteration); with no readable checkpoint, one line naming the
-    newest.
+    newest; a tracker file of garbage is refused in one line naming it (Megatron-LM's
+    read_metadata), never replaced by a guess;
+  * fp16 with dynamic loss scaling: --lr 100 ends with exit 1 and one line on the third
+    non-finite loss in a row, no checkpoint written after the first; a run with a few skipped
+    steps at the start trains on; --lr 1e30 (fp32 2BW): no checkpoint holds non-finite
+    weights (read back offline).
 """
 
 from __future__ import annotations
