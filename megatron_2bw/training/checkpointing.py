@@ -376,9 +376,13 @@ def _fail_unless_all_wrote(error: BaseException | None, root: str, final: str, t
     except CheckpointError:
         previous = None
     kept = ("no earlier checkpoint exists" if previous is None else
-            f"the last complete checkpoint, {checkpoint_dir(root, previous)}, is intact")
+            f"the last complete checkpoint, {_named(previous)}, is intact")
     raise CheckpointError(f"--save: could not write the checkpoint of iteration {iteration} "
                           f"to {final} ({why}); {kept}")
+
+
+def _named(iteration: int | str) -> str:
+    return "the release checkpoint" if iteration == RELEASE else f"iteration {iteration}"
 
 
 def _publish(root: str, tmp: str, final: str, iteration: int) -> None:
