@@ -80,6 +80,25 @@ def _divergence(result: launch.Launch) -> tuple[int, str, dict[int, str]]:
     return int(errors[0][0]), errors[0][1], logged
 
 
+def test_nonfinite_weights_flag():
+    """1 where any tensor holds a NaN or inf, across dtypes; a large finite fp16 tensor (whose
+    sum of squares would overflow) is finite. The flag comes back through LateFlags."""
+    import torch
+
+    from megatron_2bw.training.guard import LateFlags, nonfinite
+
+    finite = [torch.full((64,), 6e4, dtype=torch.float16), torch.randn(3, 5)]
+    cases = {"finite": (finite, 0.0),
+             "nan": ([*finite, torch.tensor([1.0, NAN])], 1.0),
+             "inf fp16": ([finite[1], torch.tensor([INF], dtype=torch.float16)], 1.0),
+             "-inf": ([torch.tensor([-INF, 0.0])], 1.0)}
+    late = LateFlags()
+    for name, (tensors, expected) in cases.items():
+        late.record(7, nonfinite(tensors))
+        assert late.take() == (7, torch.tensor(expected)), name
+        assert late.take() is None
+
+
 def test_a_diverging_run_stops_without_saving(tmp_path):
     """--lr 1e30: the weights of step 2 are not finite (2BW applies a step when the next
     batch reads it, or before a save): no checkpoint holds them."""

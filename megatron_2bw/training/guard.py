@@ -148,9 +148,9 @@ class RunGuard:
 
     def record_step(self, iteration: int, weights_nonfinite: torch.Tensor) -> None:
         """The device-side :func:`nonfinite` of the weights after iteration ``iteration``'s
-        step; read with the next iteration's :meth:`post` (or by :meth:`settle`)."""
-        if self.check_nan:
-            self.late.record(iteration, weights_nonfinite)
+        step; read with the next iteration's :meth:`post` (or by :meth:`settle`). Called on
+        every rank after every step while the check is on."""
+        self.late.record(iteration, weights_nonfinite)
 
     def _read_step(self, flags: torch.Tensor) -> int | None:
         """Fold the last recorded step's weights flag into this exchange's ``flags``; that

@@ -380,7 +380,8 @@ class Trainer:
             self.housekeeping.after_iteration(self.state.iteration)
             self.housekeeping.check_replicas(self.model, self.state.iteration)
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
-            guard.record_step(self.state.iteration, nonfinite(self._weights()))
+            if guard.check_nan:  # on the device, read with the next iteration's flags
+                guard.record_step(self.state.iteration, nonfinite(self._weights()))
             interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
                 last["train_loss"] = interval_loss
