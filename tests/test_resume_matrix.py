@@ -65,7 +65,25 @@ def _matrix_worker(rank: int, world: int, out: str) -> dict:
         except Exception as error:  # noqa: BLE001 -- reported by the case's test
             runs[name] = f"the resumed run failed: {type(error).__name__}: {error}"
             _tear_down()
+    runs["release"] = _from_release(rank, out / RELEASE_CASE / "saved", out / "release")
     return runs
+
+
+def _from_release(rank: int, saved: Path, into: Path):
+    """A run of RELEASE_CASE's flags from a Megatron-LM release checkpoint holding the weights
+    its uninterrupted run saved at the end."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_2bw.training.checkpointing import TRACKER_FILE, checkpoint_dir
+
+    if rank == 0:
+        into.mkdir()
+        shutil.copytree(checkpoint_dir(str(saved), 4), into / "release")
+        (into / TRACKER_FILE).write_text("release")
+    dist.barrier()
+    return _train([*CASES[RELEASE_CASE], "--load", str(into)])
 
 
 def _tear_down() -> None:
@@ -76,6 +94,9 @@ def _tear_down() -> None:
 
     ps.destroy_model_parallel()
     executor.reset_runners()
+
+
+RELEASE_CASE = "flush-gpt-distopt-DP2"
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +114,14 @@ def test_a_resumed_run_logs_the_uninterrupted_losses(matrix, case):
     assert sorted(full) == [1, 2, 3, 4] and full_valid is not None, (full, full_valid)
     _same(resumed, full, [SAVED_AT + 1, 4])
     _same({4: resumed_valid}, {4: full_valid}, [4])
+
+
+def test_a_release_checkpoint_gives_the_weights_and_starts_at_iteration_zero(matrix):
+    """Megatron-LM's tracker word 'release': the weights load, nothing else; training runs
+    from iteration 1 on the first batches. A run from scratch logs the uninterrupted run's
+    first loss to the bit (same seed, same data), so a different, lower one means the trained
+    weights were read."""
+    (full, _), _ = matrix[RELEASE_CASE]
+    released, _ = matrix["release"]
+    assert sorted(released) == [1, 2, 3, 4], released
+    assert released[1] < full[1] - 1e-3, (released, full)
