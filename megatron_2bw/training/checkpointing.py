@@ -21,8 +21,8 @@ only once the new one is complete (the old one is moved aside, then deleted), an
 is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
 newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint
 that cannot serve the run (CheckpointRefused: another learning-rate schedule, weight versions
-missing) and a tracker file naming neither an iteration nor "release" end the load in one line. A resumed run
-continues exactly as an uninterrupted one would. A run with another layout loads the model and
+missing) and a tracker file naming neither an iteration nor "release" end the load in one
+line. A resumed run continues exactly as an uninterrupted one would. A run with another layout loads the model and
 optimizer resharded and, where TP or PP changed, its own RNG state from --seed (said in a
 warning). The learning-rate schedule in a checkpoint must match the flags unless
 --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the
