@@ -69,6 +69,8 @@ def nonfinite(tensors) -> torch.Tensor:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     flags = [torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all()
              for group in by_dtype.values()]
+    if not flags:
+        return torch.zeros(())
     return torch.stack(flags).logical_not().any().float()
 
 
