@@ -860,7 +860,7 @@ def build_cases() -> list[Case]:
           gpt(*MOCK, "--train-iters", "4", "--load", "{ck}"), env=W(), needs=("ckpt",),
           setup=copy_ckpt(lambda r: (r / "latest_checkpointed_iteration.txt")
                           .write_text("garbage\x00\x01")),
-          expect="either", match=r"warning:", timeout=90),
+          match=r"invalid tracker file", timeout=90),
         C("ckpt-tracker-names-missing-iteration",
           gpt(*MOCK, "--train-iters", "4", "--load", "{ck}"), env=W(), needs=("ckpt",),
           setup=copy_ckpt(lambda r: (r / "latest_checkpointed_iteration.txt").write_text("9")),

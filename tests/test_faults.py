@@ -2,7 +2,8 @@
 
 References:
   * the divergence rules as a table (fp32/bf16: a non-finite loss or gradient norm; fp16 with
-    dynamic loss scaling: only --loss-scale-window consecutive skipped steps);
+    dynamic loss scaling: --loss-scale-window consecutive skipped steps, or 3 consecutive
+    non-finite losses);
   * a real 2-stage 2BW run with --lr 1e30 reaches a NaN loss: the ranks end with exit code 1
     and the same line naming the first non-finite iteration K, and no checkpoint at or after K is
     written (--save-interval 2), the tracker still names the last good one;
@@ -12,7 +13,12 @@ References:
     up front with one line and the other run's tracker untouched; a newest checkpoint whose
     metadata is missing or truncated is skipped with a warning and the previous one loads
     (training goes on from its iteration); with no readable checkpoint, one line naming the
-    newest.
+    newest; a tracker file of garbage is refused in one line naming it (Megatron-LM's
+    read_metadata), never replaced by a guess;
+  * fp16 with dynamic loss scaling: --lr 100 ends with exit 1 and one line on the third
+    non-finite loss in a row, no checkpoint written after the first; a run with a few skipped
+    steps at the start trains on; --lr 1e30 (fp32 2BW): no checkpoint holds non-finite
+    weights (read back offline).
 """
 
 from __future__ import annotations
@@ -26,11 +32,11 @@ import time
 
 import pytest
 
-from megatron_2bw.training.guard import local_divergence
+from megatron_2bw.training.guard import NONFINITE_LOSSES, local_divergence
 from tests import dist as launch
 
 NAN, INF = math.nan, math.inf
-LOSS, GRAD, SKIPS = 1, 2, 3  # guard's flag indices
+LOSS, GRAD, SKIPS, FP16_LOSSES = 1, 2, 3, 5  # guard's flag indices
 
 TINY = ["--cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
@@ -53,26 +59,115 @@ def test_divergence_rules(loss, grad_norm, skipped, run_of_skips, fp16, expected
     assert local_divergence(loss, grad_norm, skipped, run_of_skips, fp16, 1000) == expected
 
 
+@pytest.mark.parametrize("losses_in_a_row, expected", [(0, None), (2, None), (3, FP16_LOSSES)])
+def test_fp16_ends_after_three_non_finite_losses_in_a_row(losses_in_a_row, expected):
+    """The loss scale acts on the backward only: a forward that overflows three times running
+    cannot be brought back by it."""
+    assert NONFINITE_LOSSES == 3
+    assert local_divergence(NAN, None, True, 3, True, 1000, losses_in_a_row) == expected
+
+
+def _divergence(result: launch.Launch) -> tuple[int, str, dict[int, str]]:
+    """(the iteration, what was not finite) of the run's divergence line, which every rank
+    that got to print says alike (torchrun stops the others once one exits), and the logged
+    losses by iteration."""
+    errors = re.findall(r"^error: iteration (\d+): the (loss|gradient norm|weights) (?:is|are) "
+                        r"not finite \(NaN or inf\)[^\n]*; training stopped without saving",
+                        result.output, re.MULTILINE)
+    assert errors and len(set(errors)) == 1, result.tail()
+    logged = {int(i): loss.lower() for i, loss in
+              re.findall(r"iteration +(\d+)/ +\d+ .*?lm loss: (\S+)", result.output)}
+    return int(errors[0][0]), errors[0][1], logged
+
+
+def test_nonfinite_weights_flag():
+    """1 where any tensor holds a NaN or inf, across dtypes; a large finite fp16 tensor (whose
+    sum of squares would overflow) is finite. The flag comes back through LateFlags."""
+    import torch
+
+    from megatron_2bw.training.guard import LateFlags, nonfinite
+
+    finite = [torch.full((64,), 6e4, dtype=torch.float16), torch.randn(3, 5)]
+    cases = {"finite": (finite, 0.0),
+             "nan": ([*finite, torch.tensor([1.0, NAN])], 1.0),
+             "inf fp16": ([finite[1], torch.tensor([INF], dtype=torch.float16)], 1.0),
+             "-inf": ([torch.tensor([-INF, 0.0])], 1.0)}
+    late = LateFlags()
+    for name, (tensors, expected) in cases.items():
+        late.record(7, nonfinite(tensors))
+        assert late.take() == (7, torch.tensor(expected)), name
+        assert late.take() is None
+
+
 def test_a_diverging_run_stops_without_saving(tmp_path):
+    """--lr 1e30: the weights of step 2 are not finite (2BW applies a step when the next
+    batch reads it, or before a save): no checkpoint holds them."""
     save = tmp_path / "checkpoints"
     result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "20",
-                              "--lr", "1e30", "--save", str(save), "--save-interval", "2"],
+                              "--lr", "1e30", "--save", str(save), "--save-interval", "1"],
                              2, timeout=240)
     assert result.returncode != 0, result.tail()
-    errors = re.findall(r"^error: iteration (\d+): the (loss|gradient norm) is not finite "
-                        r"\(NaN or inf\); training stopped without saving", result.output,
-                        re.MULTILINE)
-    # one line per rank that got to print (torchrun stops the others once one exits)
-    assert errors and len(set(errors)) == 1, result.tail()
-    diverged = int(errors[0][0])
-    logged = {int(i): loss for i, loss in
-              re.findall(r"iteration +(\d+)/ +\d+ .*?lm loss: (\S+)", result.output)}
-    first_nan = min(i for i, loss in logged.items() if loss.lower() in ("nan", "inf"))
-    assert diverged == first_nan, (diverged, logged)
+    diverged, what, logged = _divergence(result)
+    nonfinite = [i for i, loss in logged.items() if loss in ("nan", "inf")]
+    if what == "weights":  # made by step `diverged`: the losses up to it are finite
+        assert all(i > diverged for i in nonfinite), (diverged, logged)
+    else:
+        assert diverged == min(nonfinite), (diverged, logged)
     saved = sorted(int(p.name[len("iter_"):]) for p in save.glob("iter_*"))
     assert saved and max(saved) < diverged, (saved, diverged)
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == max(saved)
     assert not list(save.glob("*tmp*")), list(save.iterdir())
+    _assert_finite_checkpoint(save, max(saved))
+
+
+def test_fp16_that_cannot_recover_stops_without_saving(tmp_path):
+    """--fp16 --lr 100 (dynamic loss scaling from 2^32): overflowing gradients skip the first
+    steps, two steps succeed, and from then on the forward overflows (the weights are finite
+    but huge) and every step is skipped. The run ends with exit 1 and one line on the third
+    non-finite loss in a row; the checkpoints before the first are kept (every 5
+    iterations), none is written after it."""
+    save = tmp_path / "checkpoints"
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--pipeline-schedule", "megatron",
+                              "--fp16", "--lr", "100", "--train-iters", "40", "--save",
+                              str(save), "--save-interval", "5"], 2, timeout=240)
+    assert result.returncode == 1, result.tail()
+    diverged, what, logged = _divergence(result)
+    first_nan = min(i for i, loss in logged.items() if loss in ("nan", "inf"))
+    assert what == "loss" and diverged == first_nan + NONFINITE_LOSSES - 1, (diverged, logged)
+    assert f"in {NONFINITE_LOSSES} consecutive iterations" in result.output, result.tail()
+    saved = sorted(int(p.name[len("iter_"):]) for p in save.glob("iter_*"))
+    assert saved and max(saved) < first_nan, (saved, first_nan)
+    _assert_finite_checkpoint(save, max(saved))
+
+
+def test_fp16_with_a_few_skipped_steps_at_the_start_trains(tmp_path):
+    """--fp16 from loss scale 2^22: the first steps overflow and are skipped (another now and
+    then), the scale comes to fit and the loss falls; the run ends normally."""
+    result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--fp16", "--initial-loss-scale",
+                              str(2 ** 22), "--lr", "5e-3", "--train-iters", "12"], 2,
+                             timeout=240)
+    assert result.returncode == 0, result.tail()
+    skipped = [int(i) for i in re.findall(
+        r"iteration +(\d+)/ +\d+ .*?number of skipped iterations: +1 ", result.output)]
+    logged = {int(i): float(loss) for i, loss in
+              re.findall(r"iteration +(\d+)/ +\d+ .*?lm loss: (\S+)", result.output)}
+    assert skipped[:2] == [1, 2] and len(skipped) <= 6, skipped  # skips, then mostly steps
+    assert sorted(logged) == list(range(1, 13)), result.tail()
+    assert all(math.isfinite(loss) for loss in logged.values()), logged
+    assert logged[12] < logged[1] - 0.1, logged
+
+
+def _assert_finite_checkpoint(root, iteration: int) -> None:
+    """Every floating-point tensor of the checkpoint (weights, both 2BW versions, optimizer
+    state) is finite, read offline."""
+    import torch
+
+    from tests.test_training import _saved_tensors
+
+    tensors = _saved_tensors(root, iteration, "")
+    broken = [key for key, t in tensors.items() if isinstance(t, torch.Tensor)
+              and t.is_floating_point() and not torch.isfinite(t).all()]
+    assert not broken, f"iteration {iteration}'s checkpoint holds non-finite {broken[:4]}"
 
 
 def _children(pid: int) -> list[int]:
@@ -322,9 +417,10 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous(two_checkpoi
     assert "Traceback" not in result.output, result.tail()  # torch's logged read failure
 
 
-def test_a_torn_tracker_file_falls_back_to_the_directories(two_checkpoints, tmp_path):
-    """A tracker file of garbage bytes: a warning naming it, and the newest checkpoint
-    directory (iteration 4) loads."""
+def test_a_tracker_file_of_garbage_is_refused(two_checkpoints, tmp_path):
+    """A tracker file that holds neither an iteration number nor 'release': one line naming
+    it on every rank that got to print, and nothing trained or loaded (Megatron-LM's
+    read_metadata refuses it: "Invalid metadata file"), rather than some other checkpoint."""
     import shutil
 
     root = tmp_path / "checkpoints"
@@ -333,10 +429,33 @@ def test_a_torn_tracker_file_falls_back_to_the_directories(two_checkpoints, tmp_
     tracker.write_bytes(b"4\x00\x00garbage")
     result = launch.torchrun(["pretrain_gpt_2bw.py", *TINY, "--train-iters", "4", "--lr",
                               "1e-3", "--load", str(root)], 2, timeout=240)
-    assert result.returncode == 0, result.tail()
-    assert re.search(rf"warning: {tracker} does not hold an iteration number: .*; trying the "
-                     rf"checkpoint directories newest first", result.output), result.tail()
-    assert f"resumed from {root} at iteration 4" in result.output, result.tail()
+    assert result.returncode != 0, result.tail()
+    errors = set(re.findall(r"^error: --load: invalid tracker file (\S+): it holds .*, not an "
+                            r"iteration number or 'release'", result.output, re.MULTILINE))
+    assert errors == {str(tracker)}, result.tail()
+    assert "resumed from" not in result.output, result.tail()
+    assert not re.search(r"iteration +\d+/", result.output), result.tail()
+
+
+def test_tracker_words():
+    """An iteration number or 'release' (Megatron-LM's {root}/release), nothing else."""
+    import tempfile
+
+    from megatron_2bw.training.checkpointing import (RELEASE, CheckpointRefused,
+                                                     checkpoint_dir, latest_iteration)
+
+    root = tempfile.mkdtemp()
+    assert latest_iteration(root) is None
+    for text, expected in (("12\n", 12), ("release", RELEASE)):
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(text)
+        assert latest_iteration(root) == expected
+    assert checkpoint_dir(root, RELEASE) == os.path.join(root, "release")
+    for text in ("", "-1", "3.0", "iter_0000003", "\u00b2"):
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(text)
+        with pytest.raises(CheckpointRefused, match="invalid tracker file"):
+            latest_iteration(root)
 
 
 def test_no_readable_checkpoint_is_one_line(two_checkpoints, tmp_path):

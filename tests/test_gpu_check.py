@@ -19,8 +19,6 @@ import pytest
 from tests.dist import python
 
 PARTS = ("matmul", "train", "resume", "versions", "deferred", "waits", "profile")
-KNOWN = {"resume": "issue 33: 2bw with --swiglu resumes to NaN (the older version of the GLU "
-                   "linear_fc1, a ShardedTensorFactory, is not checkpointed)"}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +39,7 @@ def test_the_table_comes_last_with_a_row_per_part(check):
         assert re.match(rf"{name}\s+(OK|FAIL)\s+\d+\.\d", line), line
 
 
-@pytest.mark.parametrize("part", [
-    pytest.param(part, marks=pytest.mark.xfail(strict=True, reason=KNOWN[part]))
-    if part in KNOWN else part for part in PARTS])
+@pytest.mark.parametrize("part", PARTS)
 def test_part_passes(check, part):
     rows, _ = check
     assert rows[part]["ok"], f"{part}: {rows[part]['summary']}"

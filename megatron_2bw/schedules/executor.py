@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -91,6 +91,7 @@ from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, 
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.schedules.pipemare import PipeMareOptions, call_schedule, correction_span
+from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -178,6 +179,7 @@ class PipelineRunner:
         # T2's delta read from a checkpoint (at the newest version, which the correction binds
         # at before the next step), until the correction binds
         self.loaded_delta: list[torch.Tensor] | None = None
+        self.loading: dict = {}  # checkpoint key -> VersionEntries being loaded
         # (microbatch, chunk) -> the version its forward read, until its backward
         self.forward_read: dict[tuple[int, int], int] = {}
 
@@ -566,7 +568,8 @@ class PipelineRunner:
         """Add what a resumed 2BW run needs to continue exactly: the older weight version
         (batch ``batches_done`` still reads it) and the version numbers; under PipeMare's T2
         each stage's delta at the newest version (the pipeline is drained and every step
-        tracked; zeros on the last stage, which corrects nothing)."""
+        tracked; zeros on the last stage, which corrects nothing). Every parameter is
+        saved, whichever kind of sharded entry megatron-core gives it (version_state.py)."""
         if not keeps_versions(self.schedule):
             return
         self.bind(model)
@@ -575,33 +578,54 @@ class PipelineRunner:
             self.versions.pointed_slot])
         sharded["twobw_versions"] = {"batches_done": self.batches_done,
                                      "newest": self.versions.newest, "older": older_version}
-        sharded["twobw_older_weights"] = _version_sharded(model, self.versions, older_tensors)
+        entries = self._entries(model, older_tensors, _OLDER_PREFIX)
+        entries.check_covered("the older weight version")
+        sharded["twobw_older_weights"] = entries.sharded
         if self._corrects():
             if self.correction is not None:
                 self.correction.track()
                 delta = self.correction.delta
             else:  # the last stage corrects nothing; its layers' shards complete the tensors
                 delta = zeros_like_delta(self.versions.tensors_of(self.versions.newest))
-            sharded["pipemare_delta"] = _version_sharded(model, self.versions, delta,
-                                                         _DELTA_PREFIX)
+            entries = self._entries(model, delta, _DELTA_PREFIX)
+            entries.check_covered("PipeMare's delta")
+            sharded["pipemare_delta"] = entries.sharded
 
     def prepare_load(self, model: list, sharded: dict, path: str) -> None:
         """Loading counterpart of :meth:`checkpoint_extra`: the older version is read into the
-        spare slot. A checkpoint written by another schedule has one version only."""
+        spare slot (and T2's delta, where the checkpoint has one). A checkpoint written by
+        another schedule has one version only. One that has the older version of only some
+        parameters (a megatron-2bw that did not save GLU's fc1) is refused with
+        CheckpointRefused: its spare slot could not be filled."""
         from megatron.core import dist_checkpointing
 
+        self.loading = {}
         if not keeps_versions(self.schedule):
             return
         self.bind(model)
         if "twobw_versions" not in dist_checkpointing.load_common_state_dict(path):
             return
+        saved_keys = set(dist_checkpointing.load_tensors_metadata(path))
         sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None}
-        sharded["twobw_older_weights"] = _version_sharded(model, self.versions,
-                                                          self.versions.spare_tensors())
-        if self._corrects() and _has_sharded(path, _DELTA_PREFIX):
+        older = self._entries(model, self.versions.spare_tensors(), _OLDER_PREFIX)
+        _require(older, saved_keys, path, "the older weight version")
+        sharded["twobw_older_weights"] = older.sharded
+        self.loading["twobw_older_weights"] = older
+        if self._corrects() and any(key.startswith(_DELTA_PREFIX) for key in saved_keys):
             self.loaded_delta = zeros_like_delta(self.versions.tensors_of(self.versions.newest))
-            sharded["pipemare_delta"] = _version_sharded(model, self.versions, self.loaded_delta,
-                                                         _DELTA_PREFIX)
+            delta = self._entries(model, self.loaded_delta, _DELTA_PREFIX)
+            _require(delta, saved_keys, path, "PipeMare's delta")
+            sharded["pipemare_delta"] = delta.sharded
+            self.loading["pipemare_delta"] = delta
+
+    def weight_tensors(self) -> list[torch.Tensor] | None:
+        """Every alive weight version's tensors (None for a schedule without versions)."""
+        if self.versions is None:
+            return None
+        return [t for version in self.versions.alive for t in self.versions.tensors_of(version)]
+
+    def _entries(self, model: list, tensors: list[torch.Tensor], prefix: str):
+        return version_entries(_chunks(model), self.versions.params, tensors, prefix)
 
     def _corrects(self) -> bool:
         """Whether the run has PipeMare's T2 (the same on every rank: checkpoints hold delta
@@ -611,10 +635,14 @@ class PipelineRunner:
     def checkpoint_loaded(self, model: list, loaded: dict) -> None:
         if not keeps_versions(self.schedule):
             return
+        for key, entries in self.loading.items():
+            entries.fill(loaded[key])  # factories' merges are new tensors
+        self.loading = {}
         info = loaded.get("twobw_versions")
         if info is None:  # one version: batch k reads "version k-1", the same weights
             iteration = loaded["iteration"]
-            info = {"batches_done": iteration, "newest": iteration, "older": iteration - 1}
+            info = {"batches_done": iteration, "newest": iteration,
+                    "older": iteration - 1 if iteration > 0 else None}
             for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
@@ -692,39 +720,17 @@ _OLDER_PREFIX, _DELTA_PREFIX = "twobw_older.", "pipemare_delta."
 after the prefix."""
 
 
-def _has_sharded(path: str, prefix: str) -> bool:
-    """Whether the checkpoint at ``path`` holds sharded tensors under ``prefix``."""
-    from megatron.core import dist_checkpointing
+def _require(entries, saved_keys: set[str], path: str, what: str) -> None:
+    """Refuse a checkpoint that lacks some of ``entries``' keys (the slot could not be
+    filled)."""
+    from megatron_2bw.training.checkpointing import CheckpointRefused
 
-    return any(key.startswith(prefix)
-               for key in dist_checkpointing.load_tensors_metadata(path))
-
-
-def _version_sharded(model, versions: WeightVersions, tensors: list[torch.Tensor],
-                     prefix: str = _OLDER_PREFIX) -> dict:
-    """The model's sharded tensors re-pointed at one weight version's ``tensors`` (or tensors
-    shaped like it) under ``prefix`` keys, one dict per chunk ("chunk0", ...) with virtual
-    stages.
-    (megatron's ShardedTensors hold the Parameter itself, whose storage moves between
-    versions, so each is given its version's tensor explicitly.)"""
-    index_of = {id(p): i for i, p in enumerate(versions.params)}
-    chunks = _chunks(model)
-    by_chunk = [_repointed(chunk.module.sharded_state_dict(), index_of, tensors, prefix)
-                for chunk in chunks]
-    return by_chunk[0] if len(chunks) == 1 else {f"chunk{i}": d for i, d in enumerate(by_chunk)}
-
-
-def _repointed(sharded: dict, index_of: dict, tensors: list, prefix: str) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    out = {}
-    for name, value in sharded.items():
-        if isinstance(value, ShardedTensor) and id(value.data) in index_of:
-            data = tensors[index_of[id(value.data)]]  # PipeMare's delta: fp32
-            out[name] = replace(value, key=prefix + value.key, data=data, dtype=data.dtype)
-        elif isinstance(value, dict):
-            out[name] = _repointed(value, index_of, tensors, prefix)
-    return out
+    missing = sorted(entries.keys() - saved_keys)
+    if missing:
+        raise CheckpointRefused(
+            f"--load: {path} holds {what} of only some parameters ({len(missing)} key(s) "
+            f"missing, e.g. {missing[0]}): a run of this schedule cannot resume from it "
+            "exactly (it was saved by a megatron-2bw that left them out)")
 
 
 def _next_action(program: list[Step], index: int) -> str:

@@ -23,8 +23,10 @@ a temporary name, renamed after every rank finished), so a crash mid-save leaves
 checkpoint as the latest; a checkpoint saved again at the same iteration replaces the old one
 only once the new one is complete (the old one is moved aside, then deleted), and the tracker
 is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
-newest readable one, with a warning; all ranks agree on which one they loaded. A resumed run
-continues exactly as an uninterrupted one would. A run with another layout loads the model and
+newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint
+that cannot serve the run (CheckpointRefused: another learning-rate schedule, weight versions
+missing) and a tracker file naming neither an iteration nor "release" end the load in one
+line. A resumed run continues exactly as an uninterrupted one would. A run with another layout loads the model and
 optimizer resharded and, where TP or PP changed, its own RNG state from --seed (said in a
 warning). The learning-rate schedule in a checkpoint must match the flags unless
 --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the
@@ -48,9 +50,11 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration", "model_keys",
-           "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError"]
+           "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError",
+           "CheckpointRefused", "RELEASE"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # Megatron-LM's tracker word for {root}/release (weights only: iteration 0)
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's generate_state_dict
 
 
@@ -58,8 +62,12 @@ class CheckpointError(ValueError):
     """A --load/--save problem the user must fix; ``str()`` is the one line they see."""
 
 
-class _ScheduleMismatch(CheckpointError):
-    """The flags disagree with the checkpoint: no older checkpoint is tried."""
+class CheckpointRefused(CheckpointError):
+    """The checkpoint cannot serve this run (not unreadable): no older checkpoint is tried."""
+
+
+class _ScheduleMismatch(CheckpointRefused):
+    """The flags disagree with the checkpoint's learning-rate schedule."""
 
 
 @dataclass
@@ -73,19 +81,28 @@ class TrainState:
     num_floating_point_operations_so_far: float = 0
 
 
-def checkpoint_dir(root: str, iteration: int) -> str:
+def checkpoint_dir(root: str, iteration: int | str) -> str:
+    """``root``/iter_0000100, or ``root``/release for Megatron-LM's release checkpoint."""
+    if iteration == RELEASE:
+        return os.path.join(root, RELEASE)
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest_iteration(root: str) -> int | None:
-    """The iteration the tracker file names, or None when there is no checkpoint."""
+def latest_iteration(root: str) -> int | str | None:
+    """The iteration the tracker file names (or RELEASE), None when there is no tracker. A
+    tracker holding anything else is refused, as Megatron-LM's ``read_metadata`` refuses it
+    ("Invalid metadata file"): CheckpointRefused, no checkpoint is guessed instead."""
     path = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"--load: {path} does not hold an iteration number: {text!r}")
+    if text == RELEASE:
+        return RELEASE
+    if not (text.isascii() and text.isdigit()):
+        raise CheckpointRefused(f"--load: invalid tracker file {path}: it holds {text[:40]!r}, "
+                                f"not an iteration number or '{RELEASE}' (fix it to name the "
+                                "checkpoint to load, or remove it)")
     return int(text)
 
 
@@ -401,9 +418,13 @@ def _fail_unless_all_wrote(error: BaseException | None, root: str, final: str, t
     except CheckpointError:
         previous = None
     kept = ("no earlier checkpoint exists" if previous is None else
-            f"the last complete checkpoint, iteration {previous}, is intact")
+            f"the last complete checkpoint, {_named(previous)}, is intact")
     raise CheckpointError(f"--save: could not write the checkpoint of iteration {iteration} "
                           f"to {final} ({why}); {kept}")
+
+
+def _named(iteration: int | str) -> str:
+    return "the release checkpoint" if iteration == RELEASE else f"iteration {iteration}"
 
 
 def _publish(root: str, tmp: str, final: str, iteration: int) -> None:
@@ -459,14 +480,12 @@ def check_paths(args) -> None:
                         f"--overwrite-save to start from scratch there")
 
 
-def _candidates(root: str, warn: Callable[[str], None] = print) -> list[int]:
-    """The tracker's iteration first, then older complete checkpoints, newest first."""
-    try:
-        named = latest_iteration(root)
-    except CheckpointError as error:  # a torn tracker: the directories tell what was saved
-        warn(f" warning: {str(error).removeprefix('--load: ')}; trying the checkpoint "
-             "directories newest first")
-        named = None
+def _candidates(root: str) -> list[int | str]:
+    """The tracker's iteration first, then older complete checkpoints, newest first (a
+    release checkpoint alone). A tracker that names none is refused (latest_iteration)."""
+    named = latest_iteration(root)
+    if named == RELEASE:
+        return [RELEASE]
     older = [i for i in saved_iterations(root) if named is None or i < named]
     return ([named] if named is not None else []) + older
 
@@ -509,7 +528,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     load on any rank is skipped on every rank, with a warning; when none loads, CheckpointError
     names the newest. A learning-rate schedule that disagrees with the flags is a
     CheckpointError at once (the flags are wrong, not the checkpoint)."""
-    candidates = _candidates(root, warn)
+    candidates = _candidates(root)
     if not candidates:
         return None
     failures = []
@@ -529,8 +548,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
                 warn(f" warning: skipped unreadable checkpoint(s) {'; '.join(failures)}; "
                      f"loaded {path}")
             return state
-        if isinstance(error, _ScheduleMismatch):  # the same on every rank: common state
-            raise error
+        if not _all_ranks_agree(not isinstance(error, CheckpointRefused)):
+            raise error if isinstance(error, CheckpointRefused) else CheckpointRefused(
+                f"--load: {path} was refused on another rank")
         why = "unreadable on another rank" if error is None else _reason(error)
         failures.append(f"{path} ({why})")
     raise CheckpointError(f"--load: no readable checkpoint in {root}: {failures[0]}")
@@ -555,19 +575,23 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     """Load one checkpoint as Megatron-LM's ``load_checkpoint`` does: the optimizer and
     scheduler unless --no-load-optim or the checkpoint has none (then mixed-precision main
     weights are refreshed from the model), the RNG state unless --no-load-rng, the checkpoint
-    has none, or TP or PP changed."""
+    has none, or TP or PP changed. A release checkpoint gives the weights alone, and training
+    starts at iteration 0 (Megatron-LM's ``release``)."""
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is missing")
+    release = os.path.basename(path) == RELEASE
+    if release:
+        extra = None  # a schedule's state belongs to an iteration
     common = dist_checkpointing.load_common_state_dict(path)
-    load_optim = not args.no_load_optim and "opt_param_scheduler" in common
+    load_optim = not release and not args.no_load_optim and "opt_param_scheduler" in common
     saved_scheduler = None
     if load_optim:
         saved_scheduler = common["opt_param_scheduler"]  # in samples, ours and Megatron-LM's
         _check_scheduler(path, saved_scheduler, scheduler, args)
-    load_rng = not args.no_load_rng and _rng_keyed_alike(path, common, warn) and not getattr(
-        common.get("args"), "no_save_rng", False)
+    load_rng = not release and not args.no_load_rng and _rng_keyed_alike(
+        path, common, warn) and not getattr(common.get("args"), "no_save_rng", False)
     loaded = dist_checkpointing.load(
         _state_to_load(model, optimizer if load_optim else None, common, load_rng,
                        None if extra is None else lambda sd: extra(sd, path)), path)
@@ -579,9 +603,11 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
         optimizer.reload_model_params()
     if load_rng:
         _set_rng_state(loaded["rng_state"], _device_kind(), common.get("rng_device"), path, warn)
+    if release:
+        loaded["iteration"] = 0
     if on_loaded is not None:
         on_loaded(loaded)
-    return _train_state(loaded)
+    return TrainState() if release else _train_state(loaded)
 
 
 def _rng_keyed_alike(path: str, common: dict, warn: Callable[[str], None]) -> bool:

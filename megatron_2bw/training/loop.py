@@ -25,7 +25,7 @@ from megatron_2bw.schedules import keeps_versions
 from megatron_2bw.schedules.pipemare import PipeMareOptions
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
-from megatron_2bw.training.guard import Divergence, RunGuard, Verdict
+from megatron_2bw.training.guard import Divergence, RunGuard, Verdict, nonfinite
 from megatron_2bw.training.housekeeping import Housekeeping
 
 __all__ = ["DataIterators", "pretrain", "Trainer"]
@@ -133,8 +133,37 @@ class Trainer:
         self._flops_counted_at = (state.iteration, state.num_floating_point_operations_so_far)
         return state
 
+    def _weights(self) -> list[torch.Tensor]:
+        """The weights a checkpoint would hold: every alive version of a version-keeping
+        schedule, else the parameters."""
+        tensors = getattr(self.forward_backward, "weight_tensors", lambda: None)()
+        if tensors is not None:
+            return tensors
+        return [p.data for chunk in self.model for p in chunk.parameters()]
+
+    def _check_weights_before_saving(self) -> None:
+        """No checkpoint is written from non-finite weights (any precision, checked or not):
+        all ranks agree, then raise Divergence."""
+        flag = nonfinite(self._weights()).reshape(1).to(self.info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self._abandon()
+            raise Divergence(f"iteration {self.state.iteration}: the weights are not finite "
+                             f"(NaN or inf); training stopped without saving"
+                             f"{self._untouched()}")
+
+    def _abandon(self) -> None:
+        abandon = getattr(self.forward_backward, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+    def _untouched(self) -> str:
+        return f" (the last checkpoint in {self.args.save} is untouched)" if self.args.save \
+            else ""
+
     def save(self) -> None:
         self._drain()
+        self._check_weights_before_saving()
         fb, model = self.forward_backward, self.model
         extra = None
         if hasattr(fb, "checkpoint_extra"):
@@ -355,6 +384,8 @@ class Trainer:
             self.housekeeping.after_iteration(self.state.iteration)
             self.housekeeping.check_replicas(self.model, self.state.iteration)
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
+            if guard.check_nan:  # on the device, read with the next iteration's flags
+                guard.record_step(self.state.iteration, nonfinite(self._weights()))
             interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
                 last["train_loss"] = interval_loss
@@ -384,13 +415,9 @@ class Trainer:
         any rank has received one."""
         for verdict in verdicts:
             if verdict.divergence:
-                abandon = getattr(self.forward_backward, "abandon", None)
-                if abandon is not None:
-                    abandon()
-                where = f" (the last checkpoint in {self.args.save} is untouched)" \
-                    if self.args.save else ""
+                self._abandon()
                 raise Divergence(f"iteration {verdict.iteration}: {verdict.divergence}; "
-                                 f"training stopped without saving{where}")
+                                 f"training stopped without saving{self._untouched()}")
             if verdict.stop and stop_signal is None:
                 stop_signal = guard.received or "a stop signal on another rank"
         return stop_signal

@@ -1,0 +1,127 @@
+"""Resuming every pipeline schedule exactly, with GPT-2-style and Llama-style models.
+
+Each case trains 4 iterations on 2 CPU processes (fp32, no dropout, 4 layers, 4 microbatches
+per batch), saving at iteration 2; a run resumed from that checkpoint alone logs the training
+losses of iterations 3-4 and the validation loss after 4 of the uninterrupted run, to 1e-6
+relative (the log's precision; they agree to the last bit here). Iteration 3 of the
+version-keeping schedules (2bw, pipedream, pipemare) reads the older weight version, which only
+the checkpoint holds; under PipeMare's T2 its backward also reads delta. Llama-style
+(--swiglu: megatron-core checkpoints GLU's linear_fc1 through a ShardedTensorFactory, RMSNorm,
+rope, grouped-query attention, no biases, untied output layer) is the case that resumed to NaN
+when only ShardedTensor entries carried the older version.
+
+The cases cover each schedule with each model style, and V = 2 virtual stages (2bw, flush), the
+distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style.
+(2bw GPT-2-style resumes in test_training, pipemare GPT-2-style with T2's delta read back in
+test_training, megatron's own schedules there and in test_interleaved.) All cases run one after
+another on the same two spawned processes (tests/test_interleaved's in-process trainer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import dist as launch
+from tests.test_interleaved import _resume_dir, _same, _train
+from tests.test_model_features import LLAMA
+
+SAVED_AT = 2
+PP1 = ["--pipeline-model-parallel-size", "1"]
+CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
+    "2bw-llama-V2": ["--pipeline-schedule", "2bw", *LLAMA,
+                     "--num-virtual-stages-per-pipeline-rank", "2"],
+    "2bw-llama-distopt-DP2": ["--pipeline-schedule", "2bw", *LLAMA, *PP1,
+                              "--use-distributed-optimizer"],
+    "2bw-llama-TP2": ["--pipeline-schedule", "2bw", *LLAMA, *PP1,
+                      "--tensor-model-parallel-size", "2"],
+    "pipedream-llama": ["--pipeline-schedule", "pipedream", *LLAMA],
+    "pipedream-gpt": ["--pipeline-schedule", "pipedream"],
+    "pipemare-T2-llama": ["--pipeline-schedule", "pipemare", *LLAMA,
+                          "--pipemare-discrepancy-decay", "0.9"],
+    "flush-llama-V2": ["--pipeline-schedule", "flush", *LLAMA,
+                       "--num-virtual-stages-per-pipeline-rank", "2"],
+    "flush-gpt-distopt-DP2": ["--pipeline-schedule", "flush", *PP1,
+                              "--use-distributed-optimizer"],
+}
+
+
+def _matrix_worker(rank: int, world: int, out: str) -> dict:
+    """Every case: the uninterrupted run (saving at SAVED_AT and at the end), then the run
+    resumed from the SAVED_AT checkpoint alone. A case that fails (on every rank: the
+    trainer agrees on a non-finite loss) is recorded as its error's line, and the next runs."""
+    import torch.distributed as dist
+
+    out, runs = Path(out), {}
+    for name, flags in CASES.items():
+        saved, start = out / name / "saved", out / name / "start"
+        full = _train([*flags, "--save", str(saved), "--save-interval", str(SAVED_AT)])
+        if rank == 0:
+            _resume_dir(saved, SAVED_AT, start)
+        dist.barrier()
+        try:
+            runs[name] = (full, _train([*flags, "--load", str(start)]))
+        except Exception as error:  # noqa: BLE001 -- reported by the case's test
+            runs[name] = f"the resumed run failed: {type(error).__name__}: {error}"
+            _tear_down()
+    runs["release"] = _from_release(rank, out / RELEASE_CASE / "saved", out / "release")
+    return runs
+
+
+def _from_release(rank: int, saved: Path, into: Path):
+    """A run of RELEASE_CASE's flags from a Megatron-LM release checkpoint holding the weights
+    its uninterrupted run saved at the end."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_2bw.training.checkpointing import TRACKER_FILE, checkpoint_dir
+
+    if rank == 0:
+        into.mkdir()
+        shutil.copytree(checkpoint_dir(str(saved), 4), into / "release")
+        (into / TRACKER_FILE).write_text("release")
+    dist.barrier()
+    return _train([*CASES[RELEASE_CASE], "--load", str(into)])
+
+
+def _tear_down() -> None:
+    """What test_interleaved's _train does after a run, for one that raised."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.schedules import executor
+
+    ps.destroy_model_parallel()
+    executor.reset_runners()
+
+
+RELEASE_CASE = "flush-gpt-distopt-DP2"
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("resume_matrix")
+    # rank 1 holds the losses in every case (the last pipeline stage, or a replica)
+    return launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results",
+                        timeout=300)[1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_resumed_run_logs_the_uninterrupted_losses(matrix, case):
+    assert not isinstance(matrix[case], str), matrix[case]
+    (full, full_valid), (resumed, resumed_valid) = matrix[case]
+    assert sorted(full) == [1, 2, 3, 4] and full_valid is not None, (full, full_valid)
+    _same(resumed, full, [SAVED_AT + 1, 4])
+    _same({4: resumed_valid}, {4: full_valid}, [4])
+
+
+def test_a_release_checkpoint_gives_the_weights_and_starts_at_iteration_zero(matrix):
+    """Megatron-LM's tracker word 'release': the weights load, nothing else; training runs
+    from iteration 1 on the first batches. A run from scratch logs the uninterrupted run's
+    first loss to the bit (same seed, same data), so a different, lower one means the trained
+    weights were read."""
+    (full, _), _ = matrix[RELEASE_CASE]
+    released, _ = matrix["release"]
+    assert sorted(released) == [1, 2, 3, 4], released
+    assert released[1] < full[1] - 1e-3, (released, full)
