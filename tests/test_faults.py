@@ -84,7 +84,7 @@ def _long_run(tmp_path, *flags: str) -> tuple[subprocess.Popen, "os.PathLike"]:
     """A 2-process torchrun of a run far longer than the test, in its own session, returned
     once it logged iteration 5 (its two workers are the launcher's children). Every process
     of the run inherits MEGATRON_2BW_TEST_TAG=<the log's path>, to find it after its parent
-    is gone (see :func:`_tagged_processes`)."""
+    is gone (see :func:`tests.dist.tagged_processes`)."""
     command = [launch.TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(launch.free_port()), "pretrain_gpt_2bw.py",
                *TINY, "--train-iters", "100000", "--lr", "1e-4", *flags]
@@ -101,23 +101,6 @@ def _long_run(tmp_path, *flags: str) -> tuple[subprocess.Popen, "os.PathLike"]:
             raise AssertionError(log.read_text()[-3000:])
         time.sleep(0.2)
     return process, log
-
-
-def _tagged_processes(tag: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds MEGATRON_2BW_TEST_TAG=tag: the
-    launcher, the workers, and whatever they started (sessions of their own included)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                tagged = f"MEGATRON_2BW_TEST_TAG={tag}".encode() in f.read().split(b"\0")
-        except OSError:
-            continue
-        if tagged and state != "Z":
-            found.append(int(pid))
-    return found
 
 
 def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
@@ -178,11 +161,11 @@ def test_a_killed_rank_ends_the_run_without_stray_processes(tmp_path):
         os.kill(min(workers), signal.SIGKILL)
         code = process.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while _tagged_processes(tag) and time.monotonic() < deadline:
+        while launch.tagged_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
-        strays = _tagged_processes(tag)
+        strays = launch.tagged_processes(tag)
     finally:
-        for pid in _tagged_processes(tag):
+        for pid in launch.tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
     assert code != 0, log.read_text()[-3000:]
     assert strays == [], strays
@@ -480,7 +463,7 @@ def _until_rank_0_exits(tmp_path, script_args: list[str], **env: str) -> str:
     while not (tmp_path / "rank0").exists() and time.monotonic() < deadline \
             and process.poll() is None:
         time.sleep(0.2)
-    for pid in _tagged_processes(str(log)):
+    for pid in launch.tagged_processes(str(log)):
         os.kill(pid, signal.SIGKILL)
     process.wait(timeout=30)
     return log.read_text()
