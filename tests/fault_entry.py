@@ -14,11 +14,13 @@ only rank it hits), the process stops itself (SIGSTOP: a frozen node) at the N-t
 ``megatron_2bw.schedules.p2p:StageComm.exchange:20``.
 
 With ``MEGATRON_2BW_TEST_EXIT_DIR=DIR``, each rank writes its exit code to ``DIR/rank<RANK>``
-(``exception`` when the script raised).
+(``exception`` when the script raised) in its last exit hook, once nothing (a helper process
+joined at exit) holds it any more.
 """
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import errno
 import io
@@ -80,6 +82,10 @@ def _run(script: str) -> None:
 
 
 def main() -> None:
+    exit_dir = os.environ.get("MEGATRON_2BW_TEST_EXIT_DIR")
+    code: list[object] = ["exception"]
+    if exit_dir:  # registered before torch (multiprocessing's exit hook): it runs last
+        atexit.register(_write_exit_code, exit_dir, code)
     substring = os.environ.get("MEGATRON_2BW_TEST_ENOSPC")
     if substring and _for_this_rank("MEGATRON_2BW_TEST_ENOSPC_RANK"):
         _install_full_disk(substring)
@@ -87,19 +93,17 @@ def main() -> None:
     if stall and _for_this_rank("MEGATRON_2BW_TEST_STALL_RANK"):
         _install_stall(stall)
     script, sys.argv = sys.argv[1], sys.argv[1:]
-    exit_dir = os.environ.get("MEGATRON_2BW_TEST_EXIT_DIR")
-    if not exit_dir:
-        return _run(script)
-    code: object = "exception"
     try:
         _run(script)
-        code = 0
+        code[0] = 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        code[0] = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         raise
-    finally:
-        with open(os.path.join(exit_dir, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
-            f.write(str(code))
+
+
+def _write_exit_code(exit_dir: str, code: list[object]) -> None:
+    with open(os.path.join(exit_dir, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+        f.write(str(code[0]))
 
 
 if __name__ == "__main__":

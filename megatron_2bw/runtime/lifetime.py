@@ -33,6 +33,7 @@ feeder thread, so under load the save failed with "results_queue should not be e
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -70,9 +71,20 @@ def remember_launcher() -> None:
 
 
 def launcher_gone() -> bool:
-    """Whether the process recorded by :func:`remember_launcher` is no longer this one's
-    parent (it ended; the kernel re-parented this process)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+    """Whether the process recorded by :func:`remember_launcher` ended: it is no longer this
+    one's parent (the kernel re-parented this process), or its main thread, which started
+    this one, is dead while the rest of it is still being torn down (a killed multi-threaded
+    launcher: the kernel signals this process when that thread ends)."""
+    if _launcher_pid is None:
+        return False
+    if os.getppid() != _launcher_pid:
+        return True
+    try:
+        with open(f"/proc/{_launcher_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return _linux()
+    return state in ("Z", "X")
 
 
 def bind_to_launcher() -> bool:
@@ -114,14 +126,31 @@ def _die_with_parent() -> None:
     ignore_stop_signals()
 
 
+def _end_helpers_at_exit() -> None:
+    """At interpreter exit: SIGKILL the child processes still running. multiprocessing's own
+    exit hook, which runs after this one, sends its daemonic children (DataLoader workers)
+    SIGTERM, which they ignore, and then joins them: a rank leaving with an error, its data
+    iterators still referenced, waited there forever."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    if children:  # torch's SIGCHLD handler would report each worker's end as a failure
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+
+
 def end_helpers_with_this_process() -> None:
     """Every process forked from this one from now on ends with it and ignores SIGTERM and
-    SIGINT (idempotent; Linux)."""
+    SIGINT; at exit, the helpers still running are killed (idempotent; Linux)."""
     global _helpers_bound
     if _helpers_bound or not _linux():
         return
     _helpers_bound = True
     os.register_at_fork(before=_remember_parent, after_in_child=_die_with_parent)
+    import multiprocessing.util  # noqa: F401  registers its exit hook first: it runs after ours
+
+    atexit.register(_end_helpers_at_exit)
 
 
 def bind_helpers_to_this_process() -> None:
