@@ -12,7 +12,10 @@ References:
     up front with one line and the other run's tracker untouched; a newest checkpoint whose
     metadata is missing or truncated is skipped with a warning and the previous one loads
     (training goes on from its iteration); with no readable checkpoint, one line naming the
-    newest.
+    newest;
+  * a peer frozen with SIGSTOP in a pipeline exchange, inside a checkpoint save, or before a
+    data-parallel collective: rank 0 ends within --distributed-timeout-minutes with exit code 1,
+    one error line and no traceback on its own stderr, and no partial checkpoint directory.
 """
 
 from __future__ import annotations

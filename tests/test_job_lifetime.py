@@ -16,6 +16,10 @@ References: the losses every run logs equal, iteration by iteration, those of th
 uninterrupted run with the same flags (test_training's, launched once per session); after
 each kill no process of the killed run is left; the checkpoint directory ends holding complete
 checkpoints only; the ranks' exit codes and stop lines as the README states them.
+
+Beside the chain, without torchrun: a process bound to its parent before the parent ends gets
+SIGTERM from the kernel, and one bound after sends it to itself (the parent's end is not
+signalled to a process that was not bound yet).
 """
 
 from __future__ import annotations
@@ -293,3 +297,45 @@ def test_a_signal_to_the_whole_job_saves_and_exits_zero(chain):
     assert _no_rank_traceback(c.output), c.output[-3000:]
     assert c.notes["tracker"] == iteration
     assert _step(parts, "B").notes["resumed"] == iteration  # the next run resumed there
+
+
+_ORPHAN = """
+import os, sys, time
+from megatron_2bw.runtime import lifetime
+from megatron_2bw.training import guard
+lifetime.remember_launcher()
+guard.catch_stop_signals()
+when, out = sys.argv[1], sys.argv[2]
+if when == "before":
+    lifetime.bind_to_launcher()
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not lifetime.launcher_gone() and time.monotonic() < deadline:
+    time.sleep(0.01)
+if when == "after":
+    lifetime.bind_to_launcher()
+time.sleep(0.5)
+with open(out, "w") as f:
+    f.write(str(guard._received_stop()))
+"""
+
+_LAUNCHER = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline() == "ready\\n"
+"""  # and ends at once, its child still running
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_rank_bound_before_or_after_its_launcher_died_gets_sigterm(tmp_path, when):
+    """A process binds itself to the one that started it (runtime.lifetime), which then ends;
+    bound while it lived, the kernel sends SIGTERM; bound after it ended, the process sends it
+    to itself. Either way the stop handler records it as the launcher's end."""
+    out = tmp_path / "received"
+    result = launch.python(["-c", _LAUNCHER, _ORPHAN, when, str(out)], timeout=60)
+    assert result.returncode == 0, result.tail()
+    deadline = time.monotonic() + 45
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert out.read_text() == "SIGTERM: the launcher of this rank ended"
