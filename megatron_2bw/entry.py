@@ -40,9 +40,10 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     is chosen next (``torch.cuda.set_device`` on CUDA; on the CPU the runtime, which must precede
     the import of megatron-core's model modules: it switches off their torch.compile
     decorators), before anything can create a CUDA tensor."""
-    from megatron_2bw.runtime import distributed, versions
+    from megatron_2bw.runtime import distributed, lifetime, versions
     from megatron_2bw.training import checkpointing
 
+    lifetime.remember_launcher()  # before anything can take long: the launcher may die meanwhile
     warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
     try:
         args = parse_args(argv, parser=parser)
@@ -114,11 +115,21 @@ def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
 
 def run(args: argparse.Namespace, model_provider: Callable, data_provider: Callable,
         forward_step_func: Callable, vocab_size: int) -> dict:
+    """Train this rank; every way it can fail that is not a bug ends with one line.
+
+    From here on the rank is a job's member: SIGTERM and SIGINT are stop requests (a
+    checkpoint, exit code 0), the rank gets SIGTERM when its launcher ends, and the processes it
+    forks (data loader workers, checkpoint writers) ignore both signals and end with it
+    (``runtime.lifetime``). A lost peer, whatever the rank was doing when it found out (an
+    exchange, a collective, a checkpoint save), ends it with exit code 1 and one line."""
     import megatron_2bw
+    from megatron_2bw.runtime import lifetime
+    from megatron_2bw.training.guard import Divergence, catch_stop_signals
     from megatron_2bw.training.loop import pretrain
 
-    from megatron_2bw.training.guard import Divergence
-
+    catch_stop_signals()
+    lifetime.end_helpers_with_this_process()
+    lifetime.bind_to_launcher()
     megatron_2bw.install(args.pipeline_schedule)
     try:
         return pretrain(args, model_provider, data_provider, forward_step_func, vocab_size)
@@ -127,20 +138,22 @@ def run(args: argparse.Namespace, model_provider: Callable, data_provider: Calla
     except Divergence as error:  # every rank reads the same verdict: all end with this line
         fail(error, code=1)
     except RuntimeError as error:
-        if _DATA_WORKER_GONE in str(error):  # torchrun ending the group signals the workers too
+        if _DATA_WORKER_GONE in str(error):  # a worker killed by something else than a signal
             fail(f"a data loader worker of this rank ended, so this rank stops: "
                  f"{_first_line(error)}", code=1)
         if not _lost_peer(error):
-            raise
+            raise  # a bug: its traceback
         if getattr(error, "reported_by_stage", None) is not None:
             sys.exit(1)  # the pipeline stage printed its line and its program
-        fail(f"a peer process ended or cannot be reached, so this rank stops: "
+        fail(f"a peer process ended, stalled or cannot be reached, so this rank stops: "
              f"{_first_line(error)}", code=1)
 
 
-# Messages of gloo's and NCCL's transports when the process at the other end is gone.
+# Messages of gloo's and NCCL's transports when the process at the other end is gone, or did
+# not answer within the process group's timeout (--distributed-timeout-minutes).
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "NCCL communicator was aborted", "remote process exited")
+              "NCCL communicator was aborted", "remote process exited", "Timed out",
+              "timed out", "Connection refused")
 
 
 # torch's DataLoader (--num-workers > 0) when one of its worker processes dies.
@@ -148,9 +161,13 @@ _DATA_WORKER_GONE = "DataLoader worker"
 
 
 def _lost_peer(error: BaseException) -> bool:
+    """torch.distributed's own errors (DistBackendError, DistNetworkError, DistStoreError), a
+    pipeline exchange's CommError, or a transport's message naming a lost or silent peer."""
     import torch.distributed as dist
 
-    return (isinstance(error, getattr(dist, "DistBackendError", ())) or
+    from megatron_2bw.schedules.p2p import CommError
+
+    return (isinstance(error, (getattr(dist, "DistError", ()), CommError)) or
             any(marker in str(error) for marker in _PEER_GONE))
 
 

@@ -10,6 +10,8 @@ Every launch has a wall-clock limit, so a hung collective fails the test instead
         ``torchrun --nproc-per-node N script ...`` with a free port; stdout and stderr together.
     python(script_args, ...) -> Launch
         the same script in one plain process (fast: no launcher, no process group).
+    tagged_processes(tag) -> [pid]
+        the live processes started with MEGATRON_2BW_TEST_TAG=tag in their environment.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.multiprocessing as mp
 from megatron_2bw.runtime.ports import free_port
 
 __all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env",
-           "tiny_training_flags"]
+           "tiny_training_flags", "tagged_processes"]
 
 REPO = Path(__file__).resolve().parents[1]
 STRICT = REPO / "tests" / "strict"
@@ -130,6 +132,23 @@ def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
 def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
     """One plain Python process, from the repository root."""
     return _run([PYTHON, *script_args], subprocess_env(**env), timeout)
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds MEGATRON_2BW_TEST_TAG=tag: the
+    launcher, the workers, and whatever they started (sessions of their own included)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                tagged = f"MEGATRON_2BW_TEST_TAG={tag}".encode() in f.read().split(b"\0")
+        except OSError:
+            continue
+        if tagged and state != "Z":
+            found.append(int(pid))
+    return found
 
 
 def tiny_training_flags(*, seq_length: int, train_iters: int) -> list[str]:

@@ -18,7 +18,10 @@ References:
   * fp16 with dynamic loss scaling: --lr 100 ends with exit 1 and one line on the third
     non-finite loss in a row, no checkpoint written after the first; a run with a few skipped
     steps at the start trains on; --lr 1e30 (fp32 2BW): no checkpoint holds non-finite
-    weights (read back offline).
+    weights (read back offline);
+  * a peer frozen with SIGSTOP in a pipeline exchange, inside a checkpoint save, or before a
+    data-parallel collective: rank 0 ends within --distributed-timeout-minutes with exit code 1,
+    one error line and no traceback on its own stderr, and no partial checkpoint directory.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def _long_run(tmp_path, *flags: str) -> tuple[subprocess.Popen, "os.PathLike"]:
     """A 2-process torchrun of a run far longer than the test, in its own session, returned
     once it logged iteration 5 (its two workers are the launcher's children). Every process
     of the run inherits MEGATRON_2BW_TEST_TAG=<the log's path>, to find it after its parent
-    is gone (see :func:`_tagged_processes`)."""
+    is gone (see :func:`tests.dist.tagged_processes`)."""
     command = [launch.TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(launch.free_port()), "pretrain_gpt_2bw.py",
                *TINY, "--train-iters", "100000", "--lr", "1e-4", *flags]
@@ -196,23 +199,6 @@ def _long_run(tmp_path, *flags: str) -> tuple[subprocess.Popen, "os.PathLike"]:
             raise AssertionError(log.read_text()[-3000:])
         time.sleep(0.2)
     return process, log
-
-
-def _tagged_processes(tag: str) -> list[int]:
-    """Live processes (not zombies) whose environment holds MEGATRON_2BW_TEST_TAG=tag: the
-    launcher, the workers, and whatever they started (sessions of their own included)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                tagged = f"MEGATRON_2BW_TEST_TAG={tag}".encode() in f.read().split(b"\0")
-        except OSError:
-            continue
-        if tagged and state != "Z":
-            found.append(int(pid))
-    return found
 
 
 def test_sigterm_saves_within_two_iterations_and_exits_zero(tmp_path):
@@ -273,11 +259,11 @@ def test_a_killed_rank_ends_the_run_without_stray_processes(tmp_path):
         os.kill(min(workers), signal.SIGKILL)
         code = process.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while _tagged_processes(tag) and time.monotonic() < deadline:
+        while launch.tagged_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
-        strays = _tagged_processes(tag)
+        strays = launch.tagged_processes(tag)
     finally:
-        for pid in _tagged_processes(tag):
+        for pid in launch.tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
     assert code != 0, log.read_text()[-3000:]
     assert strays == [], strays
@@ -568,3 +554,63 @@ def test_an_unwritable_save_directory_is_refused_up_front(tmp_path):
     assert errors == [f"error: --save: {str(blocker)!r} is a file, not a folder, so "
                       f"{str(blocker / 'checkpoints')!r} cannot be written"], result.tail()
     assert "Traceback" not in result.output
+
+
+# ---- a lost peer ends the others with one line --------------------------------------------------
+
+STALLS = {  # where rank 1 freezes (SIGSTOP) -> the flags; rank 0 then waits there in vain
+    "exchange": ("megatron_2bw.schedules.p2p:StageComm.exchange:20", []),
+    "checkpoint-save": ("megatron_2bw.training.checkpointing:_state_to_save:1",
+                        ["--save", "{tmp}/checkpoints", "--save-interval", "3"]),
+    "collective": ("megatron_2bw.training.guard:RunGuard.post:4",
+                   ["--pipeline-model-parallel-size", "1"]),  # DP=2: the gradient all-reduce
+}
+
+
+def _until_rank_0_exits(tmp_path, script_args: list[str], **env: str) -> str:
+    """torchrun (tagged, in its own session) ``script_args`` under tests/fault_entry.py with
+    each rank's output in its own files under ``tmp_path/logs`` and exit code in
+    ``tmp_path/rank<N>``; once rank 0 has exited (or after 150 s), kill what is left of the job
+    (a frozen rank: torchrun would wait 30 s for it). Returns torchrun's output."""
+    log = tmp_path / "run.log"
+    command = [launch.TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(launch.free_port()), "--log-dir",
+               str(tmp_path / "logs"), "--redirects", "3", "tests/fault_entry.py", *script_args]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=launch.REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=launch.subprocess_env(
+                                       MEGATRON_2BW_TEST_TAG=str(log),
+                                       MEGATRON_2BW_TEST_EXIT_DIR=str(tmp_path), **env))
+    deadline = time.monotonic() + 150
+    while not (tmp_path / "rank0").exists() and time.monotonic() < deadline \
+            and process.poll() is None:
+        time.sleep(0.2)
+    for pid in launch.tagged_processes(str(log)):
+        os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    return log.read_text()
+
+
+@pytest.mark.parametrize("where", list(STALLS))
+def test_a_stalled_peer_ends_the_others_with_one_line(tmp_path, where):
+    """Rank 1 freezes (SIGSTOP, tests/fault_entry.py) in a pipeline exchange (PP=2), inside a
+    checkpoint save (PP=2), or before a data-parallel collective (PP=1, DP=2). Rank 0 waits at
+    most --distributed-timeout-minutes (0.1: 6 s), then ends with exit code 1 and an error
+    line naming what it waited for, and no Python traceback on its stderr (torchrun's own
+    report of the failed rank aside: each rank's stderr is read from its own file)."""
+    stall, extra = STALLS[where]
+    output = _until_rank_0_exits(
+        tmp_path, ["pretrain_gpt_2bw.py", *TINY, "--train-iters", "100000",
+                   "--distributed-timeout-minutes", "0.1",
+                   *(flag.format(tmp=tmp_path) for flag in extra)],
+        MEGATRON_2BW_TEST_STALL=stall, MEGATRON_2BW_TEST_STALL_RANK="1")
+    logs = tmp_path / "logs"
+    stderr = [path.read_text() for path in sorted(logs.rglob("0/stderr.log"))]
+    stdout = "".join(path.read_text() for path in logs.rglob("1/stdout.log"))
+    assert len(stderr) == 1 and "stopping in" in stdout, (output[-3000:], stdout[-2000:])
+    assert "Traceback" not in stderr[0], stderr[0][-3000:]
+    assert (tmp_path / "rank0").read_text() == "1", output[-3000:]
+    errors = [line for line in stderr[0].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[0][-3000:]
+    assert re.search(r"rank 1|peer|timed out|Timed out", errors[0]), errors[0]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp")), where  # nothing partial

@@ -272,7 +272,8 @@ def make_data_iterator(
     """Iterator over this rank's micro-batches of `dataset`, or None when `dataset` is None.
 
     With `cyclic`, the iterator starts over (at `consumed_samples`) when the dataset is used up,
-    as Megatron's validation iterator does.
+    as Megatron's validation iterator does. Worker processes ignore SIGTERM and SIGINT: a signal
+    to the whole job is the rank's to handle (it saves), and the workers end with the rank.
     """
     if dataset is None:
         return None
@@ -284,8 +285,11 @@ def make_data_iterator(
             f"no complete step left: {len(dataset)} samples, {consumed_samples} consumed, "
             f"{micro_batch_size} x {data_parallel_size} (micro batch x data parallel) per step"
         )
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0
+    from megatron_2bw.runtime.lifetime import ignore_stop_signals
+
+    loader = torch.utils.data.DataLoader(  # workers end with their rank, not with a signal
+        dataset, batch_sampler=sampler, num_workers=num_workers,
+        persistent_workers=num_workers > 0, worker_init_fn=ignore_stop_signals,
     )
     return _cycle(loader) if cyclic else iter(loader)
 

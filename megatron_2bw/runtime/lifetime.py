@@ -1,22 +1,39 @@
-"""Helper processes end with their rank.
+"""A rank ends with its launcher, and its helper processes end with the rank.
 
-megatron-core's torch_dist checkpoint writer forks one writer process per bucket on every save
-and collects their results through a ``multiprocessing.Manager`` queue, whose server process
-lives as long as the Python process that spawned it. A rank killed with SIGKILL (a dead node,
-the OOM killer, torchrun stopping the others) runs no clean-up, so both outlived it.
+**Rank and launcher.** torchrun starts every rank in a session of its own, so a launcher killed
+without cleaning up (``kill -9``, the out-of-memory killer, a lost ssh session without Slurm's
+cgroups) left its ranks training on, writing checkpoints into the directory a restarted job
+loads from. :func:`bind_to_launcher` asks the kernel for SIGTERM when the process that started
+this one ends (``PR_SET_PDEATHSIG``; the parent recorded by :func:`remember_launcher` at
+start-up, so a launcher that died before the call is caught too). The training loop handles
+that SIGTERM as a pre-emption (``training.guard``): with the ranks still reaching each other
+they save a checkpoint and stop with one line; a rank that cannot reach the others stops with
+one line and saves nothing. Linux delivers the signal when the parent *thread* that forked this
+process ends: torchrun's agent starts its workers from its main thread, as do
+``torch.multiprocessing`` and ``subprocess`` from a script's main thread. A rank started with
+SIGHUP ignored (``nohup python pretrain_gpt_2bw.py ... &``) asked to outlive its terminal and
+is not bound (torchrun handles SIGHUP itself, so its ranks always are).
 
-:func:`bind_helpers_to_this_process` (idempotent, Linux) makes every process forked from this
-one receive SIGKILL when this one dies (``PR_SET_PDEATHSIG``), and hands the checkpoint writer a
-plain in-process queue instead of the Manager's, so no spawned server exists at all. A
-synchronous save (--async-save is refused) puts its writers' collected results into that queue
-and reads them back in this same process; the forked writers report through a queue of their
-own. The queue must hand over synchronously: megatron-core reads it with ``get_nowait`` right
-after the put, and a ``multiprocessing.Queue`` only reaches its pipe later, through a feeder
-thread, so under load the save failed with "results_queue should not be empty".
+**Helpers and rank.** megatron-core's torch_dist checkpoint writer forks one writer process per
+bucket on every save and collected their results through a ``multiprocessing.Manager`` queue,
+whose server process lives as long as the Python process that spawned it; torch's DataLoader
+forks its workers. A rank killed with SIGKILL runs no clean-up, so they outlived it, and a
+SIGTERM to the whole job (Slurm's scancel, torchrun forwarding Ctrl-C to each worker's process
+group) killed the DataLoader workers under their rank, which then ended with an error instead
+of saving. :func:`end_helpers_with_this_process` (idempotent, Linux) makes every process forked
+from this one receive SIGKILL when this one dies and ignore SIGTERM and SIGINT: a helper ends
+with its rank, never before it. :func:`bind_helpers_to_this_process` also hands the checkpoint
+writer a plain in-process queue instead of the Manager's, so no spawned server exists at all.
+A synchronous save (--async-save is refused) puts its writers' collected results into that
+queue and reads them back in this same process; the forked writers report through a queue of
+their own. The queue must hand over synchronously: megatron-core reads it with ``get_nowait``
+right after the put, and a ``multiprocessing.Queue`` only reaches its pipe later, through a
+feeder thread, so under load the save failed with "results_queue should not be empty".
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -24,11 +41,75 @@ import queue
 import signal
 import sys
 
-__all__ = ["bind_helpers_to_this_process"]
+__all__ = ["remember_launcher", "bind_to_launcher", "launcher_gone",
+           "end_helpers_with_this_process", "bind_helpers_to_this_process",
+           "ignore_stop_signals"]
 
 _PR_SET_PDEATHSIG = 1
-_bound = False
+_helpers_bound = False
+_queue_replaced = False
 _forking_pid = None
+_launcher_pid: int | None = None
+
+
+def _linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+# ---- the rank and its launcher ----------------------------------------------------------------
+
+def remember_launcher() -> None:
+    """Record the process that started this one (call first thing at start-up; idempotent)."""
+    global _launcher_pid
+    if _launcher_pid is None:
+        _launcher_pid = os.getppid()
+
+
+def launcher_gone() -> bool:
+    """Whether the process recorded by :func:`remember_launcher` ended: it is no longer this
+    one's parent (the kernel re-parented this process), or its main thread, which started
+    this one, is dead while the rest of it is still being torn down (a killed multi-threaded
+    launcher: the kernel signals this process when that thread ends)."""
+    if _launcher_pid is None:
+        return False
+    if os.getppid() != _launcher_pid:
+        return True
+    try:
+        with open(f"/proc/{_launcher_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return _linux()
+    return state in ("Z", "X")
+
+
+def bind_to_launcher() -> bool:
+    """SIGTERM to this process when its launcher ends; a launcher that already ended sends it
+    now. Returns whether the process is bound (not on Linux, or started under ``nohup``: no).
+    Install the SIGTERM handler first: it receives the signal."""
+    remember_launcher()
+    if not _linux() or signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return False
+    _set_parent_death_signal(signal.SIGTERM)
+    if launcher_gone():  # it ended before the call: the kernel will not say so
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+# ---- helper processes and the rank ------------------------------------------------------------
+
+def ignore_stop_signals(*_) -> None:
+    """In a helper process: SIGTERM and SIGINT do nothing (the helper ends with its rank, which
+    handles them). Also usable as a DataLoader ``worker_init_fn``."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread of the process: cannot happen after a fork
+            pass
 
 
 def _remember_parent() -> None:
@@ -37,19 +118,49 @@ def _remember_parent() -> None:
 
 
 def _die_with_parent() -> None:
-    """In a freshly forked child: SIGKILL when the parent process ends."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    """In a freshly forked child: SIGKILL when the parent process ends; SIGTERM and SIGINT
+    ignored."""
+    _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != _forking_pid:  # the parent died between fork and prctl
         os._exit(1)
+    ignore_stop_signals()
+
+
+def _end_helpers_at_exit() -> None:
+    """At interpreter exit: SIGKILL the child processes still running. multiprocessing's own
+    exit hook, which runs after this one, sends its daemonic children (DataLoader workers)
+    SIGTERM, which they ignore, and then joins them: a rank leaving with an error, its data
+    iterators still referenced, waited there forever."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    if children:  # torch's SIGCHLD handler would report each worker's end as a failure
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+
+
+def end_helpers_with_this_process() -> None:
+    """Every process forked from this one from now on ends with it and ignores SIGTERM and
+    SIGINT; at exit, the helpers still running are killed (idempotent; Linux)."""
+    global _helpers_bound
+    if _helpers_bound or not _linux():
+        return
+    _helpers_bound = True
+    os.register_at_fork(before=_remember_parent, after_in_child=_die_with_parent)
+    import multiprocessing.util  # noqa: F401  registers its exit hook first: it runs after ours
+
+    atexit.register(_end_helpers_at_exit)
 
 
 def bind_helpers_to_this_process() -> None:
-    global _bound
-    if _bound or not sys.platform.startswith("linux"):
+    """:func:`end_helpers_with_this_process`, and megatron-core's checkpoint writer collects
+    its results in an in-process queue (idempotent)."""
+    global _queue_replaced
+    end_helpers_with_this_process()
+    if _queue_replaced or not _linux():
         return
-    _bound = True
-    os.register_at_fork(before=_remember_parent, after_in_child=_die_with_parent)
+    _queue_replaced = True
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:

@@ -360,16 +360,33 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
     fails on every rank with CheckpointError; the partial directory is removed and the previous
     checkpoints and the tracker are untouched. Every step a rank can fail alone (rank 0's
     directory, each rank's state dict, the write, rank 0's publishing) is followed by an
-    agreement, so no rank is left waiting in a collective the failed one never enters."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
-
+    agreement, so no rank is left waiting in a collective the failed one never enters. A save
+    that raises otherwise (a peer lost in one of the agreements) leaves no partial directory."""
     from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
 
     bind_helpers_to_this_process()  # megatron-core's writer processes end with this rank
 
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
+    try:
+        _save_agreed(root, final, tmp, model, optimizer, scheduler, state, args, extra)
+    except BaseException:  # a lost peer (the agreements are collectives), a signal, ...
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind
+        raise
+    if dist.get_rank() == 0 and keep is not None:
+        _delete_older(root, keep)
+    dist.barrier()
+    return final
+
+
+def _save_agreed(root: str, final: str, tmp: str, model, optimizer, scheduler,
+                 state: TrainState, args: argparse.Namespace,
+                 extra: Callable[[dict], None] | None) -> None:
+    """Write ``tmp`` on every rank and publish it as ``final``, each step agreed on."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
     error = None
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -386,10 +403,6 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainState,
     if dist.get_rank() == 0:
         error = _attempt(lambda: _publish(root, tmp, final, state.iteration))
     _fail_unless_all_wrote(error, root, final, tmp, state.iteration)
-    if dist.get_rank() == 0 and keep is not None:
-        _delete_older(root, keep)
-    dist.barrier()
-    return final
 
 
 def _attempt(action: Callable[[], None]) -> BaseException | None:

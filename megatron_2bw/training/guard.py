@@ -23,7 +23,10 @@ iteration t+1's flags, when the device has long passed them (:class:`LateFlags`)
 reads them at once.
 
 A stop request is a SIGTERM or SIGINT received by any rank, or ``--exit-duration-in-mins``
-passed on any rank (timed from the start of training).
+passed on any rank (timed from the start of training). :func:`catch_stop_signals` records the
+signals from the rank's start-up on (``entry.run``), a SIGTERM from the kernel when the rank's
+launcher ended (``runtime.lifetime``) included; a signal received before training starts stops
+it after its first iteration.
 
 Invariant: every rank posts exactly one exchange per iteration and waits for them in order, so
 the control group sees the same sequence of all-reduces on every rank.
@@ -40,12 +43,38 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Verdict", "Divergence", "RunGuard", "local_divergence", "nonfinite", "LateFlags",
-           "NONFINITE_LOSSES"]
+           "NONFINITE_LOSSES", "catch_stop_signals"]
 
 _STOP, _LOSS, _GRAD, _SKIPS, _WEIGHTS, _FP16_LOSSES = range(6)
 _NUM_FLAGS = 6
 NONFINITE_LOSSES = 3
 """fp16 with dynamic loss scaling: this many consecutive non-finite losses end the run."""
+_received: str | None = None  # the name of the first stop signal this process received
+
+
+def catch_stop_signals() -> None:
+    """From now on SIGTERM and SIGINT are recorded for the loop to stop on, not fatal
+    (process-wide, idempotent)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _record_signal)
+
+
+def _record_signal(signum, frame) -> None:
+    global _received
+    if _received is None:
+        _received = signal.Signals(signum).name
+
+
+def _received_stop() -> str | None:
+    """The stop signal received so far, saying when it came from the launcher's end. Asked
+    after the handler ran, not inside it: the kernel sends the signal when the launcher's
+    thread that started this rank ends, and may do so before the launcher's last thread ended
+    and this process was re-parented."""
+    from megatron_2bw.runtime import lifetime
+
+    if _received == "SIGTERM" and lifetime.launcher_gone():
+        return "SIGTERM: the launcher of this rank ended"
+    return _received
 
 
 class Divergence(RuntimeError):
@@ -142,11 +171,7 @@ class RunGuard:
         self.pending: list[tuple[int, torch.Tensor, object, int | None]] = []
         self.late = LateFlags()  # whether the last step's weights are not finite
         if install_handlers:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+            catch_stop_signals()
 
     def record_step(self, iteration: int, weights_nonfinite: torch.Tensor) -> None:
         """The device-side :func:`nonfinite` of the weights after iteration ``iteration``'s
@@ -170,6 +195,8 @@ class RunGuard:
         self.consecutive_skips = 0 if succeeded else self.consecutive_skips + 1
         finite = loss is None or math.isfinite(loss)
         self.consecutive_nonfinite_losses = 0 if finite else self.consecutive_nonfinite_losses + 1
+        if self.received is None:
+            self.received = _received_stop()
         if self.deadline is not None and self.received is None \
                 and time.monotonic() >= self.deadline:
             self.received = self.duration_reason
