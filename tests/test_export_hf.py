@@ -1,5 +1,6 @@
 """Checkpoints of TP = 2, PP = 2 runs (4 CPU processes, 2 iterations, a tiny model on
-scripts/examples/prepare_data.py's data) hold the common state Megatron-LM saves.
+scripts/examples/prepare_data.py's data), read as Megatron-LM reads them, and exported to
+Hugging Face by tools/export_hf.py.
 
 Two runs, shared by every test here:
   * "gpt2": GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied embeddings), 2BW,
@@ -7,6 +8,8 @@ Two runs, shared by every test here:
   * "llama": Llama style (rope base 500000, RMSNorm eps 1e-6, SwiGLU, no biases, GQA with 8
     query heads in 2 groups, untied output layer), the distributed optimizer, a HuggingFace
     tokenizer folder.
+Constant learning rate 1e-2: under 2BW the newer weight version (the checkpoint's "model"
+entries) differs from the older one.
 
 Common state: the values are derived from Megatron-LM's code at core_v0.16.1, not from ours:
   * megatron/training/tokenizer/tokenizer.py ``build_tokenizer``: ``args.padded_vocab_size =
@@ -21,6 +24,11 @@ Common state: the values are derived from Megatron-LM's code at core_v0.16.1, no
     the common "optimizer" keeps only ``param_state_sharding_type``, the param groups live in
     ``optimizer.distributed.dp_group_idx_<i>.optimizer`` objects (Megatron-LM's own checkpoints
     have them there too), one group with weight decay and one without (biases, norms).
+
+Export: transformers loads the folder; its logits on the same tokens equal megatron-core's
+GPTModel forward of the checkpoint (fp32, rel 1e-5; tests/hf_export_worker.py), greedy
+generation of 4 tokens gives the same tokens, and the exported tokenizer encodes text to the
+ids the run's tokenizer gives.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from __future__ import annotations
 import io
 import math
 import re
+import sys
 
 import pytest
+import torch
 
 from tests import dist as launch
 from tests.test_examples import example_data  # noqa: F401  (the module's shared data)
@@ -156,3 +166,67 @@ def test_distributed_optimizer_param_groups_are_where_megatron_lm_keeps_them(che
             assert group["lr"] == group["max_lr"] == LR and group["min_lr"] == 0.0
             assert group["weight_decay"] == 0.01 * group["wd_mult"]  # --weight-decay's default
             assert group["step"] == ITERATIONS  # torch Adam without apex/TE: the step count
+
+
+def _export_and_megatron_side(root, tokens: torch.Tensor, tmp_path, new_tokens: int) -> dict:
+    """tools/export_hf.py's main into tmp_path/hf, and megatron-core's logits and greedy
+    tokens (tests/hf_export_worker.py: one process for both)."""
+    tokens_path, out = tmp_path / "tokens.pt", tmp_path / "megatron.pt"
+    torch.save(tokens, tokens_path)
+    done = launch.python(["tests/hf_export_worker.py", str(root), str(tokens_path), str(out),
+                          str(new_tokens), str(tmp_path / "hf")], timeout=120)
+    assert done.returncode == 0, done.tail()
+    assert re.search(r"^exported .* as \w+ to ", done.output, re.MULTILINE), done.tail()
+    return torch.load(out)
+
+
+def _run_tokenizer(kind: str, data):
+    from megatron_2bw.data.tokenizer import build_tokenizer
+
+    if kind == "gpt2":
+        return build_tokenizer("GPT2BPETokenizer", vocab_file=str(data / "gpt2-vocab.json"),
+                               merge_file=str(data / "gpt2-merges.txt"))
+    return build_tokenizer("HuggingFaceTokenizer", str(data / "llama3-tokenizer"))
+
+
+@pytest.mark.parametrize("kind, hf_class", [("gpt2", "GPT2LMHeadModel"),
+                                            ("llama", "LlamaForCausalLM")])
+def test_export_gives_the_same_logits_and_tokens(checkpoints, example_data, tmp_path, kind,  # noqa: F811
+                                                 hf_class):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 500, (2, 12), generator=generator)
+    megatron = _export_and_megatron_side(checkpoints[kind], tokens, tmp_path, new_tokens=4)
+    out = tmp_path / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= \
+        {p.name for p in out.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert type(model).__name__ == hf_class
+    with torch.no_grad():
+        logits = model(tokens).logits
+    torch.testing.assert_close(logits, megatron["logits"], rtol=1e-5, atol=1e-5)
+    assert megatron["logits"].std() > 0.1  # trained, not constant
+    generated = model.generate(tokens, max_new_tokens=4, do_sample=False,
+                               pad_token_id=0)
+    assert torch.equal(generated, megatron["greedy"]), (generated, megatron["greedy"])
+
+    text = "def main(argv):\n    return  x + 1  # done"
+    exported = AutoTokenizer.from_pretrained(str(out))
+    assert exported(text)["input_ids"] == _run_tokenizer(kind, example_data).tokenize(text)
+
+
+def test_a_model_without_a_hugging_face_equivalent_is_refused_in_one_line():
+    """Rope with LayerNorm and GeLU (neither GPT-2 nor Llama): one line, no traceback."""
+    sys.path.insert(0, str(launch.REPO / "tools"))
+    import export_hf
+
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.cli import ToolError
+
+    args = parse_args([*SIZES, "--num-attention-heads", "4", "--mock-data", "--save", "unused",
+                       "--position-embedding-type", "rope"], world_size=4)
+    args.model_type = "gpt"
+    with pytest.raises(ToolError, match=r"^--load: rope with LayerNorm has no Hugging Face "
+                                        r"equivalent"):
+        export_hf.architecture(args)
