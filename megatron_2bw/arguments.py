@@ -833,11 +833,13 @@ def _validate_model_features(args: argparse.Namespace) -> None:
     _require(args.ffn_hidden_size % tp == 0, "--ffn-hidden-size", f"{args.ffn_hidden_size} is "
              f"not divisible by tensor-parallel size {tp}")
     args.kv_channels = args.kv_channels or h // heads
-    if args.num_query_groups is not None:
+    if args.num_query_groups not in (None, 1):  # 1: the default, ignored without GQA
         _require(args.group_query_attention, "--num-query-groups",
                  "needs --group-query-attention")
+    if args.num_query_groups is None:  # Megatron-LM's default, saved with the flags
+        args.num_query_groups = 1
     if args.group_query_attention:
-        groups = args.num_query_groups = args.num_query_groups or 1
+        groups = args.num_query_groups
         _require(heads % groups == 0, "--num-query-groups",
                  f"{heads} attention heads do not split into {groups} query groups")
         _require(groups % tp == 0 or tp % groups == 0, "--num-query-groups",

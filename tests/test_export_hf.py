@@ -143,6 +143,8 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
     assert args.padded_vocab_size == padded
     assert args.tokenizer_type == {"gpt2": "GPT2BPETokenizer",  # pretrain_gpt.py's default
                                    "llama": "HuggingFaceTokenizer"}[kind]
+    # --num-query-groups: the flag's value, else its default 1 (validate_args leaves it)
+    assert args.num_query_groups == {"gpt2": 1, "llama": 2}[kind]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.world_size, args.data_parallel_size) == (2, 2, 4, 1)
     assert (args.consumed_train_samples, args.skipped_train_samples,
