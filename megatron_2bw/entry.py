@@ -110,6 +110,8 @@ def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
     from megatron_2bw.data.tokenizer import padded_vocab_size
 
     size = args.vocab_size if tokenizer is None else tokenizer.vocab_size
+    if tokenizer is None and args.tokenizer_type == "NullTokenizer":
+        size += 1  # Megatron-LM builds it under --mock-data too: --vocab-size ids and eod
     args.padded_vocab_size = padded_vocab_size(size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     return args.padded_vocab_size

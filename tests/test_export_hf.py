@@ -151,6 +151,41 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
             args.consumed_valid_samples) == (8, 0, 0)
 
 
+@pytest.mark.parametrize("tokenizer, mock", [
+    ("GPT2BPETokenizer", False), ("BertWordPieceLowerCase", False),
+    ("HuggingFaceTokenizer", False), ("NullTokenizer", False), ("NullTokenizer", True)])
+def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tokenizer,  # noqa: F811
+                                                              mock):
+    """``_vocab_size_with_padding(tokenizer.vocab_size)`` at TP = 2, the vocabulary as
+    Megatron-LM's classes count it: vocab.json's / vocab.txt's entries, len(AutoTokenizer),
+    and --vocab-size + 1 (eod) for _NullTokenizer, which Megatron-LM builds under --mock-data
+    too (Megatron-LM's Llama-3 example with MOCK)."""
+    import json
+
+    from megatron_2bw import entry
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.data.tokenizer import TokenizerSpec
+
+    files = {"GPT2BPETokenizer": ["--vocab-file", str(example_data / "gpt2-vocab.json"),
+                                  "--merge-file", str(example_data / "gpt2-merges.txt")],
+             "BertWordPieceLowerCase": ["--vocab-file", str(example_data / "bert-vocab.txt")],
+             "HuggingFaceTokenizer": ["--tokenizer-model",
+                                      str(example_data / "llama3-tokenizer")],
+             "NullTokenizer": ["--vocab-size", "512"]}[tokenizer]
+    data = ["--mock-data"] if mock else ["--data-path", "unused"]
+    args = parse_args([*SIZES, "--num-attention-heads", "4", "--save", "unused", *data,
+                       "--tokenizer-type", tokenizer, *files], world_size=4)
+    built = None if mock else TokenizerSpec.from_args(args).build()
+    entry.padded_vocab(args, built)
+    vocab = {"GPT2BPETokenizer": lambda: len(json.loads(
+                 (example_data / "gpt2-vocab.json").read_text())),
+             "BertWordPieceLowerCase": lambda: len(
+                 (example_data / "bert-vocab.txt").read_text().split()),
+             "HuggingFaceTokenizer": lambda: _megatron_tokenizer_vocab("llama", example_data),
+             "NullTokenizer": lambda: 512 + 1}[tokenizer]()
+    assert args.padded_vocab_size == math.ceil(vocab / (128 * TP)) * (128 * TP)
+
+
 def test_distributed_optimizer_param_groups_are_where_megatron_lm_keeps_them(checkpoints):
     root = checkpoints["llama"]
     common = _common(root)
