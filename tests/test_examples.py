@@ -2,8 +2,9 @@
 processes as a user runs them: each exits 0 and its training loss falls.
 
 The data (tokenizer files and indexed datasets) comes from scripts/examples/prepare_data.py,
-built once for the module. Each run appends two flags to the example's own (the scripts append
-what follows their positional paths): ``--lr 1e-2`` (``--decoupled-lr`` too for Llama-3) and,
+built once for the session (conftest.py's example_data, shared with test_export_hf.py). Each
+run appends two flags to the example's own (the scripts append what follows their positional
+paths): ``--lr 1e-2`` (``--decoupled-lr`` too for Llama-3) and,
 under fp16, ``--initial-loss-scale 4096``. The examples keep the full-size models' settings,
 and at --lr 6e-5..1.5e-4, or with fp16's first ~20 steps skipped while the loss scale falls
 from 2^32, 8 iterations leave the loss where it started.
@@ -40,14 +41,6 @@ VOCAB = 512  # prepare_data.VOCAB_SIZE
 MIN_RELATIVE_DROP = 0.04
 FASTER = ["--lr", "1e-2"]
 FP16_FASTER = [*FASTER, "--initial-loss-scale", "4096"]
-
-
-@pytest.fixture(scope="module")
-def example_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("example_data")
-    done = launch.python([str(EXAMPLES / "prepare_data.py"), str(root)], timeout=120)
-    assert done.returncode == 0, done.tail()
-    return root
 
 
 def _strict_runs(port: int) -> set[int]:

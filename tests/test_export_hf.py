@@ -42,7 +42,6 @@ import pytest
 import torch
 
 from tests import dist as launch
-from tests.test_examples import example_data  # noqa: F401  (the module's shared data)
 
 SIZES = ["--cpu", "--num-layers", "4", "--hidden-size", "64", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "1",
@@ -87,7 +86,7 @@ def _flags(kind: str, data) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(example_data, tmp_path_factory):  # noqa: F811
+def checkpoints(example_data, tmp_path_factory):
     """{kind: checkpoint root} of the two runs."""
     roots = {}
     for kind in ("gpt2", "llama"):
@@ -131,7 +130,7 @@ def _megatron_tokenizer_vocab(kind: str, data) -> int:
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind):  # noqa: F811
+def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind):
     common = _common(checkpoints[kind])
     assert MEGATRON_COMMON_KEYS <= set(common), sorted(common)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == ITERATIONS
@@ -154,7 +153,7 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
 @pytest.mark.parametrize("tokenizer, mock", [
     ("GPT2BPETokenizer", False), ("BertWordPieceLowerCase", False),
     ("HuggingFaceTokenizer", False), ("NullTokenizer", False), ("NullTokenizer", True)])
-def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tokenizer,  # noqa: F811
+def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tokenizer,
                                                               mock):
     """``_vocab_size_with_padding(tokenizer.vocab_size)`` at TP = 2, the vocabulary as
     Megatron-LM's classes count it: vocab.json's / vocab.txt's entries, len(AutoTokenizer),
@@ -228,7 +227,7 @@ def _run_tokenizer(kind: str, data):
 
 @pytest.mark.parametrize("kind, hf_class", [("gpt2", "GPT2LMHeadModel"),
                                             ("llama", "LlamaForCausalLM")])
-def test_export_gives_the_same_logits_and_tokens(checkpoints, example_data, tmp_path, kind,  # noqa: F811
+def test_export_gives_the_same_logits_and_tokens(checkpoints, example_data, tmp_path, kind,
                                                  hf_class):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
