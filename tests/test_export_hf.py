@@ -243,8 +243,8 @@ def test_export_gives_the_same_logits_and_tokens(checkpoints, example_data, tmp_
         logits = model(tokens).logits
     torch.testing.assert_close(logits, megatron["logits"], rtol=1e-5, atol=1e-5)
     assert megatron["logits"].std() > 0.1  # trained, not constant
-    generated = model.generate(tokens, max_new_tokens=4, do_sample=False,
-                               pad_token_id=0)
+    model.generation_config.eos_token_id = None  # 4 tokens, also past an <|endoftext|>
+    generated = model.generate(tokens, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, megatron["greedy"]), (generated, megatron["greedy"])
 
     text = "def main(argv):\n    return  x + 1  # done"
