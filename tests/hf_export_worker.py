@@ -39,6 +39,7 @@ def main(load: str, tokens_path: str, out: str, new_tokens: int, hf_dir: str) ->
     saved = dist_checkpointing.load_common_state_dict(path)["args"]
     model = export_hf._build(export_hf._single_process_args(saved), export_hf._saved_vocab(path))
     _load(model.eval(), path)
+    model.float()  # fp16/bf16 checkpoints: computed in fp32, as the test runs transformers
     tokens = torch.load(tokens_path)
     logits = forward(model, tokens)
     greedy = tokens
