@@ -266,3 +266,15 @@ def test_a_model_without_a_hugging_face_equivalent_is_refused_in_one_line():
     with pytest.raises(ToolError, match=r"^--load: rope with LayerNorm has no Hugging Face "
                                         r"equivalent"):
         export_hf.architecture(args)
+
+
+def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(launch.REPO / "tools"))
+    import export_hf
+
+    with pytest.raises(SystemExit) as stop:
+        export_hf.main(["--load", str(tmp_path), "--out", str(tmp_path / "hf")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --load: {tmp_path} holds no checkpoint (no latest_checkpointed_iteration.txt)"]
+    assert not (tmp_path / "hf").exists()
