@@ -278,3 +278,26 @@ def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"error: --load: {tmp_path} holds no checkpoint (no latest_checkpointed_iteration.txt)"]
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+def test_a_sentencepiece_tokenizer_exports_with_the_same_ids(tiny_gpt_data, tmp_path,
+                                                             tokenizer_type):
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from megatron_2bw.data.tokenizer import build_tokenizer
+
+    sys.path.insert(0, str(launch.REPO / "tools"))
+    import export_hf
+
+    model = tiny_gpt_data.tokenizer_model
+    args = argparse.Namespace(tokenizer_type=tokenizer_type, tokenizer_model=model,
+                              vocab_file=None, merge_file=None)
+    export_hf.write_tokenizer(args, tmp_path)
+    exported = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = build_tokenizer(tokenizer_type, model)
+    for text in ("def main(argv):\n    return  x + 1  # done", "Hello World",
+                 "  two leading spaces", "tabs\tand\nnew lines", "unicode héllo ✓ 中"):
+        assert exported(text)["input_ids"] == ours.tokenize(text), text

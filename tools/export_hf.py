@@ -5,8 +5,8 @@
 ``--load`` is a --save directory (its latest_checkpointed_iteration.txt names the checkpoint;
 ``--iteration`` picks another) or one ``iter_XXXXXXX`` folder. The folder gets
 ``config.json``, ``model.safetensors`` and, where the run's tokenizer has a Hugging Face form,
-its files (GPT2BPETokenizer: vocab.json/merges.txt; HuggingFaceTokenizer: the folder's files;
-SentencePiece types: tokenizer.model).
+its files (GPT2BPETokenizer as a byte-level BPE tokenizer.json; HuggingFaceTokenizer: the
+folder's tokenizer; the SentencePiece types: tokenizer.model as a LlamaTokenizer).
 
 The checkpoint may have been saved with any TP/PP/V layout: one CPU process builds the model at
 TP = PP = 1 from the saved flags and megatron-core's dist_checkpointing reshards the saved
@@ -290,8 +290,7 @@ def write_tokenizer(args, out: Path) -> tuple[str, dict]:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_model)
     elif kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer") \
             and args.tokenizer_model and os.path.isfile(args.tokenizer_model):
-        shutil.copyfile(args.tokenizer_model, out / "tokenizer.model")
-        return "sentencepiece tokenizer.model", {"bos_token_id": None, "eos_token_id": None}
+        tokenizer = _sentencepiece(args.tokenizer_model, out)
     if tokenizer is None:
         return (f"no tokenizer files ({kind} has no Hugging Face form here)",
                 {"bos_token_id": None, "eos_token_id": None})
@@ -312,6 +311,26 @@ def _gpt2_bpe(vocab_file: str, merge_file: str):
     end = "<|endoftext|>"
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=end, eos_token=end,
                                    unk_token=end)
+
+
+def _sentencepiece(model_file: str, out: Path):
+    """The sentencepiece model as transformers' LlamaTokenizer (its tokenizer.model beside a
+    config): plain encoding without bos/eos and no extra prefix space, the ids megatron-core's
+    GPTSentencePieceTokenizer / Llama2Tokenizer give (and SentencePieceTokenizer's for text
+    without its BERT specials)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model_file, out / "tokenizer.model")
+    special = {name: pieces.id_to_piece(index) for name, index in
+               (("bos_token", pieces.bos_id()), ("eos_token", pieces.eos_id()),
+                ("unk_token", pieces.unk_id())) if index >= 0}
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+              "add_eos_token": False, "add_prefix_space": False, "legacy": False, **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return AutoTokenizer.from_pretrained(str(out))
 
 
 # ---- the command ---------------------------------------------------------------------------
