@@ -23,9 +23,10 @@ from megatron_2bw.arguments import build_parser, number_in
 
 
 def parser() -> argparse.ArgumentParser:
-    """Megatron-LM's flags with its BERT flags added, and BERT's tokenizer type by default."""
+    """Megatron-LM's flags with its BERT flags added, and BERT's tokenizer type by default
+    (Megatron-LM's pretrain_bert.py ``args_defaults``; see arguments._default_tokenizer_type)."""
     p = build_parser("Pretrain BERT with megatron-2bw", extra_args_provider=_add_bert_args)
-    p.set_defaults(tokenizer_type="SentencePieceTokenizer")
+    p.set_defaults(tokenizer_defaults_of="bert")
     return p
 
 

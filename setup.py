@@ -30,10 +30,13 @@ setup(
     extras_require={
         # NVIDIA apex is built from source (https://github.com/NVIDIA/apex) and is optional.
         "gpu": ["transformer-engine[pytorch]"],
-        # --tokenizer-type HuggingFaceTokenizer (megatron-core's AutoTokenizer wrapper).
-        "hf": ["transformers>=4.40"],
-        # The tests load a HuggingFace tokenizer folder, so dev includes hf's packages;
-        # scripts/examples/prepare_data.py trains GPT-2 BPE and WordPiece files with tokenizers.
-        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40", "tokenizers>=0.19"],
+        # --tokenizer-type HuggingFaceTokenizer (megatron-core's AutoTokenizer wrapper) and
+        # tools/export_hf.py (model.safetensors, the tokenizer files).
+        "hf": ["transformers>=4.40", "safetensors>=0.4"],
+        # The tests load a HuggingFace tokenizer folder and exported models, so dev includes
+        # hf's packages; scripts/examples/prepare_data.py trains GPT-2 BPE and WordPiece files
+        # with tokenizers.
+        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40", "safetensors>=0.4",
+                "tokenizers>=0.19"],
     },
 )

@@ -317,8 +317,10 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefix, or a blend 'weight prefix weight prefix ...'")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", default="GPTSentencePieceTokenizer",
-                   type=tokenizer_type, metavar="TYPE", help=", ".join(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-type", default=None, type=tokenizer_type, metavar="TYPE",
+                   help=", ".join(TOKENIZER_TYPES) + "; default: Megatron-LM's per script "
+                        "(GPT2BPETokenizer for GPT, BertWordPieceLowerCase for BERT), or the "
+                        "SentencePiece type when only --tokenizer-model is given")
     g.add_argument("--tokenizer-model", default=None,
                    help="sentencepiece .model file, or a HuggingFace tokenizer folder")
     g.add_argument("--vocab-file", default=None,
@@ -787,8 +789,29 @@ def _validate_pipemare(args: argparse.Namespace) -> None:
                  f"only with --pipeline-schedule pipemare, not {args.pipeline_schedule}")
 
 
+# Megatron-LM's entry scripts' `args_defaults` (core_v0.16.1): pretrain_gpt.py and
+# pretrain_bert.py default --tokenizer-type (their only args_defaults).
+_MEGATRON_LM_TOKENIZER = {"gpt": "GPT2BPETokenizer", "bert": "BertWordPieceLowerCase"}
+# Where only --tokenizer-model is given (which Megatron-LM's default type does not read).
+_SENTENCEPIECE_TOKENIZER = {"gpt": "GPTSentencePieceTokenizer", "bert": "SentencePieceTokenizer"}
+
+
+def _default_tokenizer_type(args: argparse.Namespace) -> None:
+    """Fill --tokenizer-type when not given: Megatron-LM's default for the entry script (BERT's
+    parser sets ``tokenizer_defaults_of="bert"``, taken off the namespace here), or with
+    --tokenizer-model and no --vocab-file, the script's SentencePiece type (a command
+    Megatron-LM refuses)."""
+    model = vars(args).pop("tokenizer_defaults_of", "gpt")
+    if args.tokenizer_type is not None:
+        return
+    only_model_file = args.tokenizer_model is not None and args.vocab_file is None
+    args.tokenizer_type = (_SENTENCEPIECE_TOKENIZER if only_model_file
+                           else _MEGATRON_LM_TOKENIZER)[model]
+
+
 def _validate_data(args: argparse.Namespace) -> None:
     """Data and tokenizer files must exist before any process group starts."""
+    _default_tokenizer_type(args)
     if args.mock_data:
         args.vocab_size = args.vocab_size or 1024
         return
@@ -828,11 +851,13 @@ def _validate_model_features(args: argparse.Namespace) -> None:
     _require(args.ffn_hidden_size % tp == 0, "--ffn-hidden-size", f"{args.ffn_hidden_size} is "
              f"not divisible by tensor-parallel size {tp}")
     args.kv_channels = args.kv_channels or h // heads
-    if args.num_query_groups is not None:
+    if args.num_query_groups not in (None, 1):  # 1: the default, ignored without GQA
         _require(args.group_query_attention, "--num-query-groups",
                  "needs --group-query-attention")
+    if args.num_query_groups is None:  # Megatron-LM's default, saved with the flags
+        args.num_query_groups = 1
     if args.group_query_attention:
-        groups = args.num_query_groups = args.num_query_groups or 1
+        groups = args.num_query_groups
         _require(heads % groups == 0, "--num-query-groups",
                  f"{heads} attention heads do not split into {groups} query groups")
         _require(groups % tp == 0 or tp % groups == 0, "--num-query-groups",

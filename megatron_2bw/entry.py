@@ -106,11 +106,16 @@ def _check_corpus(args: argparse.Namespace, tokenizer) -> None:
 
 
 def padded_vocab(args: argparse.Namespace, tokenizer) -> int:
+    """The embedding's rows, also kept as ``args.padded_vocab_size`` (saved with the flags):
+    Megatron-LM's build_tokenizer sets it for every tokenizer type, and its loader reads it."""
     from megatron_2bw.data.tokenizer import padded_vocab_size
 
     size = args.vocab_size if tokenizer is None else tokenizer.vocab_size
-    return padded_vocab_size(size, args.make_vocab_size_divisible_by,
-                             args.tensor_model_parallel_size)
+    if tokenizer is None and args.tokenizer_type == "NullTokenizer":
+        size += 1  # Megatron-LM builds it under --mock-data too: --vocab-size ids and eod
+    args.padded_vocab_size = padded_vocab_size(size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    return args.padded_vocab_size
 
 
 def run(args: argparse.Namespace, model_provider: Callable, data_provider: Callable,

@@ -65,6 +65,19 @@ def tiny_gpt_data(tmp_path_factory) -> TinyData:
     return TinyData(prefix, model, TINY_VOCAB, str(root / "index-cache"))
 
 
+@pytest.fixture(scope="session")
+def example_data(tmp_path_factory) -> Path:
+    """scripts/examples/prepare_data.py's tokenizer files (GPT-2 BPE, WordPiece, a HuggingFace
+    folder) and indexed datasets, built once for the session (~12 s)."""
+    from tests import dist as launch
+
+    root = tmp_path_factory.mktemp("example_data")
+    done = launch.python([str(launch.REPO / "scripts" / "examples" / "prepare_data.py"),
+                          str(root)], timeout=120)
+    assert done.returncode == 0, done.tail()
+    return root
+
+
 _records = None
 
 

@@ -242,7 +242,7 @@ def test_bert_flags():
     args = parse_args([*model, "--mock-data", "--train-iters", "1"], world_size=1,
                       parser=pretrain_bert_2bw.parser())
     assert (args.bert_binary_head, args.mask_prob, args.short_seq_prob) == (True, 0.15, 0.1)
-    assert args.tokenizer_type == "SentencePieceTokenizer"
+    assert args.tokenizer_type == "BertWordPieceLowerCase"  # Megatron-LM pretrain_bert.py's default
     args = parse_args([*model, "--mock-data", "--train-iters", "1", "--bert-no-binary-head"],
                       world_size=1,
                       parser=pretrain_bert_2bw.parser())

@@ -214,10 +214,11 @@ def test_missing_data_path(tiny_gpt_data):
     assert_one_error_line(result, "--data-path", "required")
 
 
-def test_missing_tokenizer_model(tiny_gpt_data):
+def test_missing_tokenizer_files(tiny_gpt_data):
+    """No tokenizer flag at all: Megatron-LM's default for GPT, GPT2BPETokenizer, needs its files."""
     data = ["--data-path", tiny_gpt_data.data_prefix]
     result = launch.python([SCRIPT, *TINY, *data], timeout=60, WORLD_SIZE="1")
-    assert_one_error_line(result, "--tokenizer-model", "required")
+    assert_one_error_line(result, "--vocab-file", "required with --tokenizer-type GPT2BPETokenizer")
 
 
 def test_nonexistent_tokenizer_model(tiny_gpt_data, tmp_path):

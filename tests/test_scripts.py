@@ -171,3 +171,22 @@ def test_bad_settings_fail_with_one_line_and_print_no_command(script, env, messa
     assert done.returncode == 2
     assert not any(line.startswith("+ ") for line in done.stdout.splitlines())
     assert done.stderr.strip().startswith("error: ") and message in done.stderr
+
+
+@pytest.mark.parametrize("kind, files, expected", [
+    ("gpt", ("--vocab-file", "--merge-file"), "GPT2BPETokenizer"),  # pretrain_gpt.py's args_defaults
+    ("bert", ("--vocab-file",), "BertWordPieceLowerCase"),  # pretrain_bert.py's args_defaults
+    ("gpt", ("--tokenizer-model",), "GPTSentencePieceTokenizer"),  # Megatron-LM refuses these two
+    ("bert", ("--tokenizer-model",), "SentencePieceTokenizer"),
+])
+def test_entry_scripts_default_the_tokenizer_type_as_megatron_lm(tmp_path, kind, files, expected):
+    """Megatron-LM's example commands give no --tokenizer-type: its entry scripts default it
+    (core_v0.16.1 pretrain_gpt.py / pretrain_bert.py ``args_defaults``)."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--lr", "1e-3",
+             "--micro-batch-size", "1", "--train-iters", "2", "--data-path", str(tmp_path / "corpus")]
+    for flag in files:
+        path = tmp_path / flag[2:]
+        path.write_text("not read by validation")
+        flags += [flag, str(path)]
+    assert validate_args(_parser(kind).parse_args(flags), 1).tokenizer_type == expected

@@ -32,9 +32,6 @@
 #   DATA_PATH ..._text_document -> ..._text_sentence (BERT reads sentence-level data:
 #   tools/preprocess_data.py --split-sentences)
 #   pretrain_bert.py -> pretrain_bert_2bw.py, plus --pipeline-schedule ${SCHEDULE:-2bw}
-#   --tokenizer-type BertWordPieceLowerCase added: Megatron-LM's default (None) builds no
-#   tokenizer (megatron/training/tokenizer/tokenizer.py raises NotImplementedError), ours is
-#   GPTSentencePieceTokenizer
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -93,7 +90,6 @@ MODEL_PARALLEL_ARGS=(
 DATA_ARGS=(
     --data-path $DATA_PATH 
     --vocab-file $VOCAB_FILE 
-    --tokenizer-type BertWordPieceLowerCase
     --split 949,50,1
 )
 

@@ -36,9 +36,6 @@
 #   --log-interval 100 -> 1, --save-interval 10000 -> 8, --eval-interval 1000 -> 8,
 #   --eval-iters 10 -> 1
 #   pretrain_gpt.py -> pretrain_gpt_2bw.py, plus --pipeline-schedule ${SCHEDULE:-2bw}
-#   --tokenizer-type GPT2BPETokenizer added: Megatron-LM's default (None) builds no tokenizer
-#   (megatron/training/tokenizer/tokenizer.py raises NotImplementedError), ours is
-#   GPTSentencePieceTokenizer
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -101,7 +98,6 @@ DATA_ARGS=(
     --data-path $DATA_PATH 
     --vocab-file $VOCAB_FILE 
     --merge-file $MERGE_FILE 
-    --tokenizer-type GPT2BPETokenizer
     --split 949,50,1
 )
 

@@ -1,0 +1,375 @@
+"""Export a megatron-2bw checkpoint to a Hugging Face model folder.
+
+    python tools/export_hf.py --load checkpoints/run --out hf/run [--iteration N]
+
+``--load`` is a --save directory (its latest_checkpointed_iteration.txt names the checkpoint;
+``--iteration`` picks another) or one ``iter_XXXXXXX`` folder. The folder gets
+``config.json``, ``model.safetensors`` and, where the run's tokenizer has a Hugging Face form,
+its files (GPT2BPETokenizer as a byte-level BPE tokenizer.json; HuggingFaceTokenizer: the
+folder's tokenizer; the SentencePiece types: tokenizer.model as a LlamaTokenizer).
+
+The checkpoint may have been saved with any TP/PP/V layout: one CPU process builds the model at
+TP = PP = 1 from the saved flags and megatron-core's dist_checkpointing reshards the saved
+tensors into it (the "model" entries: under 2BW the newer weight version). Then names map:
+
+* GPT-2 style (learned positions, LayerNorm, GeLU, biases, multi-head attention) ->
+  ``GPT2LMHeadModel`` (Conv1D weights are [in, out]: transposed);
+* Llama style (rope, RMSNorm, SwiGLU, no biases, GQA allowed) -> ``LlamaForCausalLM``.
+
+megatron-core's fused QKV weight holds, for each query group g, the group's query heads, then
+its key head, then its value head: rows [g * (q + 2) * d, (g + 1) * (q + 2) * d) with q query
+heads per group and head size d. Its GLU ``linear_fc1`` is [gate; up] (``torch.chunk`` in the
+MLP: activation(first half) * second half). Anything else has no Hugging Face equivalent here
+and is refused with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron_2bw.cli import ToolError, ToolParser, main_guard  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = ToolParser(description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (--save) or iter_ folder")
+    p.add_argument("--out", required=True, help="Hugging Face model folder to write")
+    p.add_argument("--iteration", type=int, default=None, help="the iteration to export")
+    return p.parse_args(argv)
+
+
+def checkpoint_path(load: str, iteration: int | None) -> str:
+    """The iter_ folder ``--load``/``--iteration`` name."""
+    from megatron_2bw.training import checkpointing
+
+    if os.path.isfile(os.path.join(load, "common.pt")) and iteration is None:
+        return load
+    if iteration is None:
+        iteration = checkpointing.latest_iteration(load)
+        if iteration is None:
+            raise ToolError("--load", f"{load} holds no checkpoint "
+                                      f"(no latest_checkpointed_iteration.txt)")
+    path = checkpointing.checkpoint_dir(load, iteration)
+    if not os.path.isfile(os.path.join(path, "common.pt")):
+        raise ToolError("--load", f"{path} is not a checkpoint (no common.pt)")
+    return path
+
+
+# ---- the architecture the saved flags describe ---------------------------------------------
+
+def architecture(args: argparse.Namespace) -> str:
+    """"gpt2" or "llama"; ToolError naming what has no Hugging Face equivalent."""
+    if getattr(args, "model_type", "gpt") != "gpt":
+        _refuse(f"a {args.model_type} model (only GPT models export)")
+    common = [(args.apply_residual_connection_post_layernorm,
+               "--apply-residual-connection-post-layernorm"),
+              (args.qk_layernorm, "--qk-layernorm"),
+              (getattr(args, "layernorm_zero_centered_gamma", False),
+               "--apply-layernorm-1p / zero-centered gamma"),
+              (getattr(args, "squared_relu", False), "--squared-relu"),
+              (getattr(args, "num_experts", None), "--num-experts")]
+    for present, flag in common:
+        if present:
+            _refuse(flag)
+    if args.position_embedding_type == "learned_absolute":
+        return _check_gpt2(args)
+    if args.position_embedding_type == "rope":
+        return _check_llama(args)
+    _refuse(f"--position-embedding-type {args.position_embedding_type}")
+
+
+def _refuse(what: str):
+    raise ToolError("--load", f"{what} has no Hugging Face equivalent (GPT2LMHeadModel: learned "
+                              f"positions, LayerNorm, GeLU, biases; LlamaForCausalLM: rope, "
+                              f"RMSNorm, SwiGLU, no biases)")
+
+
+def _query_groups(args) -> int:
+    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+
+
+def _check_gpt2(args) -> str:
+    heads = args.num_attention_heads
+    for bad, what in ((args.normalization != "LayerNorm", f"{args.normalization} with learned "
+                                                           f"positions"),
+                      (args.swiglu, "--swiglu with learned positions"),
+                      (not args.add_bias_linear, "--disable-bias-linear with learned positions"),
+                      (_query_groups(args) != heads, "grouped-query attention with learned "
+                                                      "positions"),
+                      (args.kv_channels * heads != args.hidden_size,
+                       f"--kv-channels {args.kv_channels} != hidden / heads")):
+        if bad:
+            _refuse(what)
+    return "gpt2"
+
+
+def _check_llama(args) -> str:
+    for bad, what in ((args.normalization != "RMSNorm", f"rope with {args.normalization}"),
+                      (not args.swiglu, "rope without --swiglu"),
+                      (args.add_bias_linear or args.add_qkv_bias, "rope with linear biases"),
+                      (args.rotary_percent != 1.0, f"--rotary-percent {args.rotary_percent}"),
+                      (getattr(args, "rotary_interleaved", False), "--rotary-interleaved"),
+                      (getattr(args, "use_rope_scaling", False), "--use-rope-scaling"),
+                      (args.rotary_seq_len_interpolation_factor is not None,
+                       "--rotary-seq-len-interpolation-factor")):
+        if bad:
+            _refuse(what)
+    return "llama"
+
+
+# ---- the full model, in one process ---------------------------------------------------------
+
+def load_full_model(path: str):
+    """(saved flags, megatron-core GPTModel at TP = PP = 1 holding the checkpoint's "model"
+    weights). Starts a one-process gloo group on the CPU."""
+    from megatron_2bw.runtime import distributed
+
+    distributed.select_device(force_cpu=True)  # the CPU runtime precedes megatron-core's models
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved = common.get("args")
+    if not isinstance(saved, argparse.Namespace):
+        raise ToolError("--load", f"{path} holds no saved flags (args)")
+    args = _single_process_args(saved)
+    architecture(args)
+    distributed.initialize(1, 1, seed=getattr(args, "seed", 1234), force_cpu=True)
+    model = _build(args, _saved_vocab(path))
+    metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
+    from megatron.core import parallel_state as ps
+
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)},
+                                     path)
+    model.load_state_dict(loaded["model"])
+    return args, model.eval()
+
+
+def _single_process_args(saved: argparse.Namespace) -> argparse.Namespace:
+    """The saved flags at TP = PP = 1, no virtual stages, no recomputation, fp32 compute."""
+    args = argparse.Namespace(**vars(saved))
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.virtual_pipeline_model_parallel_size = None
+    args.sequence_parallel = False
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    args.world_size = args.data_parallel_size = 1
+    args.model_type = getattr(args, "model_type", "gpt")
+    return args
+
+
+def _saved_vocab(path: str) -> int:
+    """The embedding's rows as saved (padded for the saved TP size)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    return load_sharded_metadata(path)["embedding.word_embeddings.weight"].global_shape[0]
+
+
+def _build(args: argparse.Namespace, vocab_size: int):
+    import pretrain_gpt_2bw
+
+    from megatron_2bw.training import build
+
+    config = build.transformer_config(args, "cpu", hidden_dropout=0.0, attention_dropout=0.0)
+    return pretrain_gpt_2bw.model_provider(config, True, True, args=args, vocab_size=vocab_size)
+
+
+# ---- name mapping --------------------------------------------------------------------------
+
+def _qkv(weight, groups: int, query_heads: int, head_dim: int):
+    """megatron-core's fused QKV rows (or bias) -> (q, k, v), heads in order."""
+    per_group = query_heads // groups
+    grouped = weight.reshape(groups, (per_group + 2) * head_dim, *weight.shape[1:])
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return (t.reshape(-1, *weight.shape[1:]) for t in (q, k, v))
+
+
+def gpt2_weights(args, state: dict) -> dict:
+    """GPT2LMHeadModel's state dict (Conv1D weights are [in, out])."""
+    import torch
+
+    out = {"transformer.wte.weight": state["embedding.word_embeddings.weight"],
+           "transformer.wpe.weight": state["embedding.position_embeddings.weight"],
+           "transformer.ln_f.weight": state["decoder.final_layernorm.weight"],
+           "transformer.ln_f.bias": state["decoder.final_layernorm.bias"]}
+    heads, d = args.num_attention_heads, args.kv_channels
+    for i in range(args.num_layers):
+        m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            for kind in ("weight", "bias"):
+                out[f"{h}{theirs}.{kind}"] = state[f"{m}{ours}.{kind}"]
+        for kind in ("weight", "bias"):
+            qkv = _qkv(state[f"{m}self_attention.linear_qkv.{kind}"], heads, heads, d)
+            out[f"{h}attn.c_attn.{kind}"] = _conv1d(torch.cat(list(qkv)), kind)
+            for ours, theirs in (("self_attention.linear_proj", "attn.c_proj"),
+                                 ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
+                out[f"{h}{theirs}.{kind}"] = _conv1d(state[f"{m}{ours}.{kind}"], kind)
+    out["lm_head.weight"] = _output_layer(args, state)
+    return out
+
+
+def _conv1d(tensor, kind: str):
+    return tensor.t() if kind == "weight" else tensor
+
+
+def _output_layer(args, state: dict):
+    if args.untie_embeddings_and_output_weights:
+        return state["output_layer.weight"]
+    return state["embedding.word_embeddings.weight"]
+
+
+def llama_weights(args, state: dict) -> dict:
+    """LlamaForCausalLM's state dict."""
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+           "model.norm.weight": state["decoder.final_layernorm.weight"],
+           "lm_head.weight": _output_layer(args, state)}
+    heads, groups, d = args.num_attention_heads, _query_groups(args), args.kv_channels
+    for i in range(args.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[f"{h}input_layernorm.weight"] = state[f"{m}input_layernorm.weight"]
+        out[f"{h}post_attention_layernorm.weight"] = state[f"{m}pre_mlp_layernorm.weight"]
+        q, k, v = _qkv(state[f"{m}self_attention.linear_qkv.weight"], groups, heads, d)
+        out[f"{h}self_attn.q_proj.weight"] = q
+        out[f"{h}self_attn.k_proj.weight"] = k
+        out[f"{h}self_attn.v_proj.weight"] = v
+        out[f"{h}self_attn.o_proj.weight"] = state[f"{m}self_attention.linear_proj.weight"]
+        gate, up = state[f"{m}mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[f"{h}mlp.gate_proj.weight"] = gate
+        out[f"{h}mlp.up_proj.weight"] = up
+        out[f"{h}mlp.down_proj.weight"] = state[f"{m}mlp.linear_fc2.weight"]
+    return out
+
+
+def hf_config(kind: str, args, vocab_size: int, dtype) -> dict:
+    """config.json's fields for the architecture."""
+    common = {"vocab_size": vocab_size,
+              "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
+              "torch_dtype": str(dtype).removeprefix("torch."),
+              "dtype": str(dtype).removeprefix("torch.")}
+    if kind == "gpt2":
+        gelu = "gelu_new" if getattr(args, "openai_gelu", False) else "gelu"  # tanh / erf
+        return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "n_embd": args.hidden_size, "n_layer": args.num_layers,
+                "n_head": args.num_attention_heads, "n_inner": args.ffn_hidden_size,
+                "n_positions": args.max_position_embeddings,
+                "layer_norm_epsilon": args.layernorm_epsilon, "activation_function": gelu,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "scale_attn_weights": True}
+    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
+            "num_hidden_layers": args.num_layers,
+            "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": _query_groups(args), "head_dim": args.kv_channels,
+            "max_position_embeddings": args.max_position_embeddings,
+            "rms_norm_eps": args.layernorm_epsilon, "hidden_act": "silu",
+            "rope_theta": float(args.rotary_base),
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(args.rotary_base)},
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+
+
+# ---- tokenizer files -----------------------------------------------------------------------
+
+def write_tokenizer(args, out: Path) -> tuple[str, dict]:
+    """The run's tokenizer in Hugging Face form, where it has one: (what was written, its
+    bos/eos ids for config.json)."""
+    kind = args.tokenizer_type
+    tokenizer = None
+    if kind == "GPT2BPETokenizer" and args.vocab_file and args.merge_file:
+        tokenizer = _gpt2_bpe(args.vocab_file, args.merge_file)
+    elif kind == "HuggingFaceTokenizer" and args.tokenizer_model:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_model)
+    elif kind in ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer") \
+            and args.tokenizer_model and os.path.isfile(args.tokenizer_model):
+        tokenizer = _sentencepiece(args.tokenizer_model, out)
+    if tokenizer is None:
+        return (f"no tokenizer files ({kind} has no Hugging Face form here)",
+                {"bos_token_id": None, "eos_token_id": None})
+    tokenizer.save_pretrained(str(out))
+    return (f"{kind} as {type(tokenizer).__name__}",
+            {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
+
+
+def _gpt2_bpe(vocab_file: str, merge_file: str):
+    """GPT-2's byte-level BPE from vocab.json and merges.txt (GPT-2's regex pre-split, no
+    prefix space), <|endoftext|> its bos/eos/unk as in GPT-2's own folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    end = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=end, eos_token=end,
+                                   unk_token=end)
+
+
+def _sentencepiece(model_file: str, out: Path):
+    """The sentencepiece model as transformers' LlamaTokenizer (its tokenizer.model beside a
+    config): plain encoding without bos/eos and no extra prefix space, the ids megatron-core's
+    GPTSentencePieceTokenizer / Llama2Tokenizer give (and SentencePieceTokenizer's for text
+    without its BERT specials)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    pieces = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model_file, out / "tokenizer.model")
+    special = {name: pieces.id_to_piece(index) for name, index in
+               (("bos_token", pieces.bos_id()), ("eos_token", pieces.eos_id()),
+                ("unk_token", pieces.unk_id())) if index >= 0}
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+              "add_eos_token": False, "add_prefix_space": False, "legacy": False, **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+def export(load: str, out: str, iteration: int | None = None) -> str:
+    """Write the folder; returns the architecture's Hugging Face class name."""
+    path = checkpoint_path(load, iteration)
+    args, model = load_full_model(path)
+    name = write_folder(args, model, Path(out))
+    print(f"exported {path} as {name} to {out}", flush=True)
+    return name
+
+
+def write_folder(args: argparse.Namespace, model, folder: Path) -> str:
+    """config.json, model.safetensors and the tokenizer files of ``model`` (the GPTModel
+    :func:`load_full_model` built from the saved flags ``args``); the class name."""
+    from safetensors.torch import save_file
+
+    kind = architecture(args)
+    state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    weights = (gpt2_weights if kind == "gpt2" else llama_weights)(args, state)
+    if not args.untie_embeddings_and_output_weights:
+        weights.pop("lm_head.weight")  # tied: transformers makes it from the embedding
+    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    embedding = state["embedding.word_embeddings.weight"]
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer, special_ids = write_tokenizer(args, folder)
+    config = {**hf_config(kind, args, embedding.shape[0], embedding.dtype), **special_ids}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"tokenizer: {tokenizer}", flush=True)
+    return config["architectures"][0]
+
+
+@main_guard
+def main(argv=None) -> None:
+    flags = parse(argv)
+    export(flags.load, flags.out, flags.iteration)
+
+
+if __name__ == "__main__":
+    main()
