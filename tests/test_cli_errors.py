@@ -90,10 +90,6 @@ FLAG_CASES = {
         ["--num-layers", "four"],
         ["--num-layers", "4"],
         1, "--num-layers", ["'four'"]),
-    "fp8-with-two-weight-versions": (
-        ["--pipeline-schedule", "2bw", "--fp8-format", "hybrid"],
-        ["--pipeline-schedule", "flush", "--fp8-format", "hybrid"],
-        1, "--fp8-format", ["--pipeline-schedule 2bw", "first microbatch", "look-ahead"]),
 }
 
 
@@ -107,19 +103,29 @@ def test_flag_error(tiny_gpt_data, case):
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "pipedream", "pipemare"])
-@pytest.mark.parametrize("flag, value", [("--fp8-format", "e4m3"), ("--fp4-format", "e2m1")])
-def test_low_precision_weights_are_refused_where_two_versions_live(schedule, flag, value):
-    """transformer-engine caches a weight's FP8/FP4 copy at a batch's first microbatch; a
-    schedule whose look-ahead forwards read another version than the batch's backwards would
-    overwrite it. The schedules with one version per batch accept the flag (no effect on the
-    CPU)."""
-    from megatron_2bw.arguments import FlagError
+@pytest.mark.parametrize("recipe", ["e4m3", "hybrid"])
+def test_low_precision_weights_are_refused_where_two_versions_live(schedule, recipe):
+    """transformer-engine caches a weight's FP8/FP4 copy at a batch's first microbatch; on
+    CUDA a schedule whose look-ahead forwards read another version than the batch's backwards
+    would overwrite it. The schedules with one version per batch accept the recipe, and on the
+    CPU (no transformer-engine layers, the recipe has no effect) every schedule does."""
+    from megatron_2bw.arguments import low_precision_refusal
 
-    flags = [*TINY, "--global-batch-size", "4", "--mock-data"]
-    with pytest.raises(FlagError, match=f"^{flag}: not with --pipeline-schedule {schedule}: "):
-        parse_args([*flags, "--pipeline-schedule", schedule, flag, value], world_size=1)
+    problem = low_precision_refusal(schedule, recipe, on_cuda=True)
+    assert problem is not None and problem.startswith(f"not with --pipeline-schedule {schedule}:")
+    assert "first microbatch" in problem and "look-ahead" in problem
+    assert low_precision_refusal(schedule, None, on_cuda=True) is None
+    assert low_precision_refusal(schedule, recipe, on_cuda=False) is None
     for accepted in ("flush", "gpipe", "zb-h1", "naive", "megatron"):
-        parse_args([*flags, "--pipeline-schedule", accepted, flag, value], world_size=1)
+        assert low_precision_refusal(accepted, recipe, on_cuda=True) is None
+
+
+@pytest.mark.parametrize("flag, value", [("--fp8-format", "e4m3"), ("--fp4-format", "e2m1")])
+def test_low_precision_recipes_parse_under_2bw_on_the_cpu(flag, value):
+    """On the CPU the validator accepts the recipe under 2bw (Megatron-LM's FP8 Llama example
+    runs there unchanged); the refusal is CUDA's (above)."""
+    parse_args([*TINY, "--global-batch-size", "4", "--mock-data", "--pipeline-schedule", "2bw",
+                flag, value], world_size=1)
 
 
 # flag, bad value, a valid value, the interval the message must state
