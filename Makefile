@@ -43,7 +43,7 @@ convergence: $(VENV)/.installed
 
 # The GPU machine (Python 3.12, CUDA build of torch, no network) has numpy, packaging, psutil,
 # sentencepiece, regex and tensorboard but no megatron-core: its cp312 wheel (~2.6 MB) travels
-# in wheels/ (git-ignored); see README "Checking on a GPU".
+# in wheels/ (git-ignored); see docs/gpu.md.
 GPU_WHEELS  ?= megatron-core==0.16.1
 PIP_BOOT    ?= $(PYTHON_BOOT) -m pip
 

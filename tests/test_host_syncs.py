@@ -4,7 +4,7 @@ On a GPU every ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.cpu()``, `
 ``.numpy()`` and device or event synchronize stalls the launch queue until the device catches
 up. The counter (tests/strict/host_syncs.py) wraps each of them in every process of a real
 2-stage pipeline run (tests/schedule_worker.py: megatron-core GPT, optimizer and DDP on gloo,
-the README's defaults: gradient clipping at 1.0, tied embeddings, 2BW's deferred step, with
+the documented defaults: gradient clipping at 1.0, tied embeddings, 2BW's deferred step, with
 ``--bf16``), for every schedule, and with 2 virtual stages under megatron, flush and 2bw.
 
 Per iteration in the steady state: each run drains after iteration 1 (as before an

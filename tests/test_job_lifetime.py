@@ -15,7 +15,8 @@ run started where the previous one left DIR, the moments drawn from a seeded gen
 References: the losses every run logs equal, iteration by iteration, those of the
 uninterrupted run with the same flags (test_training's, launched once per session); after
 each kill no process of the killed run is left; the checkpoint directory ends holding complete
-checkpoints only; the ranks' exit codes and stop lines as the README states them.
+checkpoints only; the ranks' exit codes and stop lines as docs/checkpoints_and_faults.md
+states them.
 
 Beside the chain, without torchrun: a process bound to its parent before the parent ends gets
 SIGTERM from the kernel, and one bound after sends it to itself (the parent's end is not

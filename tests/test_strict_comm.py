@@ -195,7 +195,7 @@ def test_members_with_different_collectives_are_reported(own_records, tmp_path, 
 
 @pytest.mark.parametrize("depth", [2, 4])
 def test_a_training_run_is_strict_and_its_members_agree(own_records, monkeypatch, depth):
-    """The README's example (2BW, Megatron's defaults: clipping 1.0, tied embeddings, the
+    """The docs' example (2BW, Megatron's defaults: clipping 1.0, tied embeddings, the
     deferred step's async all-reduces) at d = 2 and 4, logging every iteration with timers and
     the parameter norm (world collectives right after the call): every group's first use is a
     barrier of its members, as NCCL's lazy communicator creation is. Before communicators were
