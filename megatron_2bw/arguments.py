@@ -8,7 +8,6 @@ non-zero exit on every rank, before any process group or model exists.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 from typing import Sequence
@@ -16,6 +15,7 @@ from typing import Sequence
 from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
+from megatron_2bw.flag_types import FlagError, int_at_least, number_in
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
            "int_at_least", "number_in"]
@@ -28,14 +28,6 @@ SCHEDULES = schedules.PIPELINE_SCHEDULES
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 """--attention-backend: megatron-core's AttnBackend names."""
 VIRTUAL_STAGE_SCHEDULES = schedules.VIRTUAL_STAGE_SCHEDULES
-
-
-class FlagError(ValueError):
-    """A bad command-line flag; ``str()`` is the one line the user sees."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,44 +43,6 @@ class _Parser(argparse.ArgumentParser):
         if unknown:
             raise FlagError(unknown.group(1), f"unknown flag ({message}); see --help")
         raise FlagError("arguments", message)
-
-
-def int_at_least(low: int):
-    """An argparse type: an integer >= ``low`` (the message names the bound and the value)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def number_in(low: float, high: float = math.inf, low_open: bool = False,
-              high_open: bool = False):
-    """An argparse type: a finite number in the interval from ``low`` to ``high``, each end
-    open or closed as asked (``high=inf``: no upper bound)."""
-    interval = (f"{'(' if low_open else '['}{low:g}, "
-                f"{'inf)' if high == math.inf else f'{high:g}' + (')' if high_open else ']')}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        inside = (math.isfinite(value) and (value > low if low_open else value >= low)
-                  and (value < high if high_open else value <= high))
-        if not inside:
-            raise argparse.ArgumentTypeError(f"expected a finite number in {interval}, "
-                                             f"got {text!r}")
-        return value
-
-    parse.__name__ = f"number in {interval}"
-    return parse
 
 
 _COUNT = int_at_least(1)
@@ -480,7 +434,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without it)."""
     from megatron_2bw.megatron_lm_flags import check_megatron_lm_flags
-    from megatron_2bw.runtime.cpu import select_device
+    from megatron_2bw.runtime.device import device_kind
 
     parser = parser or build_parser()
     args = parser.parse_args(argv)
@@ -488,7 +442,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(args, world_size)
     args.flag_notes = check_megatron_lm_flags(args, getattr(parser, "_megatron_lm_flags", []),
-                                              on_cuda=select_device(args.cpu) == "cuda")
+                                              on_cuda=device_kind(args.cpu) == "cuda")
     return args
 
 
@@ -754,9 +708,9 @@ def _validate_training(args: argparse.Namespace) -> None:
              "--recompute-granularity", "not with --pipeline-schedule pipemare: recomputing at "
              "the backward would redo the forward with the backward's newer weights")
     _validate_pipemare(args)
-    from megatron_2bw.runtime.cpu import select_device
+    from megatron_2bw.runtime.device import device_kind
 
-    _validate_low_precision_weights(args, on_cuda=select_device(args.cpu) == "cuda")
+    _validate_low_precision_weights(args, on_cuda=device_kind(args.cpu) == "cuda")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
     if args.ckpt_keep is not None:
@@ -879,9 +833,9 @@ def _validate_model_features(args: argparse.Namespace) -> None:
     if tp == 1:  # Megatron-LM turns it off (with a warning) rather than change the numerics
         args.sequence_parallel = False
     if args.sequence_parallel:
-        from megatron_2bw.runtime.cpu import select_device
+        from megatron_2bw.runtime.device import device_kind
 
-        _require(select_device(args.cpu) == "cuda", "--sequence-parallel",
+        _require(device_kind(args.cpu) == "cuda", "--sequence-parallel",
                  "needs CUDA: on the CPU megatron-core's layers use torch's LayerNorm/RMSNorm "
                  "(WrappedTorchNorm), which refuses sequence parallelism")
 
@@ -924,9 +878,9 @@ def _validate_ddp(args: argparse.Namespace) -> None:
                  "not supported with distributed checkpointing yet (Megatron-LM's rule; "
                  "--save/--load write and read torch_dist checkpoints)")
     if args.ddp_average_in_collective:
-        from megatron_2bw.runtime.cpu import select_device
+        from megatron_2bw.runtime.device import device_kind
 
-        _require(select_device(args.cpu) == "cuda", "--ddp-average-in-collective",
+        _require(device_kind(args.cpu) == "cuda", "--ddp-average-in-collective",
                  "needs CUDA (NCCL's ReduceOp.AVG; gloo has no AVG reduction)")
     if args.virtual_pipeline_model_parallel_size is None:
         args.align_param_gather = False  # Megatron-LM: only with virtual pipeline stages
