@@ -16,6 +16,8 @@ from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
 from megatron_2bw.flag_types import FlagError, int_at_least, number_in
+from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
+                                                  virtual_stage_problem)
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
            "int_at_least", "number_in"]
@@ -451,6 +453,12 @@ def _require(condition: bool, flag: str, message: str) -> None:
         raise FlagError(flag, message)
 
 
+def _refuse(problem) -> None:
+    """Raise a layout problem (megatron_2bw.schedules.requirements) as a FlagError."""
+    if problem is not None:
+        raise FlagError(problem.flag, problem.message)
+
+
 _REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads",
              "--max-position-embeddings", "--seq-length", "--lr")
 
@@ -502,12 +510,8 @@ def _validate_batch(args: argparse.Namespace) -> None:
     _require(B % (b * dp) == 0, "--global-batch-size",
              f"{B} is not divisible by micro batch ({b}) x data-parallel size ({dp}) = {b * dp}")
     args.num_microbatches = B // (b * dp)
-    m = args.num_microbatches
-    if schedules.keeps_versions(args.pipeline_schedule):
-        _require(m >= pp, "--global-batch-size",
-                 f"{args.pipeline_schedule} needs microbatches per batch m = {B} / ({b} x {dp}) "
-                 f"= {m} >= pipeline depth {pp}; raise --global-batch-size to at least "
-                 f"{b * dp * pp}")
+    _refuse(too_few_microbatches(args.pipeline_schedule, pp,
+                                 Batch("--global-batch-size", B, b, dp)))
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 
@@ -540,37 +544,19 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
         return
     flag = ("--num-virtual-stages-per-pipeline-rank" if per_rank is not None
             else "--num-layers-per-virtual-pipeline-stage")
-    _require(args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES, flag,
-             f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
-             f"(V = {V}); use --pipeline-schedule {' or '.join(VIRTUAL_STAGE_SCHEDULES)}")
-    if args.pipeline_schedule != "megatron":
+    if args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES and args.pipeline_schedule != "megatron":
         _require(not args.overlap_param_gather_with_optimizer_step,
                  "--overlap-param-gather-with-optimizer-step",
                  f"not yet under --pipeline-schedule {args.pipeline_schedule} (megatron-core "
                  f"then gives chunk 0 an optimizer of its own); use --overlap-param-gather "
                  f"alone, whose all-gathers the schedule launches ahead of each chunk")
-    least = 2 if args.overlap_p2p_comm or args.pipeline_schedule != "megatron" else 3
-    _require(pp >= least, "--pipeline-model-parallel-size",
-             f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"
-             f"{'' if args.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, "
-             f"got {pp} (as in Megatron-LM)")
-    _require(layers % (pp * V) == 0, "--num-layers",
-             f"{layers} layers do not split evenly over {pp} pipeline stages x {V} virtual "
-             f"stages = {pp * V} model chunks")
     b, dp = args.micro_batch_size, args.data_parallel_size
-    batches = [("--global-batch-size", args.global_batch_size)]
+    batches = [Batch("--global-batch-size", args.global_batch_size, b, dp)]
     if args.rampup_batch_size is not None:
-        batches += [("--rampup-batch-size", size) for size in args.rampup_batch_size[:2]]
-    look_ahead = schedules.interleaved.warmup_slots(pp, 0, V)
-    for name, size in batches:
-        m = size // (b * dp)
-        _require(m % pp == 0, name,
-                 f"virtual stages run microbatches in groups of the pipeline depth {pp}: "
-                 f"{size} / ({b} x {dp}) = {m} microbatches is not a multiple of {pp}")
-        _require(args.pipeline_schedule != "2bw" or m * V >= look_ahead, name,
-                 f"2bw with {V} virtual stages keeps two weight versions only when the first "
-                 f"stage's {look_ahead} warm-up forwards (2(d-1) + (V-1)d) fit in one batch: "
-                 f"m x V = {m} x {V} < {look_ahead}")
+        batches += [Batch("--rampup-batch-size", size, b, dp)
+                    for size in args.rampup_batch_size[:2]]
+    _refuse(virtual_stage_problem(args.pipeline_schedule, pp, V, layers, batches, flag,
+                                  args.overlap_p2p_comm))
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:
@@ -593,13 +579,9 @@ def _validate_rampup(args: argparse.Namespace) -> None:
         _require(value % (b * dp) == 0, "--rampup-batch-size",
                  f"{name} {value} is not divisible by micro batch ({b}) x data-parallel size "
                  f"({dp}) = {b * dp}")
-    if schedules.keeps_versions(args.pipeline_schedule):
-        m = start // (b * dp)
-        _require(m >= pp, "--rampup-batch-size",
-                 f"{args.pipeline_schedule} needs microbatches per batch m >= pipeline depth "
-                 f"{pp} at every step of "
-                 f"the ramp: START {start} / ({b} x {dp}) = {m}; raise START to at least "
-                 f"{b * dp * pp}")
+    _refuse(too_few_microbatches(args.pipeline_schedule, pp,
+                                 Batch("--rampup-batch-size", start, b, dp, name="START"),
+                                 where=" at every step of the ramp"))
 
 
 def _validate_training_length(args: argparse.Namespace) -> None:
@@ -701,12 +683,8 @@ def _validate_training(args: argparse.Namespace) -> None:
                  f"{args.recompute_num_layers}")
     elif args.recompute_method is not None:
         _require(False, "--recompute-method", "only valid with --recompute-granularity full")
-    _require(args.recompute_granularity is None or args.pipeline_schedule != "zb-h1",
-             "--recompute-granularity", "not with --pipeline-schedule zb-h1: the recomputation's "
-             "nested backward ignores the split into input and weight gradients")
-    _require(args.recompute_granularity is None or args.pipeline_schedule != "pipemare",
-             "--recompute-granularity", "not with --pipeline-schedule pipemare: recomputing at "
-             "the backward would redo the forward with the backward's newer weights")
+    if args.recompute_granularity is not None:
+        _refuse(recompute_problem(args.pipeline_schedule))
     _validate_pipemare(args)
     from megatron_2bw.runtime.device import device_kind
 

@@ -1,6 +1,7 @@
 """The leaf of the argument layer: :class:`FlagError`, what a bad flag raises, and the argparse
-types that check one value (a number in range, a writable folder). Standard library only, so every layer can raise a flag error or
-read a flag's value without importing the parser (megatron_2bw.arguments) or anything above it.
+types that check one value (a number in range, a writable folder). Standard library only, so
+every layer can raise a flag error or check a flag's value without importing the parser
+(megatron_2bw.arguments) or anything above it.
 """
 
 from __future__ import annotations
