@@ -15,11 +15,11 @@ pretrain_bert.py computes them.
 import argparse
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 
 from megatron_2bw import entry
 from megatron_2bw.arguments import build_parser, number_in
+from megatron_2bw.training import specs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,12 +45,12 @@ def _add_bert_args(p: argparse.ArgumentParser) -> None:
 def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int | None = None,
                    *, args, vocab_size: int):
     """megatron-core's BertModel with the layer spec --transformer-impl picks (see
-    ``entry.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM.
+    ``specs.bert_layer_spec``); the binary head brings two token types, as in Megatron-LM.
     BertModel's rotary embedding has a fixed base (10000): another --rotary-base is refused.
     ``vp_stage``: the chunk's virtual pipeline stage (None without virtual stages)."""
     from megatron.core.models.bert.bert_model import BertModel
 
-    from megatron_2bw.arguments import FlagError
+    from megatron_2bw.flag_types import FlagError
 
     if args.position_embedding_type == "rope" and args.rotary_base != 10000:
         raise FlagError("--rotary-base", f"BERT's rotary embedding has base 10000 "
@@ -58,7 +58,7 @@ def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int 
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
-        transformer_layer_spec=entry.bert_layer_spec(args),
+        transformer_layer_spec=specs.bert_layer_spec(args),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -92,18 +92,14 @@ def forward_step(data_iterator, model):
     """Megatron's forward_step_func contract: returns (output, loss function). Every pipeline
     stage reads the microbatch (each needs the padding mask for its attention layers), every
     tensor on the training device."""
+    from megatron.core.utils import unwrap_model
+
     batch = entry.next_batch(data_iterator, every_stage=True)
-    binary_head = _unwrap(model).add_binary_head
+    binary_head = unwrap_model(model).add_binary_head
     types = batch["types"] if binary_head else None
     output = model(batch["text"], batch["padding_mask"], tokentype_ids=types,
                    lm_labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"], batch["is_random"])
-
-
-def _unwrap(model: torch.nn.Module):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def main(argv=None):

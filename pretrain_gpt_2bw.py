@@ -10,12 +10,13 @@ Flags are Megatron-LM's (see ``python pretrain_gpt_2bw.py --help``).
 from functools import partial
 
 from megatron_2bw import entry
+from megatron_2bw.training import specs
 
 
 def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int | None = None,
                    *, args, vocab_size: int):
     """megatron-core's GPTModel with the layer spec --transformer-impl picks (see
-    ``entry.gpt_layer_spec``) and the position-embedding arguments Megatron-LM's
+    ``specs.gpt_layer_spec``) and the position-embedding arguments Megatron-LM's
     gpt_builders.py passes; --rotary-seq-len-interpolation-factor reaches the rotary embedding
     as in Megatron-LM's legacy language model (its core path drops it). ``vp_stage``: the
     chunk's virtual pipeline stage (None without virtual stages), whose layers GPTModel builds."""
@@ -23,7 +24,7 @@ def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int 
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=entry.gpt_layer_spec(args, config),
+        transformer_layer_spec=specs.gpt_layer_spec(args, config),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -55,17 +56,14 @@ def forward_step(data_iterator, model):
     """Megatron's forward_step_func contract: returns (output, loss function); the batch's
     tensors are on the training device. ``model`` is one chunk: with virtual stages its
     ``vp_stage`` says whether it reads tokens or labels (as Megatron-LM's pretrain_gpt.py)."""
-    batch = entry.next_batch(data_iterator, vp_stage=getattr(_unwrap(model), "vp_stage", None))
+    from megatron.core.utils import unwrap_model
+
+    batch = entry.next_batch(data_iterator,
+                             vp_stage=getattr(unwrap_model(model), "vp_stage", None))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
-    per_token = getattr(_unwrap(model).config, "calculate_per_token_loss", False)
+    per_token = getattr(unwrap_model(model).config, "calculate_per_token_loss", False)
     return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def main(argv=None):

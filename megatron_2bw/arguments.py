@@ -8,7 +8,6 @@ non-zero exit on every rank, before any process group or model exists.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 from typing import Sequence
@@ -16,6 +15,9 @@ from typing import Sequence
 from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
+from megatron_2bw.flag_types import FlagError, int_at_least, number_in
+from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
+                                                  virtual_stage_problem)
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
            "int_at_least", "number_in"]
@@ -28,14 +30,6 @@ SCHEDULES = schedules.PIPELINE_SCHEDULES
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 """--attention-backend: megatron-core's AttnBackend names."""
 VIRTUAL_STAGE_SCHEDULES = schedules.VIRTUAL_STAGE_SCHEDULES
-
-
-class FlagError(ValueError):
-    """A bad command-line flag; ``str()`` is the one line the user sees."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,44 +45,6 @@ class _Parser(argparse.ArgumentParser):
         if unknown:
             raise FlagError(unknown.group(1), f"unknown flag ({message}); see --help")
         raise FlagError("arguments", message)
-
-
-def int_at_least(low: int):
-    """An argparse type: an integer >= ``low`` (the message names the bound and the value)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def number_in(low: float, high: float = math.inf, low_open: bool = False,
-              high_open: bool = False):
-    """An argparse type: a finite number in the interval from ``low`` to ``high``, each end
-    open or closed as asked (``high=inf``: no upper bound)."""
-    interval = (f"{'(' if low_open else '['}{low:g}, "
-                f"{'inf)' if high == math.inf else f'{high:g}' + (')' if high_open else ']')}")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        inside = (math.isfinite(value) and (value > low if low_open else value >= low)
-                  and (value < high if high_open else value <= high))
-        if not inside:
-            raise argparse.ArgumentTypeError(f"expected a finite number in {interval}, "
-                                             f"got {text!r}")
-        return value
-
-    parse.__name__ = f"number in {interval}"
-    return parse
 
 
 _COUNT = int_at_least(1)
@@ -480,7 +436,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parse and validate; ``world_size`` defaults to torchrun's WORLD_SIZE (1 without it)."""
     from megatron_2bw.megatron_lm_flags import check_megatron_lm_flags
-    from megatron_2bw.runtime.cpu import select_device
+    from megatron_2bw.runtime.device import device_kind
 
     parser = parser or build_parser()
     args = parser.parse_args(argv)
@@ -488,13 +444,19 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(args, world_size)
     args.flag_notes = check_megatron_lm_flags(args, getattr(parser, "_megatron_lm_flags", []),
-                                              on_cuda=select_device(args.cpu) == "cuda")
+                                              on_cuda=device_kind(args.cpu) == "cuda")
     return args
 
 
 def _require(condition: bool, flag: str, message: str) -> None:
     if not condition:
         raise FlagError(flag, message)
+
+
+def _refuse(problem) -> None:
+    """Raise a layout problem (megatron_2bw.schedules.requirements) as a FlagError."""
+    if problem is not None:
+        raise FlagError(problem.flag, problem.message)
 
 
 _REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads",
@@ -548,12 +510,8 @@ def _validate_batch(args: argparse.Namespace) -> None:
     _require(B % (b * dp) == 0, "--global-batch-size",
              f"{B} is not divisible by micro batch ({b}) x data-parallel size ({dp}) = {b * dp}")
     args.num_microbatches = B // (b * dp)
-    m = args.num_microbatches
-    if schedules.keeps_versions(args.pipeline_schedule):
-        _require(m >= pp, "--global-batch-size",
-                 f"{args.pipeline_schedule} needs microbatches per batch m = {B} / ({b} x {dp}) "
-                 f"= {m} >= pipeline depth {pp}; raise --global-batch-size to at least "
-                 f"{b * dp * pp}")
+    _refuse(too_few_microbatches(args.pipeline_schedule, pp,
+                                 Batch("--global-batch-size", B, b, dp)))
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 
@@ -586,37 +544,19 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
         return
     flag = ("--num-virtual-stages-per-pipeline-rank" if per_rank is not None
             else "--num-layers-per-virtual-pipeline-stage")
-    _require(args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES, flag,
-             f"--pipeline-schedule {args.pipeline_schedule} does not run virtual stages yet "
-             f"(V = {V}); use --pipeline-schedule {' or '.join(VIRTUAL_STAGE_SCHEDULES)}")
-    if args.pipeline_schedule != "megatron":
+    if args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES and args.pipeline_schedule != "megatron":
         _require(not args.overlap_param_gather_with_optimizer_step,
                  "--overlap-param-gather-with-optimizer-step",
                  f"not yet under --pipeline-schedule {args.pipeline_schedule} (megatron-core "
                  f"then gives chunk 0 an optimizer of its own); use --overlap-param-gather "
                  f"alone, whose all-gathers the schedule launches ahead of each chunk")
-    least = 2 if args.overlap_p2p_comm or args.pipeline_schedule != "megatron" else 3
-    _require(pp >= least, "--pipeline-model-parallel-size",
-             f"virtual stages (V = {V}) need more than {least - 1} pipeline stages"
-             f"{'' if args.overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, "
-             f"got {pp} (as in Megatron-LM)")
-    _require(layers % (pp * V) == 0, "--num-layers",
-             f"{layers} layers do not split evenly over {pp} pipeline stages x {V} virtual "
-             f"stages = {pp * V} model chunks")
     b, dp = args.micro_batch_size, args.data_parallel_size
-    batches = [("--global-batch-size", args.global_batch_size)]
+    batches = [Batch("--global-batch-size", args.global_batch_size, b, dp)]
     if args.rampup_batch_size is not None:
-        batches += [("--rampup-batch-size", size) for size in args.rampup_batch_size[:2]]
-    look_ahead = schedules.interleaved.warmup_slots(pp, 0, V)
-    for name, size in batches:
-        m = size // (b * dp)
-        _require(m % pp == 0, name,
-                 f"virtual stages run microbatches in groups of the pipeline depth {pp}: "
-                 f"{size} / ({b} x {dp}) = {m} microbatches is not a multiple of {pp}")
-        _require(args.pipeline_schedule != "2bw" or m * V >= look_ahead, name,
-                 f"2bw with {V} virtual stages keeps two weight versions only when the first "
-                 f"stage's {look_ahead} warm-up forwards (2(d-1) + (V-1)d) fit in one batch: "
-                 f"m x V = {m} x {V} < {look_ahead}")
+        batches += [Batch("--rampup-batch-size", size, b, dp)
+                    for size in args.rampup_batch_size[:2]]
+    _refuse(virtual_stage_problem(args.pipeline_schedule, pp, V, layers, batches, flag,
+                                  args.overlap_p2p_comm))
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:
@@ -639,13 +579,9 @@ def _validate_rampup(args: argparse.Namespace) -> None:
         _require(value % (b * dp) == 0, "--rampup-batch-size",
                  f"{name} {value} is not divisible by micro batch ({b}) x data-parallel size "
                  f"({dp}) = {b * dp}")
-    if schedules.keeps_versions(args.pipeline_schedule):
-        m = start // (b * dp)
-        _require(m >= pp, "--rampup-batch-size",
-                 f"{args.pipeline_schedule} needs microbatches per batch m >= pipeline depth "
-                 f"{pp} at every step of "
-                 f"the ramp: START {start} / ({b} x {dp}) = {m}; raise START to at least "
-                 f"{b * dp * pp}")
+    _refuse(too_few_microbatches(args.pipeline_schedule, pp,
+                                 Batch("--rampup-batch-size", start, b, dp, name="START"),
+                                 where=" at every step of the ramp"))
 
 
 def _validate_training_length(args: argparse.Namespace) -> None:
@@ -747,16 +683,12 @@ def _validate_training(args: argparse.Namespace) -> None:
                  f"{args.recompute_num_layers}")
     elif args.recompute_method is not None:
         _require(False, "--recompute-method", "only valid with --recompute-granularity full")
-    _require(args.recompute_granularity is None or args.pipeline_schedule != "zb-h1",
-             "--recompute-granularity", "not with --pipeline-schedule zb-h1: the recomputation's "
-             "nested backward ignores the split into input and weight gradients")
-    _require(args.recompute_granularity is None or args.pipeline_schedule != "pipemare",
-             "--recompute-granularity", "not with --pipeline-schedule pipemare: recomputing at "
-             "the backward would redo the forward with the backward's newer weights")
+    if args.recompute_granularity is not None:
+        _refuse(recompute_problem(args.pipeline_schedule))
     _validate_pipemare(args)
-    from megatron_2bw.runtime.cpu import select_device
+    from megatron_2bw.runtime.device import device_kind
 
-    _validate_low_precision_weights(args, on_cuda=select_device(args.cpu) == "cuda")
+    _validate_low_precision_weights(args, on_cuda=device_kind(args.cpu) == "cuda")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
     if args.ckpt_keep is not None:
@@ -879,9 +811,9 @@ def _validate_model_features(args: argparse.Namespace) -> None:
     if tp == 1:  # Megatron-LM turns it off (with a warning) rather than change the numerics
         args.sequence_parallel = False
     if args.sequence_parallel:
-        from megatron_2bw.runtime.cpu import select_device
+        from megatron_2bw.runtime.device import device_kind
 
-        _require(select_device(args.cpu) == "cuda", "--sequence-parallel",
+        _require(device_kind(args.cpu) == "cuda", "--sequence-parallel",
                  "needs CUDA: on the CPU megatron-core's layers use torch's LayerNorm/RMSNorm "
                  "(WrappedTorchNorm), which refuses sequence parallelism")
 
@@ -924,9 +856,9 @@ def _validate_ddp(args: argparse.Namespace) -> None:
                  "not supported with distributed checkpointing yet (Megatron-LM's rule; "
                  "--save/--load write and read torch_dist checkpoints)")
     if args.ddp_average_in_collective:
-        from megatron_2bw.runtime.cpu import select_device
+        from megatron_2bw.runtime.device import device_kind
 
-        _require(select_device(args.cpu) == "cuda", "--ddp-average-in-collective",
+        _require(device_kind(args.cpu) == "cuda", "--ddp-average-in-collective",
                  "needs CUDA (NCCL's ReduceOp.AVG; gloo has no AVG reduction)")
     if args.virtual_pipeline_model_parallel_size is None:
         args.align_param_gather = False  # Megatron-LM: only with virtual pipeline stages

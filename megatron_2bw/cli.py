@@ -26,12 +26,13 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
-from megatron_2bw.arguments import FlagError, _Parser, int_at_least, number_in, parse_args
+from megatron_2bw.arguments import _Parser, parse_args
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.flag_types import (FlagError, _writable_folder, int_at_least, number_in,
+                                     require_writable_dir, writable_dir)
 
 __all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser", "check_training_flags",
            "comma_list", "existing_dir", "existing_file", "fraction", "main_guard",
@@ -142,47 +143,6 @@ def existing_dir(text: str) -> str:
         what = "is a file, not a folder" if os.path.exists(text) else "no such folder"
         raise argparse.ArgumentTypeError(f"{what}: {text!r}")
     return text
-
-
-def _probe(folder: Path, shown: str) -> None:
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise argparse.ArgumentTypeError(
-            f"cannot write into {str(folder)!r} ({err.strerror or err}) for {shown!r}") from None
-
-
-def _writable_folder(folder: Path, shown: str) -> None:
-    """``folder`` exists and takes a temporary file, or does not exist yet and its nearest
-    existing ancestor is such a folder (the tool creates it); ``shown`` is the value the
-    user gave. Nothing is left behind by the check."""
-    ancestor = folder.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise argparse.ArgumentTypeError(f"{str(ancestor)!r} is a file, not a folder, so "
-                                         f"{shown!r} cannot be written")
-    _probe(ancestor, shown)
-
-
-def writable_dir(text: str) -> Path:
-    """A folder the tool can write into (see :func:`_writable_folder`), not a file."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a folder, got the file {text!r}")
-    _writable_folder(path, text)
-    return path
-
-
-def require_writable_dir(flag: str, value: str) -> None:
-    """A training run's output folder (``--save``, ``--tensorboard-dir``, ...) is checked as
-    :func:`writable_dir` checks a tool's, before anything starts; raises FlagError naming
-    ``flag``."""
-    try:
-        writable_dir(value)
-    except argparse.ArgumentTypeError as error:
-        raise FlagError(flag, str(error)) from None
 
 
 def output_prefix(text: str) -> str:

@@ -11,13 +11,14 @@ import sys
 import warnings
 from typing import Callable, Sequence
 
-from megatron_2bw.arguments import FlagError, parse_args
+from megatron_2bw.arguments import parse_args
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.flag_types import FlagError
+from megatron_2bw.runtime.distributed import is_rank_zero
 from megatron_2bw.runtime.versions import VersionError
 from megatron_2bw.training.checkpointing import CheckpointError
 
-__all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_layer_spec", "gpt_data",
-           "bert_layer_spec", "bert_data", "use_transformer_engine"]
+__all__ = ["setup", "run", "fail", "padded_vocab", "next_batch", "gpt_data", "bert_data"]
 
 _USER_ERRORS = (FlagError, DataError, VersionError, CheckpointError)
 
@@ -40,7 +41,7 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     is chosen next (``torch.cuda.set_device`` on CUDA; on the CPU the runtime, which must precede
     the import of megatron-core's model modules: it switches off their torch.compile
     decorators), before anything can create a CUDA tensor."""
-    from megatron_2bw.runtime import distributed, lifetime, versions
+    from megatron_2bw.runtime import device, lifetime, versions
     from megatron_2bw.training import checkpointing
 
     lifetime.remember_launcher()  # before anything can take long: the launcher may die meanwhile
@@ -48,13 +49,13 @@ def setup(model_type: str, argv: Sequence[str] | None = None,
     try:
         args = parse_args(argv, parser=parser)
         args.model_type = model_type
-        if _is_rank_zero():
+        if is_rank_zero():
             for note in args.flag_notes:  # Megatron-LM flags without effect here
                 print(note, flush=True)
         _check_model_type_flags(args)
         _check_output_paths(args)
         checkpointing.check_paths(args)
-        distributed.select_device(args.cpu)
+        device.select_device(args.cpu)
         versions.check()
         if args.mock_data:
             return args, None
@@ -78,7 +79,7 @@ def _check_model_type_flags(args: argparse.Namespace) -> None:
 def _check_output_paths(args: argparse.Namespace) -> None:
     """Up front, on every rank: the folders a run writes besides --save (TensorBoard events,
     megatron-core's dataset index cache) can be written, and --load is not a file."""
-    from megatron_2bw.cli import require_writable_dir
+    from megatron_2bw.flag_types import require_writable_dir
 
     for flag in ("--tensorboard-dir", "--data-cache-path"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -189,97 +190,14 @@ def next_batch(data_iterator, every_stage: bool = False, vp_stage: int | None = 
     the model chunk's (``vp_stage``): first and last of the whole virtual pipeline."""
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime import device
 
     ignore_virtual = vp_stage is None
     first = ps.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     last = ps.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     if not (every_stage or first or last):
         return {"tokens": None, "position_ids": None, "labels": None, "loss_mask": None}
-    return distributed.to_device(next(data_iterator), distributed.training_device())
-
-
-_reported_layer_spec = False
-
-
-def use_transformer_engine(transformer_impl: str, have_te: bool, on_cuda: bool) -> tuple[bool, str]:
-    """Whether to build transformer-engine's layer specs, and why (pure): only when
-    ``--transformer-impl transformer_engine`` asks, transformer_engine imports, and the process
-    trains on CUDA."""
-    if transformer_impl != "transformer_engine":
-        return False, f"--transformer-impl {transformer_impl}"
-    if not on_cuda:
-        return False, "this process runs on the CPU; transformer_engine needs CUDA"
-    if not have_te:
-        return False, "transformer_engine is not importable"
-    return True, "--transformer-impl transformer_engine"
-
-
-def _on_cuda(args: argparse.Namespace) -> bool:
-    """What the process trains on: the device chosen at start-up, or (for callers that build
-    blocks without it, the planner's profiler) what the choice would be."""
-    from megatron_2bw.runtime import cpu, distributed
-
-    choice = distributed.device_choice()
-    if choice is not None:
-        return choice.kind == "cuda"
-    return cpu.select_device(args.cpu) == "cuda"
-
-
-def _choose_layer_spec(args: argparse.Namespace, have_te: bool) -> bool:
-    """:func:`use_transformer_engine` for these flags; says on rank 0, once per process, when
-    transformer_engine was asked for but the local spec is used."""
-    global _reported_layer_spec
-    impl = getattr(args, "transformer_impl", "local")
-    use_te, why = use_transformer_engine(impl, have_te, _on_cuda(args))
-    if impl == "transformer_engine" and not use_te and not _reported_layer_spec:
-        _reported_layer_spec = True
-        if _is_rank_zero():
-            print(f" --transformer-impl transformer_engine: using the local layer spec ({why})",
-                  flush=True)
-    return use_te
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
-def gpt_layer_spec(args: argparse.Namespace, config=None):
-    """transformer-engine's layer spec when :func:`use_transformer_engine` says so, the local
-    spec otherwise, with the arguments Megatron-LM's gpt_builders.py passes them
-    (``_get_transformer_layer_spec``: qk_layernorm to both, normalization to the local one; TE's
-    norms read ``config.normalization``). No experts, no multi-latent attention."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    use_te = _choose_layer_spec(args, gpt_layer_specs.HAVE_TE)
-    _check_sequence_parallel_norm(args, use_te, gpt_layer_specs.HAVE_APEX)
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=args.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm,
-                                                    normalization=args.normalization)
-    if config is not None and config.layernorm_zero_centered_gamma \
-            and not gpt_layer_specs.HAVE_APEX:  # apex's FusedLayerNorm has it
-        from megatron_2bw.training.norms import with_zero_centered_norms
-
-        return with_zero_centered_norms(spec, config)
-    return spec
-
-
-def _check_sequence_parallel_norm(args: argparse.Namespace, use_te: bool,
-                                  have_apex: bool) -> None:
-    """Sequence parallelism needs a norm that supports it: transformer-engine's, or apex's
-    FusedLayerNorm (LayerNorm only); the local spec's torch norms (WrappedTorchNorm) assert."""
-    if not args.sequence_parallel or use_te:
-        return
-    if not have_apex or args.normalization != "LayerNorm":
-        raise FlagError("--sequence-parallel", "needs transformer_engine's layers, or apex with "
-                        "--normalization LayerNorm: the local spec's torch "
-                        f"{args.normalization} refuses sequence parallelism")
+    return device.to_device(next(data_iterator), device.training_device())
 
 
 def _sample_counts(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -351,31 +269,6 @@ def gpt_data(args: argparse.Namespace, state, tokenizer):
             mmap_bin_files=args.mmap_bin_files,
             create_attention_mask=args.create_attention_mask_in_dataloader)
     return _iterators(args, state, _vocabulary(args, tokenizer), train, valid, test)
-
-
-def bert_layer_spec(args: argparse.Namespace):
-    """transformer-engine's BERT layer spec when :func:`use_transformer_engine` says so, the
-    local spec otherwise (Megatron-LM's pretrain_bert.py uses both as they are: fixed specs
-    without a query/key norm, so --qk-layernorm is refused; the norms follow
-    ``config.normalization``)."""
-    from megatron.core.models.bert import bert_layer_specs
-
-    if args.qk_layernorm:
-        raise FlagError("--qk-layernorm", "megatron-core's BERT layer specs have no query/key "
-                        "norm (GPT only)")
-    use_te = _choose_layer_spec(args, bert_layer_specs.HAVE_TE)
-    _check_sequence_parallel_norm(args, use_te, bert_layer_specs.HAVE_APEX)
-    if use_te:
-        return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
-    if args.layernorm_zero_centered_gamma and not bert_layer_specs.HAVE_APEX:
-        raise FlagError("--apply-layernorm-1p", "needs transformer_engine's or apex's norms for "
-                        "BERT: its LM head builds megatron-core's torch LayerNorm, which "
-                        "refuses zero_centered_gamma")
-    if bert_layer_specs.HAVE_APEX and args.normalization != "LayerNorm":
-        raise FlagError("--normalization", f"{args.normalization} needs transformer_engine's "
-                        "layers for BERT: the local BERT spec's apex FusedLayerNorm is "
-                        "LayerNorm only")
-    return bert_layer_specs.bert_layer_local_spec
 
 
 def bert_data(args: argparse.Namespace, state, tokenizer):

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_2bw.flag_types import FlagError
+
 __all__ = ["STATUSES", "REFERENCE_FILE", "Category", "reference", "add_megatron_lm_flags",
            "check_megatron_lm_flags", "cuda_config_fields", "category_of", "status_rows"]
 
@@ -321,8 +323,6 @@ def check_megatron_lm_flags(args: argparse.Namespace, registered: list[dict],
     (one line per cpu-noop/noop flag given) for rank 0 to print. On CUDA, a given cpu-noop flag
     that maps to a TransformerConfig field is recorded in ``args.megatron_lm_config_fields``
     (read by :func:`cuda_config_fields`), and refused otherwise."""
-    from megatron_2bw.arguments import FlagError
-
     notes, fields = [], {}
     given = vars(args).pop(_GIVEN, {})
     for entry in _one_per_dest(registered, given):
@@ -338,7 +338,7 @@ def check_megatron_lm_flags(args: argparse.Namespace, registered: list[dict],
         elif not on_cuda:
             notes.append(f"note: {flag} has no effect on CPU ({category.reason}); ignored")
         else:
-            fields.update(_on_cuda(flag, entry, category, value, FlagError))
+            fields.update(_on_cuda(flag, entry, category, value))
     args.megatron_lm_config_fields = fields
     return notes
 
@@ -352,7 +352,7 @@ def _one_per_dest(registered: list[dict], given: dict) -> list[dict]:
     return list(chosen.values())
 
 
-def _on_cuda(flag: str, entry: dict, category: Category, value, FlagError) -> dict:
+def _on_cuda(flag: str, entry: dict, category: Category, value) -> dict:
     field = _config_field(entry)
     if category.cuda is None or field is None:
         raise FlagError(flag, f"{category.reason}: megatron-2bw does not implement it on CUDA")
@@ -376,14 +376,10 @@ class Row:
     note: str
 
 
-def status_rows(parsers: list[argparse.ArgumentParser] | None = None) -> list[Row]:
-    """One row per option string of Megatron-LM's parser: works when one of ``parsers`` (GPT's
-    and BERT's by default) defines it, else the registry's status."""
-    if parsers is None:
-        import pretrain_bert_2bw  # noqa: F401  (the repository root is on sys.path)
-        from megatron_2bw.arguments import build_parser
-
-        parsers = [build_parser(), pretrain_bert_2bw.parser()]
+def status_rows(parsers: list[argparse.ArgumentParser]) -> list[Row]:
+    """One row per option string of Megatron-LM's parser: works when one of ``parsers`` (the
+    entry scripts' parsers: GPT's ``arguments.build_parser()`` and pretrain_bert_2bw.py's)
+    defines it, else the registry's status."""
     ours = set()
     for parser in parsers:
         registered = {id(e) for e in _registered(parser)}

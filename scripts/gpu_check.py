@@ -434,11 +434,12 @@ def _built(ctx: Context, flags: list[str]):
     from megatron_2bw.arguments import parse_args
     from megatron_2bw.entry import padded_vocab
     from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import select_device
     from megatron_2bw.training import build
 
     _single_rank_env()
     args = parse_args([*ctx.device_flags, *COMMON, "--train-iters", "10", *flags], world_size=1)
-    distributed.select_device(args.cpu)
+    select_device(args.cpu)
     info = distributed.initialize(1, 1, args.seed, force_cpu=args.cpu, timeout_minutes=2)
     config = build.transformer_config(args, info.device)
     vocab = padded_vocab(args, None)
@@ -472,13 +473,14 @@ def _versions_harness(ctx: Context, extra: list[str]) -> dict:
     import torch
 
     from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import training_device
     from megatron_2bw.weights import WeightVersions
 
     args, info, _, model, optimizer, _, vocab = _built(ctx, [*ctx.sizes.harness, "--bf16",
                                                              *extra])
     chunk = model[0]
     params = list(chunk.parameters())
-    device = distributed.training_device()
+    device = training_device()
     batch, other = _batch(args, vocab, 1, device), _batch(args, vocab, 2, device)
 
     def grads():
@@ -517,6 +519,7 @@ def _deferred_harness(ctx: Context, defer: bool) -> dict:
     from megatron.core import pipeline_parallel
     from megatron_2bw.deferred import why_not_deferred
     from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import training_device
     from megatron_2bw.schedules import executor
 
     _reset_peak_memory()
@@ -524,7 +527,7 @@ def _deferred_harness(ctx: Context, defer: bool) -> dict:
     args, _, _, model, optimizer, scheduler, vocab = _built(
         ctx, [*ctx.sizes.harness[:-1], str(m * int(ctx.sizes.harness[-1])),
               "--pipeline-schedule", "2bw"])
-    device = distributed.training_device()
+    device = training_device()
     initial = [p.detach().float().cpu().clone() for p in model[0].parameters()]
     executor.reset_runners()
     megatron_2bw.install("2bw")
@@ -596,10 +599,10 @@ def _init_single_rank(ctx: Context) -> None:
 
     import torch.distributed as dist
 
-    from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import select_device
 
     _single_rank_env()
-    distributed.select_device(ctx.cpu)  # cuda:0, or the CPU runtime (megatron's timers)
+    select_device(ctx.cpu)  # cuda:0, or the CPU runtime (megatron's timers)
     dist.init_process_group("gloo" if ctx.cpu else "nccl", rank=0, world_size=1,
                             timeout=datetime.timedelta(minutes=2))
 
@@ -731,9 +734,9 @@ def _preimport(cpu: bool) -> None:
     each part imports them itself: a parent that touched CUDA could not fork."""
     if not cpu:
         return
-    from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import select_device
 
-    distributed.select_device(True)  # the CPU runtime first (it precedes megatron's models)
+    select_device(True)  # the CPU runtime first (it precedes megatron's models)
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
 

@@ -50,9 +50,11 @@ def _fake_cuda(monkeypatch, available: bool, count: int) -> None:
     (False, 0, False, "cpu"),
     (False, 0, True, "cpu"),
 ])
-def test_select_device(monkeypatch, available, count, force, expected):
+def test_device_kind(monkeypatch, available, count, force, expected):
     _fake_cuda(monkeypatch, available, count)
-    assert cpu.select_device(force_cpu=force) == expected
+    from megatron_2bw.runtime.device import device_kind
+
+    assert device_kind(force_cpu=force) == expected
 
 
 def test_install_refuses_when_cuda_is_usable(monkeypatch):

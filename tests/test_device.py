@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from megatron_2bw import entry
-from megatron_2bw.runtime import cpu, distributed
+from megatron_2bw.runtime import cpu, device, distributed
+from megatron_2bw.training import specs
 from tests import dist as launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -36,7 +37,7 @@ def clean_runtime(monkeypatch):
     process is as it was (an earlier in-process test may have installed the runtime)."""
     was_installed = cpu.is_installed()
     cpu.uninstall()
-    monkeypatch.setattr(distributed, "_choice", None)
+    monkeypatch.setattr(device, "_choice", None)
     monkeypatch.setenv("LOCAL_RANK", "0")
     yield
     cpu.uninstall()
@@ -65,20 +66,20 @@ def _cuda_looking_host(monkeypatch) -> list:
     (True, False, 0, "cpu", None, "gloo"),
 ])
 def test_choose_device(force_cpu, cuda_usable, local_rank, kind, index, backend):
-    choice = distributed.choose_device(force_cpu, cuda_usable, local_rank)
+    choice = device.choose_device(force_cpu, cuda_usable, local_rank)
     assert (choice.kind, choice.index, choice.backend) == (kind, index, backend)
 
 
 @pytest.mark.parametrize("force_cpu, cuda_usable, kind", [
     (False, True, "cuda"), (True, True, "cpu"), (False, False, "cpu")])
-def test_cpu_select_device_is_the_same_decision(monkeypatch, force_cpu, cuda_usable, kind):
+def test_device_kind_is_the_same_decision(monkeypatch, force_cpu, cuda_usable, kind):
     monkeypatch.setattr(cpu, "cuda_usable", lambda: cuda_usable)
-    assert cpu.select_device(force_cpu) == kind
+    assert device.device_kind(force_cpu) == kind
 
 
 def test_training_device_before_initialize_is_an_error(clean_runtime):
     with pytest.raises(RuntimeError, match="before .*initialize"):
-        distributed.training_device()
+        device.training_device()
 
 
 def test_cpu_flag_on_a_cuda_host_selects_the_cpu_runtime(clean_runtime, monkeypatch):
@@ -86,8 +87,8 @@ def test_cpu_flag_on_a_cuda_host_selects_the_cpu_runtime(clean_runtime, monkeypa
     args, tokenizer = entry.setup("gpt", [*TINY, "--cpu"])
     assert args.cpu and tokenizer is None
     assert cpu.is_installed()
-    assert distributed.device_choice().kind == "cpu"
-    assert distributed.training_device() == torch.device("cpu")
+    assert device.device_choice().kind == "cpu"
+    assert device.training_device() == torch.device("cpu")
     assert calls == []  # no set_device: nothing touched a CUDA device
 
 
@@ -110,7 +111,7 @@ def test_cuda_host_sets_the_device_before_the_process_group(clean_runtime, monke
                      ("init_process_group", "nccl", datetime.timedelta(seconds=30),
                       torch.device("cuda", 1))]  # bound device: NCCL groups connect eagerly
     assert not cpu.is_installed()
-    assert distributed.training_device() == torch.device("cuda", 1)
+    assert device.training_device() == torch.device("cuda", 1)
 
 
 def test_cpu_runtime_on_cuda_is_refused(clean_runtime, monkeypatch):
@@ -118,7 +119,7 @@ def test_cpu_runtime_on_cuda_is_refused(clean_runtime, monkeypatch):
     cpu.install(force=True)
     with pytest.raises(RuntimeError, match="CPU runtime is active in a process that trains "
                                            "on CUDA"):
-        distributed.select_device(force_cpu=False)
+        device.select_device(force_cpu=False)
     assert calls == []
 
 
@@ -150,7 +151,7 @@ def test_per_token_loss_count_is_on_the_stage_device(monkeypatch):
 def test_to_device_on_cpu_moves_and_pins_nothing():
     batch = {"tokens": torch.arange(6).view(2, 3), "labels": torch.ones(2, 3, dtype=torch.long),
              "attention_mask": torch.ones(2, 1, 3, 3, dtype=torch.bool), "extra": None}
-    moved = distributed.to_device(batch, torch.device("cpu"))
+    moved = device.to_device(batch, torch.device("cpu"))
     assert moved is batch
     assert all(not t.is_pinned() for t in moved.values() if t is not None)
 
@@ -164,7 +165,7 @@ def test_to_device_on_cpu_moves_and_pins_nothing():
     ("local", True, True, False, "--transformer-impl local"),
 ])
 def test_use_transformer_engine(impl, have_te, on_cuda, expected, why):
-    use, reason = entry.use_transformer_engine(impl, have_te, on_cuda)
+    use, reason = specs.use_transformer_engine(impl, have_te, on_cuda)
     assert use is expected and why in reason
 
 
@@ -173,10 +174,10 @@ def test_transformer_engine_on_cpu_falls_back_with_one_line(clean_runtime, monke
 
     args, _ = entry.setup("gpt", [*TINY, "--cpu"])
     assert args.transformer_impl == "transformer_engine"  # Megatron-LM's default
-    monkeypatch.setattr(entry, "_reported_layer_spec", False)
+    monkeypatch.setattr(specs, "_reported_layer_spec", False)
     capsys.readouterr()
     for _ in range(2):
-        spec = entry.gpt_layer_spec(args)
+        spec = specs.gpt_layer_spec(args)
     local = gpt_layer_specs.get_gpt_layer_local_spec()
     assert spec.submodules.mlp.submodules.linear_fc1 is local.submodules.mlp.submodules.linear_fc1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]

@@ -182,7 +182,7 @@ def test_a_stream_timer_on_events_adds_device_time(monkeypatch):
 def test_executor_timelines_mark_events_on_cuda_and_resolve_after_the_call(monkeypatch):
     """The executor's timeline clock is chosen from the training device, anchored; marks are
     taken around each action and become records (perf_counter seconds) when the call ends."""
-    from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime import device
     from megatron_2bw.schedules import executor
 
     made = []
@@ -191,7 +191,7 @@ def test_executor_timelines_mark_events_on_cuda_and_resolve_after_the_call(monke
         made.append((device, anchored))
         return EventClock(FakeEvent, anchored=anchored)
 
-    monkeypatch.setattr(distributed, "training_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(device, "training_device", lambda: torch.device("cuda", 0))
     monkeypatch.setattr(executor, "clock_for", clock)
     monkeypatch.setattr(time, "perf_counter", lambda: 7.0)
     FakeEvent.device_ms, FakeEvent.log = 0.0, []

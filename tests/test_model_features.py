@@ -143,10 +143,10 @@ def _zero_centered_against_torch_norms() -> dict:
 
 
 def _bert_spec_error(args) -> str:
-    from megatron_2bw import entry
+    from megatron_2bw.training import specs
 
     try:
-        entry.bert_layer_spec(args)
+        specs.bert_layer_spec(args)
     except FlagError as error:
         return str(error)
     return "no error"

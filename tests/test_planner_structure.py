@@ -1,16 +1,18 @@
 """The planner is a line, not a circle: model -> cost -> search -> flags depend one way, and the
 modules that produce measured numbers sit beside the line, importing it, never imported by it.
 
-Read from the source with `ast` (every import statement at any depth: module level, inside
-functions, under TYPE_CHECKING), so a lazy import that closes a circle fails here too. Pure
-Python, milliseconds.
+Read from the source with `ast` by tests/imports.py (every import statement at any depth: module
+level, inside functions, under TYPE_CHECKING), so a lazy import that closes a circle fails here
+too; tests/test_import_layers.py holds the whole package to the same rule. Pure Python,
+milliseconds.
 """
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
+
+from tests.imports import imports
 
 PACKAGE = "megatron_2bw.planner"
 PLANNER = Path(__file__).resolve().parents[1] / "megatron_2bw" / "planner"
@@ -24,27 +26,11 @@ BESIDE = {"measure", "links", "e2e", "accuracy"}
 """Profiling: measures layers, links and whole runs and compares them with the cost model."""
 
 
-def _resolve(node: ast.ImportFrom) -> str:
-    """The absolute module of `from X import ...` inside megatron_2bw/planner/."""
-    if not node.level:
-        return node.module or ""
-    base = PACKAGE.rsplit(".", node.level - 1)[0] if node.level > 1 else PACKAGE
-    return f"{base}.{node.module}" if node.module else base
-
-
 def _imports(path: Path) -> set[str]:
-    """Every module the file imports, as dotted names: `from megatron_2bw.planner import x`
-    and `from . import x` name the submodule `x` when there is one, else the package."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            module = _resolve(node)
-            subs = {f"{module}.{a.name}" for a in node.names
-                    if module == PACKAGE and (PLANNER / f"{a.name}.py").is_file()}
-            names |= subs or {module}
-    return names
+    """Every module the file imports, as dotted names (tests/imports.py): `from
+    megatron_2bw.planner import x` and `from . import x` name the submodule `x` when there is
+    one, else the package."""
+    return imports(path, PLANNER.parent)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -112,10 +98,13 @@ def test_profile_data_types_import_only_the_standard_library():
 def test_the_import_reader_sees_lazy_and_relative_imports(tmp_path):
     # The checks above are only as good as `_imports`: a function-level relative import and a
     # TYPE_CHECKING one are both seen.
-    source = tmp_path / "m.py"
+    planner = tmp_path / "megatron_2bw" / "planner"
+    planner.mkdir(parents=True)
+    (planner / "flags.py").write_text("")
+    source = planner / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    from .search import Plan\n"
                       "def f():\n    import torch\n    from . import flags\n"
                       "    from ..logparse import parse_log\n")
-    assert _imports(source) >= {f"{PACKAGE}.search", f"{PACKAGE}.flags", "torch",
+    assert imports(source, planner.parent) >= {f"{PACKAGE}.search", f"{PACKAGE}.flags", "torch",
                                 "megatron_2bw.logparse"}

@@ -132,8 +132,9 @@ def load_full_model(path: str):
     """(saved flags, megatron-core GPTModel at TP = PP = 1 holding the checkpoint's "model"
     weights). Starts a one-process gloo group on the CPU."""
     from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.device import select_device
 
-    distributed.select_device(force_cpu=True)  # the CPU runtime precedes megatron-core's models
+    select_device(force_cpu=True)  # the CPU runtime precedes megatron-core's models
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(path)

@@ -136,9 +136,17 @@ def _default_text(entry: dict) -> str:
     return json.dumps(default)
 
 
+def our_parsers() -> list[argparse.ArgumentParser]:
+    """The entry scripts' parsers: GPT's (``arguments.build_parser()``) and BERT's."""
+    import pretrain_bert_2bw
+    from megatron_2bw.arguments import build_parser
+
+    return [build_parser(), pretrain_bert_2bw.parser()]
+
+
 def table() -> str:
     """docs/megatron_lm_flags.md, from the reference list, our parsers and the registry."""
-    rows = registry.status_rows()
+    rows = registry.status_rows(our_parsers())
     counts = {status: 0 for status in registry.STATUSES}
     for row in rows:
         counts[row.status] += 1

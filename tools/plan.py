@@ -541,9 +541,9 @@ def run_profile(argv) -> int:
                                              f"processes, more than --nproc {args.nproc}")
         profile = _load(Profile, args.profile, "--profile") if args.profile else None
         return _run_end_to_end(args, model, layouts, profile)
-    from megatron_2bw.runtime.cpu import cuda_usable
+    from megatron_2bw.runtime.device import device_kind
 
-    on_cpu = args.cpu or not cuda_usable()
+    on_cpu = device_kind(args.cpu) == "cpu"
     precision = args.precision or ("fp32" if on_cpu else "bf16")
     started = time.perf_counter()
     profile = measure.measure(
@@ -569,9 +569,9 @@ def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,
                     profile: Profile | None) -> int:
     """Train `layouts` (default: the planner's best --candidates) and record them; inputs are
     validated before anything runs."""
-    from megatron_2bw.runtime.cpu import cuda_usable
+    from megatron_2bw.runtime.device import device_kind
 
-    on_cpu = args.cpu or not cuda_usable()
+    on_cpu = device_kind(args.cpu) == "cpu"
     precision = args.precision or ("fp32" if on_cpu else "bf16")
     if layouts is None:
         cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(

@@ -23,10 +23,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_2bw.schedules import PIPELINE_SCHEDULES, VIRTUAL_STAGE_SCHEDULES
+from megatron_2bw.schedules import PIPELINE_SCHEDULES
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import keeps_versions
 from megatron_2bw.schedules.interleaved import warmup_slots
+from megatron_2bw.schedules.requirements import (RECOMPUTE_REFUSED, Batch, recompute_problem,
+                                                  too_few_microbatches, virtual_stage_problem)
 
 from .cluster import Cluster
 from .model import ModelSpec
@@ -69,7 +71,7 @@ SCHEDULE_NOTES = {
 ALL_SCHEDULES = PIPELINE_SCHEDULES
 """Every `--pipeline-schedule` the training accepts."""
 
-NO_RECOMPUTE = ("zb-h1", "pipemare")
+NO_RECOMPUTE = tuple(RECOMPUTE_REFUSED)
 """Schedules the training runs without recomputation (megatron_2bw.arguments refuses
 --recompute-granularity with them: zb-h1's W and pipemare's newer backward weights would replay
 the forward differently)."""
@@ -126,35 +128,23 @@ class Layout:
                 + (" sel" if self.selective else ""))
 
     def problem(self, num_layers: int) -> str | None:
-        """Why the training refuses this layout (None: it runs it), as megatron_2bw.arguments
-        validates: schedules with several weight versions need m >= d; those in NO_RECOMPUTE
-        run without recomputation; V > 1 needs an interleaving schedule (VIRTUAL_STAGE_SCHEDULES),
-        d >= 2, L a multiple of d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d
-        (_validate_virtual_stages)."""
-        if keeps_versions(self.schedule) and self.m < self.d:
-            return f"{self.schedule} needs m >= d, got m = B/(b w) = {self.m} < d={self.d}"
+        """Why the training refuses this layout (None: it runs it): the rules of
+        megatron_2bw.schedules.requirements, which megatron_2bw.arguments raises as flag
+        errors (schedules with several weight versions need m >= d; those in NO_RECOMPUTE run
+        without recomputation; V > 1 needs an interleaving schedule, d >= 2, L a multiple of
+        d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d)."""
+        batch = Batch("--global-batch-size", self.global_batch, self.b, self.w)
+        too_few = too_few_microbatches(self.schedule, self.d, batch)
+        if too_few is not None:
+            return too_few.message
         if self.recompute and self.selective:
             return "full and selective recomputation exclude each other"
-        if self.schedule in NO_RECOMPUTE and (self.recompute or self.selective):
-            return f"{self.schedule} runs without recomputation"
-        if self.v == 1:
-            return None
-        if self.schedule not in VIRTUAL_STAGE_SCHEDULES:
-            return (f"virtual stages (v={self.v}) run under {', '.join(VIRTUAL_STAGE_SCHEDULES)}, "
-                    f"not {self.schedule}")
-        if self.d < 2:
-            return f"virtual stages (v={self.v}) need d >= 2"
-        if num_layers % (self.d * self.v):
-            return (f"{num_layers} layers do not split into d x v = {self.d} x {self.v} equal "
-                    f"chunks")
-        if self.m % self.d:
-            return f"interleaving runs microbatches in groups of d={self.d}: m={self.m} is not"\
-                   f" a multiple"
-        look_ahead = warmup_slots(self.d, 0, self.v)
-        if keeps_versions(self.schedule) and self.m * self.v < look_ahead:
-            return (f"{self.schedule} with v={self.v} keeps two versions only when m v >= "
-                    f"2(d - 1) + (v - 1) d = {look_ahead}, got {self.m * self.v}")
-        return None
+        found = ((recompute_problem(self.schedule) if self.recompute or self.selective
+                  else None)
+                 or (virtual_stage_problem(self.schedule, self.d, self.v, num_layers, [batch],
+                                           "--num-virtual-stages-per-pipeline-rank")
+                     if self.v > 1 else None))
+        return None if found is None else found.message
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from megatron_2bw.arguments import FlagError
+from megatron_2bw.flag_types import FlagError
 from megatron_2bw.logparse import parse_log
 from megatron_2bw.runtime.ports import free_port
 

@@ -77,9 +77,9 @@ def measure_links(repeats: int = 20, sizes: Sequence[int] = (2**12, 2**16, 2**19
     import torch
     import torch.multiprocessing as mp
 
-    from megatron_2bw.runtime.cpu import cuda_usable
+    from megatron_2bw.runtime.device import device_kind
 
-    backend = "nccl" if cuda_usable() and torch.cuda.device_count() >= 2 else "gloo"
+    backend = "nccl" if device_kind() == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "links.json")
         env_threads = os.environ.get("OMP_NUM_THREADS")

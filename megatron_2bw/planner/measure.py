@@ -141,14 +141,11 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
     import torch
     import torch.distributed as dist
 
-    from megatron_2bw.runtime import cpu as cpu_runtime
+    from megatron_2bw.runtime.device import select_device
 
-    device = cpu_runtime.select_device(force_cpu)
+    device = select_device(force_cpu).kind  # set_device on CUDA, the CPU runtime on the CPU
     if device == "cpu":
-        cpu_runtime.install(force=force_cpu)
         torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-    else:
-        torch.cuda.set_device(0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -238,11 +235,11 @@ def _config(args, model: ModelSpec, device: str, t: int, recompute: bool, num_la
 
 
 def _layer_spec(args, model: ModelSpec):
-    from megatron_2bw import entry
+    from megatron_2bw.training import specs
 
-    if model.kind == "bert" and hasattr(entry, "bert_layer_spec"):
-        return entry.bert_layer_spec(args)
-    return entry.gpt_layer_spec(args)
+    if model.kind == "bert":
+        return specs.bert_layer_spec(args)
+    return specs.gpt_layer_spec(args)
 
 
 def _block(args, model, device, t, recompute, num_layers=1):

@@ -8,8 +8,8 @@ megatron-core code trains on CPU processes (laptops, CI, debugging).
 
 Invariants:
   * It is installed only by :func:`install`, which refuses when CUDA is available: on a GPU
-    machine megatron-core runs untouched. ``distributed.choose_device`` is the one place that
-    decides, and ``distributed.select_device`` refuses to train on CUDA while it is installed.
+    machine megatron-core runs untouched. :mod:`megatron_2bw.runtime.device` is the one place
+    that decides (from :func:`cuda_usable`), and refuses to train on CUDA while it is installed.
   * Seeding is real, not a no-op: the "CUDA" generator is the CPU default generator, so the
     tensor-parallel RNG tracker forks and restores real, distinct states.
   * Device remapping stays active inside autograd's backward (activation recomputation replays
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "uninstall", "is_installed", "cuda_usable", "select_device"]
+__all__ = ["install", "uninstall", "is_installed", "cuda_usable"]
 
 _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {
@@ -45,18 +45,9 @@ _CUDA_TYPE_NAMES = {
 
 
 def cuda_usable() -> bool:
-    """True when this process can run on a CUDA device."""
+    """True when this process can run on a CUDA device (a fact; the decision is
+    ``device.choose_device``'s)."""
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-def select_device(force_cpu: bool = False) -> str:
-    """The device kind this process would train on: "cuda" whenever CUDA is usable, unless the
-    user asked for the CPU (``--cpu``); "cpu" otherwise. The decision itself is
-    :func:`megatron_2bw.runtime.distributed.choose_device`; the CPU runtime is installed only
-    for "cpu" (by :func:`megatron_2bw.runtime.distributed.select_device`)."""
-    from megatron_2bw.runtime.distributed import choose_device
-
-    return choose_device(force_cpu, cuda_usable(), local_rank=0).kind
 
 
 def _is_cuda_device(device: Any) -> bool:

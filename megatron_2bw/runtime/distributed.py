@@ -1,16 +1,11 @@
-"""Process groups, device choice, timeouts and seeding for one training process.
-
-The device is chosen once per process by :func:`select_device` (a thin shell around the pure
-:func:`choose_device`): CUDA with NCCL whenever CUDA is usable, unless ``--cpu``; otherwise CPU
-processes over gloo with the CPU runtime (:mod:`megatron_2bw.runtime.cpu`).
+"""Process groups, timeouts and seeding for one training process, on the device
+:mod:`megatron_2bw.runtime.device` chose.
 
 Invariants:
-  * On CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` runs in :func:`select_device`, which the entry
-    scripts call right after flag parsing and :func:`initialize` calls again before
-    ``init_process_group``: before any communicator or CUDA tensor exists.
-  * The CPU runtime is never active while training on CUDA (:func:`select_device` raises).
-  * :func:`training_device` and :func:`timeout` report what :func:`initialize` chose; nothing
-    else decides the device from ``torch.cuda.is_available()``.
+  * :func:`initialize` calls ``device.select_device`` (again: the entry scripts call it right
+    after flag parsing) before ``init_process_group``: before any communicator or CUDA tensor
+    exists.
+  * :func:`timeout` reports the bound :func:`initialize` gave the groups.
   * Every group has a bounded wait: the default group and all megatron-core model-parallel groups
     get ``--distributed-timeout-minutes``.
   * Every communicator exists before the first training step (:func:`create_communicators`).
@@ -28,30 +23,17 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.runtime import cpu
+from megatron_2bw.runtime.device import DeviceChoice, select_device, training_device
 from megatron_2bw.runtime.ports import free_port
 
-__all__ = ["DeviceChoice", "ProcessInfo", "choose_device", "select_device", "device_choice",
-           "initialize", "training_device", "to_device", "timeout", "set_seed", "destroy",
+__all__ = ["ProcessInfo", "initialize", "timeout", "is_rank_zero", "set_seed", "destroy",
            "create_communicators", "warm_up_pairs", "init_kwargs", "DEFAULT_TIMEOUT_MINUTES"]
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's --distributed-timeout-minutes default
-
-
-@dataclass(frozen=True)
-class DeviceChoice:
-    """What a process trains on: ``kind`` "cuda" (device ``index``, NCCL) or "cpu" (gloo, the
-    CPU runtime installed); ``reason`` says why, for logs."""
-
-    kind: str
-    index: int | None
-    backend: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -66,77 +48,7 @@ class ProcessInfo:
     dp_rank: int
 
 
-_choice: DeviceChoice | None = None  # set by select_device()
 _timeout: datetime.timedelta | None = None  # set by initialize()
-
-
-def choose_device(force_cpu: bool, cuda_usable: bool, local_rank: int) -> DeviceChoice:
-    """The device decision as a pure function: CUDA device ``local_rank`` with NCCL when CUDA is
-    usable and the user did not pass ``--cpu``; the CPU with gloo otherwise."""
-    if force_cpu:
-        return DeviceChoice("cpu", None, "gloo", "--cpu")
-    if not cuda_usable:
-        return DeviceChoice("cpu", None, "gloo", "CUDA is not usable")
-    return DeviceChoice("cuda", local_rank, "nccl", f"CUDA device {local_rank} (LOCAL_RANK)")
-
-
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def select_device(force_cpu: bool) -> DeviceChoice:
-    """Choose this process's device and prepare it: ``torch.cuda.set_device(LOCAL_RANK)`` on
-    CUDA, the CPU runtime on the CPU. Safe to call again with the same answer. Call it before any
-    process group or CUDA tensor exists.
-
-    Raises RuntimeError when the CPU runtime is active but the process is to train on CUDA."""
-    global _choice
-    choice = choose_device(force_cpu, cpu.cuda_usable(), _local_rank())
-    if choice.kind == "cuda":
-        if cpu.is_installed():
-            raise RuntimeError(
-                "the CPU runtime is active in a process that trains on CUDA: it must never "
-                "be; pass --cpu to train on the CPU, or do not install it")
-        torch.cuda.set_device(choice.index)
-    else:
-        cpu.install(force=force_cpu)
-    _choice = choice
-    return choice
-
-
-def device_choice() -> DeviceChoice | None:
-    """The choice :func:`select_device` made in this process, None before it ran."""
-    return _choice
-
-
-def training_device() -> torch.device:
-    """The device this process trains on: ``cuda:<current device>`` on CUDA, ``cpu`` under the
-    CPU runtime. Decided by :func:`select_device` / :func:`initialize`, never by
-    ``torch.cuda.is_available()`` (``--cpu`` on a GPU host gives ``cpu``)."""
-    if _choice is None:
-        raise RuntimeError("training_device() before megatron_2bw.runtime.distributed."
-                           "initialize(): the device is not chosen yet")
-    if _choice.kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """``batch`` with every tensor on ``device``. On a CUDA device each tensor is copied from
-    pinned host memory with ``non_blocking=True`` (the copy is ordered on the current stream,
-    before any kernel that reads it); non-tensors (None) pass through. On the CPU the batch is
-    returned as it is: nothing moves, nothing is pinned."""
-    if device.type == "cpu":
-        return batch
-    return {key: _to_device(value, device) for key, value in batch.items()}
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if not isinstance(value, torch.Tensor) or value.device == device:
-        return value
-    if value.device.type == "cpu" and not value.is_pinned():
-        value = value.pin_memory()
-    return value.to(device, non_blocking=True)
 
 
 def timeout() -> datetime.timedelta:
@@ -145,6 +57,13 @@ def timeout() -> datetime.timedelta:
     if _timeout is None:
         return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
     return _timeout
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of the job: torch.distributed's rank once a group exists, else torchrun's RANK."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def init_kwargs(choice: DeviceChoice, bound: datetime.timedelta) -> dict:

@@ -84,7 +84,7 @@ import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
-from megatron_2bw.runtime import distributed
+from megatron_2bw.runtime import device, distributed
 from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
@@ -258,7 +258,7 @@ class PipelineRunner:
             seq //= ps.get_tensor_model_parallel_world_size()
         shape = (seq, micro_batch_size, config.hidden_size)
         if self.comm is None or self.comm.shape != shape:
-            self.comm = StageComm(shape, config.pipeline_dtype, distributed.training_device(),
+            self.comm = StageComm(shape, config.pipeline_dtype, device.training_device(),
                                   distributed.timeout())
 
     def _choose_step_mode(self, models: list, config) -> None:
@@ -391,7 +391,7 @@ class PipelineRunner:
         if self.timeline is None:
             return None
         if self.clock is None:
-            self.clock = clock_for(distributed.training_device(), anchored=True)
+            self.clock = clock_for(device.training_device(), anchored=True)
         return self.clock.mark()
 
     def _record(self, kind: str, microbatch: int | None, version: int | None, start) -> None:

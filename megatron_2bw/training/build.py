@@ -178,7 +178,7 @@ def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage:
     stages it carries Megatron-LM's ``vp_stage`` attribute."""
     from megatron.core import parallel_state as ps
 
-    from megatron_2bw.runtime.distributed import training_device
+    from megatron_2bw.runtime.device import training_device
 
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     with _model_fits(args):
@@ -243,7 +243,7 @@ def ddp_config(args: argparse.Namespace, model: torch.nn.Module | list):
 def _model_fits(args: argparse.Namespace):
     """A model that cannot be allocated (sizes beyond memory, or beyond an index) raises
     FlagError naming the size flags, not the allocator's traceback."""
-    from megatron_2bw.arguments import FlagError
+    from megatron_2bw.flag_types import FlagError
 
     try:
         yield
@@ -314,7 +314,7 @@ def _attention_backend(args: argparse.Namespace, on_gpu: bool):
     from megatron.core.models.gpt.gpt_layer_specs import HAVE_TE
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_2bw.entry import use_transformer_engine
+    from megatron_2bw.training.specs import use_transformer_engine
 
     name = getattr(args, "attention_backend", "auto")
     use_te, why = use_transformer_engine(getattr(args, "transformer_impl", "local"), HAVE_TE,

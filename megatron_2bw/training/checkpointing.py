@@ -178,7 +178,7 @@ def restores_device_rng(saved_kind: str, device_kind: str) -> bool:
 def _device_kind() -> str:
     """What this process trains on, "cuda" or "cpu" (the CPU runtime's "cuda" RNG state is
     the CPU generator's)."""
-    from megatron_2bw.runtime.distributed import training_device
+    from megatron_2bw.runtime.device import training_device
 
     return training_device().type
 
@@ -476,8 +476,7 @@ def check_paths(args) -> None:
     checkpoint must not let a fresh run overwrite the checkpoints of another run in --save (a
     mistyped --load would otherwise start from scratch and rewind that run's tracker). Raises
     FlagError."""
-    from megatron_2bw.arguments import FlagError
-    from megatron_2bw.cli import require_writable_dir
+    from megatron_2bw.flag_types import FlagError, require_writable_dir
 
     if args.save is None:
         return
@@ -523,7 +522,7 @@ def _quiet_checkpoint_loggers():
 def _all_ranks_agree(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (an all-reduce on the default group, on the
     training device as its backend needs)."""
-    from megatron_2bw.runtime.distributed import training_device
+    from megatron_2bw.runtime.device import training_device
 
     flag = torch.tensor([0.0 if ok else 1.0], device=training_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
