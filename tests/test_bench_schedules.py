@@ -59,7 +59,7 @@ def test_bench_rows_and_memory_columns(tmp_path):
         assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
         # the forward saves at least the stage's input activation, s*b*h fp32 (stage 1)
         assert by_stage[1]["saved_bytes_per_microbatch"] >= SEQ * MICRO * HIDDEN * 4
-        assert all(len(r["seconds"]) == 2 for r in by_stage)
+        assert all(len(r["iterations"]) == 2 for r in by_stage)
     (busy,) = data["runs"]["single, d at once"]
     assert [r["stage"] for r in busy["ranks"]] == [0, 1]  # two independent copies
     assert all(r["param_bytes"] == 4 * sum(expected) for r in busy["ranks"])
