@@ -52,6 +52,7 @@ wall ~ cpu + runq + recv + time blocked in collectives.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -126,6 +127,33 @@ class _SavedBytes:
         return result
 
 
+class _CopiedBytes:
+    """Bytes the process writes by copying tensors (``copy_``, ``clone``, ``_to_copy``: also
+    ``.contiguous()``, ``.to()``, ``.clone()``), forward, backward and step, counted with a
+    dispatch mode (it slows the process: only in a warm-up iteration)."""
+
+    OPS = ("copy_.default", "clone.default", "_to_copy.default")
+
+    def __init__(self):
+        self.bytes = 0
+
+    def counting(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = {getattr(torch.ops.aten, name.split(".")[0]).default for name in self.OPS}
+        counter = self
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in ops:
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        return Count()
+
+
 class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
     exchanges (wraps ``StageComm.exchange``; None for Megatron's own schedule, which uses its
@@ -192,6 +220,9 @@ class Iteration:
     """Time in the main thread's all-reduces and a deferred step's waits."""
     end: float
     """``time.perf_counter()`` when the iteration ended."""
+    busy_seconds: float | None = None
+    """Time in the executor's actions (F, B, I, W, S); the rest of ``seconds`` is this stage's
+    bubble (None: Megatron's own schedule, which records none)."""
 
 
 @dataclass
@@ -209,6 +240,10 @@ class RankResult:
     """The most bytes one forward saved for backward (parameters excluded)."""
     optimizer: str
     threads: int
+    copied_bytes: int | None = None
+    """Bytes copied in one iteration (a warm-up one; ``_CopiedBytes``)."""
+    action_seconds: dict[str, float] = field(default_factory=dict)
+    """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
 
     def values(self, key: str) -> list:
         """One field of every measured iteration."""
@@ -270,21 +305,35 @@ def _timed_iteration(trainer, waits: _Waits) -> Iteration:
                      collective_seconds=waits.collective, end=time.perf_counter())
 
 
-def _run_iterations(trainer, saved: _SavedBytes, waits: _Waits, warmup: int,
-                    iters: int) -> list[Iteration]:
+def _run_iterations(trainer, saved: _SavedBytes, copied: _CopiedBytes, waits: _Waits,
+                    warmup: int, iters: int) -> list[Iteration]:
     """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
     leaves nothing in flight); saved bytes are counted in warm-up iterations (the first one
-    only where it is the only one)."""
+    only where it is the only one), copies in the last warm-up iteration."""
     runner, total = trainer.forward_backward, warmup + iters + 1
     iterations = []
     for i in range(total):
         if i == total - 1 and hasattr(runner, "prepare_drain"):
             runner.prepare_drain()
         saved.active = 0 < i < warmup or (warmup == 1 and i == 0)
-        iterations.append(_timed_iteration(trainer, waits))
+        with copied.counting() if i == warmup - 1 else contextlib.nullcontext():
+            iterations.append(_timed_iteration(trainer, waits))
     if hasattr(runner, "drain"):
         runner.drain()
     return iterations
+
+
+def _action_seconds(records: list, measured: list[Iteration], start: float) -> dict[str, float]:
+    """From the executor's timeline records: each measured iteration's ``busy_seconds`` (set
+    here), and per action kind the median duration over the measured iterations."""
+    durations: dict[str, list[float]] = {}
+    for iteration in measured:
+        inside = [r for r in records if start <= r.start and r.end <= iteration.end]
+        iteration.busy_seconds = sum(r.end - r.start for r in inside)
+        for r in inside:
+            durations.setdefault(r.kind, []).append(r.end - r.start)
+        start = iteration.end
+    return {kind: statistics.median(values) for kind, values in durations.items()}
 
 
 def worker(argv: list[str]) -> int:
@@ -302,21 +351,25 @@ def worker(argv: list[str]) -> int:
     megatron_2bw.install(args.pipeline_schedule)
     waits = _Waits()
     trainer, saved = _build_trainer(args, opts)
-    runner = trainer.forward_backward
-    if opts.timeline and hasattr(runner, "timeline"):
+    runner, copied = trainer.forward_backward, _CopiedBytes()
+    if hasattr(runner, "timeline"):
         runner.timeline = []
-    iterations = _run_iterations(trainer, saved, waits, opts.warmup, opts.iters)
+    iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters)
 
     from megatron.core import parallel_state as ps
 
     measured = iterations[opts.warmup:opts.warmup + opts.iters]
+    records = getattr(runner, "timeline", None)
+    actions = _action_seconds(records, measured, iterations[opts.warmup - 1].end) if records \
+        else {}
     rank = torch.distributed.get_rank()
     result = RankResult(
         rank=rank, stage=ps.get_pipeline_model_parallel_rank(), iterations=measured,
         measured_wall=measured[-1].end - iterations[opts.warmup - 1].end if opts.warmup else None,
         param_bytes=sum(p.numel() * p.element_size() for p in trainer.model[0].parameters()),
         saved_bytes_per_microbatch=max(saved.per_microbatch, default=None),
-        optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads())
+        optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads(),
+        copied_bytes=copied.bytes, action_seconds=actions)
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(asdict(result)))
     if opts.timeline and getattr(runner, "timeline", None):
         from megatron_2bw import trace
@@ -615,7 +668,7 @@ class Table:
 
 HEADER = (f"{'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} {'vs busy':>7}  "
           f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
-          f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
+          f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11} {'copied MiB':>10}")
 
 
 def _row(table: Table, name: str, width: int) -> str:
@@ -640,7 +693,8 @@ def _row(table: Table, name: str, width: int) -> str:
             f"{_median_ms(stages, 'collective_seconds'):>9}  "
             f"{_per_stage(str(c) for c in stash):>5} "
             f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
-            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11}")
+            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11} "
+            f"{_per_stage(f'{(r.copied_bytes or 0) / 2**20:.1f}' for r in first):>10}")
 
 
 def _notes(table: Table, schedules: list[str]) -> list[str]:
@@ -658,7 +712,8 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
         "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
         "ms ready but not running (another process had the core), recv = ms blocked in "
         "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches (forwarded, "
-        "input gradient not yet computed); weights = parameters x versions",
+        "input gradient not yet computed); weights = parameters x versions; copied = bytes "
+        "written by tensor copies (copy_, clone, _to_copy) in one iteration",
         f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {single / d * 1e3:.1f} ms"
         f" per iteration; busy = the same with d copies of the single process running at"
         f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"
@@ -683,7 +738,52 @@ def _table(table: Table, schedules: list[str]) -> str:
     header = f"{'schedule':<{width}} {HEADER}"
     rows = [header, "-" * len(header)]
     rows += [_row(table, name, width) for name in table.runs]
-    return "\n".join(rows + _notes(table, schedules))
+    return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table))
+
+
+def _action_ms(runs: list[Run], kind: str) -> list[float]:
+    """Per stage, the median over rounds of an action's median duration (ms)."""
+    return [statistics.median(r.action_seconds.get(kind, float("nan")) for r in results) * 1e3
+            for results in _stages(runs)]
+
+
+def _bubble_ms(runs: list[Run]) -> list[float]:
+    """Per stage, the median over every measured iteration of the time outside actions (ms)."""
+    return [statistics.median(i.seconds - i.busy_seconds for r in results for i in r.iterations
+                              if i.busy_seconds is not None) * 1e3
+            for results in _stages(runs)]
+
+
+BUBBLE_FORMULAS = {  # Qi et al. 2024, Section 2.1 (T_B there is the input-gradient part)
+    "flush": ("(d-1)(T_F+T_B)", lambda t: t["F"] + t["B"]),
+    "zb-h1": ("(d-1)(T_F+T_I-T_W)", lambda t: t["F"] + t["I"] - t["W"]),
+}
+
+
+def _zero_bubble(table: Table) -> list[str]:
+    """flush against zb-h1: measured action times, the bubble their formulas predict beside
+    the measured one, the throughput and the copies."""
+    if not {"flush", "zb-h1"} <= set(table.runs):
+        return []
+    d = table.a.depth
+    lines = [f"zero bubble (d={d}, m={table.a.microbatches}; per stage 0/1/..., ms; predicted "
+             "from the stages' mean action times):"]
+    for name, (formula, per_microbatch) in BUBBLE_FORMULAS.items():
+        runs = table.runs[name]
+        kinds = ("F", "B") if name == "flush" else ("F", "I", "W")
+        times = {kind: _action_ms(runs, kind) for kind in kinds}
+        mean = {kind: statistics.fmean(values) for kind, values in times.items()}
+        lines.append(f"  {name:<6} " + "  ".join(
+            f"T_{kind} {_per_stage(f'{v:.1f}' for v in values)}" for kind, values in times.items())
+            + f"  bubble {formula} = {(d - 1) * per_microbatch(mean):.1f}, measured "
+            f"{_per_stage(f'{v:.1f}' for v in _bubble_ms(runs))}")
+    copies = {name: sum(r.copied_bytes or 0 for r in table.runs[name][0].ranks)
+              for name in BUBBLE_FORMULAS}
+    lines.append(f"  zb-h1 / flush: samples/s {table.ratio('zb-h1', 'flush'):.2f}x (paired within "
+                 f"rounds), bytes copied per iteration {copies['zb-h1'] / 2**20:.1f} / "
+                 f"{copies['flush'] / 2**20:.1f} MiB = "
+                 f"{copies['zb-h1'] / max(copies['flush'], 1):.2f}x (all stages)")
+    return lines
 
 
 def _describe(a: argparse.Namespace) -> str:
