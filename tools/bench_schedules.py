@@ -23,11 +23,19 @@ A stage's time per iteration is the median of its measured iterations; the table
 slowest stage. Training data are random tokens (the data pipeline is not what is measured).
 
 Memory columns, per stage: peak stashed activations (microbatches forwarded and not yet
-backwarded; for zb-h1, not yet through their W, since its W re-traverses the kept graph) from the
-schedule's action lists (Megatron's 1F1B has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves for backward
-on that stage (measured with autograd's saved-tensor hooks, parameters excluded; the
-boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes x
-the weight versions the schedule keeps (2 for 2BW).
+through their backward: B, or I for zb-h1) from the schedule's action lists (Megatron's 1F1B
+has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves
+for backward on that stage (measured with autograd's saved-tensor hooks, parameters excluded;
+the boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes
+x the weight versions the schedule keeps (2 for 2BW); W = the most bytes zb-h1's pending
+weight-gradient passes keep at once (measured). ``copied`` counts the bytes written by tensor
+copies in one iteration (a dispatch mode on ``copy_``, ``clone`` and ``_to_copy``).
+
+Zero bubble: with flush and zb-h1 in the run, the lines under the table give each stage's
+measured action times (T_F, T_B; T_F, T_I, T_W: medians from the executor's timeline), the
+bubble the zero-bubble paper's formulas predict from them, (d-1)(T_F+T_B) and
+(d-1)(T_F+T_I-T_W) (Qi et al. 2024, Section 2.1), next to the measured one (per stage, an
+iteration's time outside its actions), zb-h1's samples/s over flush's and their copies.
 
 Fairness: by default ``--clip-grad 0 --untie-embeddings-and-output-weights``. A grad-norm
 all-reduce over the pipeline stages (clipping) or the tied-embedding all-reduce between the first
@@ -154,6 +162,27 @@ class _CopiedBytes:
         return Count()
 
 
+class _PendingW:
+    """The most bytes this stage's pending weight-gradient passes keep at once (zb-h1: each
+    I leaves inputs and output gradients for its W; ``schedules.wgrad``), sampled after every
+    I."""
+
+    def __init__(self):
+        from megatron_2bw.schedules.wgrad import WeightGradStore
+
+        self.peak = 0
+        self._alive: list = []
+        input_pass = WeightGradStore.input_pass
+
+        def tracked(store, *args, **kwargs):
+            pending = input_pass(store, *args, **kwargs)
+            self._alive = [p for p in self._alive if p.pending] + [pending]
+            self.peak = max(self.peak, sum(p.nbytes() for p in self._alive))
+            return pending
+
+        WeightGradStore.input_pass = tracked
+
+
 class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
     exchanges (wraps ``StageComm.exchange``; None for Megatron's own schedule, which uses its
@@ -241,6 +270,8 @@ class RankResult:
     optimizer: str
     threads: int
     copied_bytes: int | None = None
+    pending_w_bytes: int = 0
+    """The most bytes pending W's kept at once (``_PendingW``)."""
     """Bytes copied in one iteration (a warm-up one; ``_CopiedBytes``)."""
     action_seconds: dict[str, float] = field(default_factory=dict)
     """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
@@ -351,7 +382,7 @@ def worker(argv: list[str]) -> int:
     megatron_2bw.install(args.pipeline_schedule)
     waits = _Waits()
     trainer, saved = _build_trainer(args, opts)
-    runner, copied = trainer.forward_backward, _CopiedBytes()
+    runner, copied, pending_w = trainer.forward_backward, _CopiedBytes(), _PendingW()
     if hasattr(runner, "timeline"):
         runner.timeline = []
     iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters)
@@ -369,7 +400,7 @@ def worker(argv: list[str]) -> int:
         param_bytes=sum(p.numel() * p.element_size() for p in trainer.model[0].parameters()),
         saved_bytes_per_microbatch=max(saved.per_microbatch, default=None),
         optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads(),
-        copied_bytes=copied.bytes, action_seconds=actions)
+        copied_bytes=copied.bytes, pending_w_bytes=pending_w.peak, action_seconds=actions)
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(asdict(result)))
     if opts.timeline and getattr(runner, "timeline", None):
         from megatron_2bw import trace
@@ -668,7 +699,8 @@ class Table:
 
 HEADER = (f"{'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} {'vs busy':>7}  "
           f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
-          f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11} {'copied MiB':>10}")
+          f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11} {'copied MiB':>10} "
+          f"{'W MiB':>9}")
 
 
 def _row(table: Table, name: str, width: int) -> str:
@@ -694,7 +726,8 @@ def _row(table: Table, name: str, width: int) -> str:
             f"{_per_stage(str(c) for c in stash):>5} "
             f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
             f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11} "
-            f"{_per_stage(f'{(r.copied_bytes or 0) / 2**20:.1f}' for r in first):>10}")
+            f"{_per_stage(f'{(r.copied_bytes or 0) / 2**20:.1f}' for r in first):>10} "
+            f"{_per_stage(f'{r.pending_w_bytes / 2**20:.1f}' for r in first):>9}")
 
 
 def _notes(table: Table, schedules: list[str]) -> list[str]:
@@ -713,7 +746,9 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
         "ms ready but not running (another process had the core), recv = ms blocked in "
         "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches (forwarded, "
         "input gradient not yet computed); weights = parameters x versions; copied = bytes "
-        "written by tensor copies (copy_, clone, _to_copy) in one iteration",
+        "written by tensor copies (copy_, clone, _to_copy) in one iteration; W = the most bytes "
+        "pending weight-gradient passes keep at once (zb-h1: inputs and output gradients of the "
+        "linear layers, from each I to its W)",
         f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {single / d * 1e3:.1f} ms"
         f" per iteration; busy = the same with d copies of the single process running at"
         f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"

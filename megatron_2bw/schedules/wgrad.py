@@ -69,8 +69,9 @@ class _Pending:
     tp_group: object
 
     def nbytes(self) -> int:
-        """Bytes this pending W keeps alive besides the input autograd had saved anyway."""
-        return self.grad_output.numel() * self.grad_output.element_size()
+        """Bytes this pending GEMM keeps alive: the output gradient and the input (which a
+        fused backward would have freed with the graph)."""
+        return sum(t.numel() * t.element_size() for t in (self.grad_output, self.input))
 
 
 @dataclass
@@ -80,7 +81,7 @@ class PendingWeightGrads:
     pending: list[_Pending]
 
     def nbytes(self) -> int:
-        """Bytes kept for W (output gradients; inputs counted as saved for backward)."""
+        """Bytes kept for W (inputs and output gradients)."""
         return sum(p.nbytes() for p in self.pending)
 
 
