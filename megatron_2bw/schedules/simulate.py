@@ -13,8 +13,11 @@ free and its inputs have arrived:
                       embedding all-reduce): starts when every stage got to its S(v)
 
 With V model chunks per stage (V = one more than the largest chunk in the lists), "stage i-1"
-and "stage i+1" are the previous and next virtual stage: chunk c of stage i is virtual stage
-c*d + i, so F(k) of chunk c on stage 0 waits for F(k) of chunk c-1 on stage d-1.
+and "stage i+1" are the previous and next virtual stage (`actions.Placement`): in the loop
+placement chunk c of stage i is virtual stage c*d + i, so F(k) of chunk c on stage 0 waits for
+F(k) of chunk c-1 on stage d-1; in the V placement (chunk 1 of stage i is virtual stage
+2d-1-i) F(k) of chunk 1 on stage d-1 takes chunk 0's output on the same stage, a local
+hand-off without `p2p` and without an exchange.
 
 Sends are buffered: a send never waits for its receive (Megatron posts both sides at once; a
 schedule whose receives line up in order, as all of ours do, behaves the same).
@@ -45,8 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from .actions import (SENDS_GRAD, Action, Kind, ScheduleError, format_grid,
-                      virtual_neighbour)
+from .actions import SENDS_GRAD, Action, Kind, Placement, ScheduleError, format_grid
 from .comm import Exchange, Step
 
 __all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
@@ -177,11 +179,12 @@ class _Simulation:
     `exchange` completes a fused group (NCCL mode), `advance` runs one stage as far as it can."""
 
     def __init__(self, schedule: Sequence[Sequence[Step]], costs: Costs,
-                 step_sync: Literal["local", "pipeline"]) -> None:
+                 step_sync: Literal["local", "pipeline"], placement: Placement | None) -> None:
         self.schedule, self.costs, self.step_sync = schedule, costs, step_sync
         self.depth = len(schedule)
-        self.chunks = 1 + max((a.chunk for steps in schedule for a in steps
-                               if isinstance(a, Action)), default=0)
+        chunks = 1 + max((a.chunk for steps in schedule for a in steps
+                          if isinstance(a, Action)), default=0)
+        self.placement = placement or Placement(self.depth, chunks)
         self.nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
         self.partners = _partners(schedule) if self.nccl else {}
         self.posted: dict[tuple[int, int], float] = {}  # (stage, position) -> reached at
@@ -197,8 +200,8 @@ class _Simulation:
     def source(self, stage: int, a: Action) -> tuple[str, tuple[int, int] | None]:
         """The tensor `a` receives and the (stage, chunk) that makes it (None: no input)."""
         if a.kind is Kind.FORWARD:
-            return "activation", virtual_neighbour(stage, a.chunk, -1, self.depth, self.chunks)
-        return "grad", virtual_neighbour(stage, a.chunk, 1, self.depth, self.chunks)
+            return "activation", self.placement.neighbour(stage, a.chunk, -1)
+        return "grad", self.placement.neighbour(stage, a.chunk, 1)
 
     def ready(self, stage: int, a: Action) -> float | None:
         """When `a`'s inputs are there; None while another stage has not produced them."""
@@ -218,6 +221,13 @@ class _Simulation:
         tensor, peer = self.source(stage, a)
         if peer is None:
             return ready
+        if peer[0] == stage:  # the V's turn: a local hand-off, after its maker on this stage
+            ends = here.forward_end if a.kind is Kind.FORWARD else here.backward_end
+            if (a.microbatch, peer[1]) not in ends:
+                raise self.violation(stage, f"its input ({tensor} of microbatch "
+                                            f"{a.microbatch}) is made by chunk {peer[1]} of "
+                                            "this stage after it")
+            return max(ready, ends[a.microbatch, peer[1]])
         if self.nccl:  # the input came in an exchange before `a`, or `a` can never run
             if (tensor, a.microbatch, peer[1]) not in here.received:
                 raise self.violation(stage, f"its input ({tensor} of microbatch "
@@ -303,12 +313,14 @@ class _Simulation:
 
 
 def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
-             step_sync: Literal["local", "pipeline"] = "local") -> SimResult:
+             step_sync: Literal["local", "pipeline"] = "local",
+             placement: Placement | None = None) -> SimResult:
     """Run all stages' lists ([stage] -> [Action]) or programs ([stage] -> [Action | Exchange],
-    NCCL mode) together; see the module docstring."""
+    NCCL mode) together, their chunks placed as `placement` says (default: the loop
+    placement); see the module docstring."""
     if step_sync not in ("local", "pipeline"):
         raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
-    sim = _Simulation(schedule, costs, step_sync)
+    sim = _Simulation(schedule, costs, step_sync, placement)
     while any(stage.next() is not None for stage in sim.stages):
         moved = [sim.advance(i) for i in range(sim.depth)]
         if not (any(moved) | sim.collective()):
