@@ -196,7 +196,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "PipeDream-1F1B with weight stashing (each stage updates after its own "
                         "backwards of a batch); pipemare: PipeMare, pipedream without weight "
                         "stashing (a backward reads the newest weights); zb-h1: zero-bubble "
-                        "ZB-H1 (split backward, the weights of flush); naive: inter-layer model "
+                        "ZB-H1 (split backward, the weights of flush); zb-v, dualpipev: ZB-V and "
+                        "DualPipeV, two model chunks per rank in a V (rank i holds stages i and "
+                        "2d-1-i; the weights of flush); naive: inter-layer model "
                         "parallelism without pipelining; megatron: Megatron's own 1F1B")
     g.add_argument("--pipemare-discrepancy-decay", type=number_in(0, 1, True, True),
                    default=None, metavar="D",
@@ -567,7 +569,10 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
     evenly over PP x V chunks. megatron-core's interleaved schedule (0.16.1) runs microbatches
     in groups of PP per chunk (``microbatch_group_size_per_vp_stage`` defaults to PP) and
     refuses a last group smaller than PP, so m is a multiple of PP, at every step of a ramp
-    too. Without virtual stages overlap_p2p_comm is off, as in Megatron-LM."""
+    too. Without virtual stages overlap_p2p_comm is off, as in Megatron-LM. The V schedules
+    set their own two chunks (`_validate_v_placement`)."""
+    if _validate_v_placement(args):
+        return
     per_rank, per_chunk = (args.num_virtual_stages_per_pipeline_rank,
                            args.num_layers_per_virtual_pipeline_stage)
     _require(per_rank is None or per_chunk is None, "--num-layers-per-virtual-pipeline-stage",
@@ -617,6 +622,50 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
                  f"2bw with {V} virtual stages keeps two weight versions only when the first "
                  f"stage's {look_ahead} warm-up forwards (2(d-1) + (V-1)d) fit in one batch: "
                  f"m x V = {m} x {V} < {look_ahead}")
+
+
+def _validate_v_placement(args: argparse.Namespace) -> bool:
+    """zb-v and dualpipev (``schedules.V_SCHEDULES``): two model chunks per rank in a V, so
+    V = 2 (not another), at least 2 stages, layers split evenly over the 2d chunks; DualPipeV
+    needs m >= 2d at every batch size. Not yet: tied embeddings (the V puts the embedding and
+    the output layer on rank 0's two chunks, outside megatron-core's embedding group of first
+    and last rank), checkpoints (megatron-core numbers a chunk's layers by the interleaved
+    placement, so chunk 1 of rank i would save stage 2d-1-i's layers under stage d+i's
+    numbers), recomputation (its nested backward ignores the I/W split, as under zb-h1).
+    Whether the schedule is one of them."""
+    name = args.pipeline_schedule
+    if name not in schedules.V_SCHEDULES:
+        return False
+    pp, layers, b, dp = (args.pipeline_model_parallel_size, args.num_layers,
+                         args.micro_batch_size, args.data_parallel_size)
+    _require(args.num_layers_per_virtual_pipeline_stage is None
+             and args.num_virtual_stages_per_pipeline_rank in (None, 2),
+             "--num-virtual-stages-per-pipeline-rank",
+             f"--pipeline-schedule {name} runs 2 model chunks per rank (a V); leave it out")
+    _require(pp >= 2, "--pipeline-model-parallel-size",
+             f"--pipeline-schedule {name} needs at least 2 pipeline stages, got {pp}")
+    _require(layers % (2 * pp) == 0, "--num-layers",
+             f"{layers} layers do not split evenly over the V's 2 x {pp} pipeline stages = "
+             f"{2 * pp} model chunks")
+    _require(args.untie_embeddings_and_output_weights, "--untie-embeddings-and-output-weights",
+             f"needed by --pipeline-schedule {name} (tied embeddings across rank 0's two "
+             f"chunks are not supported yet)")
+    _require(args.save is None and args.load is None, "--save" if args.save else "--load",
+             f"not yet under --pipeline-schedule {name} (megatron-core would number rank i's "
+             f"second chunk as stage {pp}+i, not {2 * pp - 1}-i)")
+    _require(args.recompute_granularity is None, "--recompute-granularity",
+             f"not with --pipeline-schedule {name}: the recomputation's nested backward "
+             "ignores the split into input and weight gradients")
+    sizes = [("--global-batch-size", args.global_batch_size)]
+    if args.rampup_batch_size is not None:
+        sizes += [("--rampup-batch-size", args.rampup_batch_size[0])]
+    for flag, size in sizes:
+        m = size // (b * dp)
+        _require(name != "dualpipev" or m >= 2 * pp, flag,
+                 f"dualpipev needs microbatches per batch m >= 2 x pipeline depth = {2 * pp}: "
+                 f"{size} / ({b} x {dp}) = {m}")
+    args.virtual_pipeline_model_parallel_size = 2
+    return True
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:

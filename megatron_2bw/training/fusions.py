@@ -9,7 +9,8 @@ import). Invariants:
   * On CUDA each follows Megatron-LM's flag, and is off, with one note, where its kernel does
     not import (megatron-core would raise: TransformerConfig for RoPE, ColumnParallelLinear for
     gradient accumulation, the softmax at its first fused call) or, for gradient accumulation,
-    where the schedule traverses a backward twice (zb-h1's input- then weight-gradient pass: the
+    where the schedule traverses a backward twice (zb-h1's, zb-v's and dualpipev's input- then
+    weight-gradient pass: the
     fused kernel adds the weight gradient into ``main_grad`` inside every traversal).
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 __all__ = ["FusionKernels", "fusion_fields", "SPLIT_BACKWARD_SCHEDULES"]
 
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
 """Schedules whose backward runs as two traversals of a microbatch's graph (I, then W)."""
 
 _SOFTMAX_MODULES = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
