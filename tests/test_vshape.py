@@ -135,8 +135,9 @@ def test_zbv_bubble_is_a_sixth_of_1f1b():
 
 @pytest.mark.parametrize("name", sorted(TORCH_CLASSES))
 def test_programs_finish_under_nccl_rules(name):
-    """Rendezvous sends, fused groups (comm.fuse), two batches: no deadlock; each stage
-    exchanges with its neighbours only, and the V's turn on stage d-1 is no transfer."""
+    """Rendezvous sends, fused groups (comm.fuse), two batches: no deadlock, within 15% of the
+    buffered time (sends that never wait); each stage exchanges with its neighbours only, and
+    the V's turn on stage d-1 is no transfer."""
     for d in range(2, 6):
         for m in full(name, d)[::2]:
             programs = pipeline_programs(name, d, m, 2)
@@ -145,7 +146,9 @@ def test_programs_finish_under_nccl_rules(name):
                 peers = {t.peer for s in program if isinstance(s, Exchange) for t in s.transfers}
                 assert peers <= {i - 1, i + 1} and peers, (d, m, i)
             result = simulate(programs, Costs(1, 2), placement=placement_of(name, d))
-            assert result.makespan > 0
+            buffered = simulate(pipeline_actions(name, d, m, 2), Costs(1, 2),
+                                placement=placement_of(name, d))
+            assert buffered.makespan <= result.makespan <= 1.15 * buffered.makespan, (d, m)
 
 
 def test_memory_declared_by_each_schedule():

@@ -207,9 +207,12 @@ def _pair_groups(low: int, low_actions: Sequence[Action], high: int,
     Each direction is one in-order channel. Walking both, the next tensor down x and up y go
     in one group when each side makes its tensor before it needs the other's (x sent with y
     received, as Megatron's send_forward_recv_backward); else the one the other side needs
-    first goes alone. A group sits right after its sends are made when it only sends, right
-    before its receives are needed otherwise (the need of a tensor being the earliest need of
-    it and every tensor after it on its channel), and never before an earlier group."""
+    first goes alone. A group that only sends sits right after its sends are made, one that
+    only receives right before its receives are needed (the need of a tensor being the
+    earliest need of it and every tensor after it on its channel); a group of both sits where
+    `low` needs y and right after `high` made y (of the four such choices the fastest under
+    rendezvous on the simulator for ZB-V, within 5% of the fastest for DualPipeV); never before
+    an earlier group."""
     down = _channel(low_actions, low, high_actions, high, placement)
     up = _channel(high_actions, high, low_actions, low, placement)
     groups, i, j, last_low, last_high = [], 0, 0, 0, 0
@@ -217,8 +220,8 @@ def _pair_groups(low: int, low_actions: Sequence[Action], high: int,
         x = down[i] if i < len(down) else None  # (key, made on low, needed on high)
         y = up[j] if j < len(up) else None  # (key, made on high, needed on low)
         both = x is not None and y is not None and x[1] <= y[2] and y[1] <= x[2]
-        if both:
-            low_gap, high_gap, sent_down, sent_up = y[2], x[2], [x[0]], [y[0]]
+        if both:  # low posts it when it needs y, high as soon as it made y
+            low_gap, high_gap, sent_down, sent_up = y[2], y[1], [x[0]], [y[0]]
         elif x is not None and (y is None or y[1] > x[2]):
             low_gap, high_gap, sent_down, sent_up = x[1], x[2], [x[0]], []
         elif y is not None and (x is None or x[1] > y[2]):
