@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_2bw.schedules import PIPELINE_SCHEDULES, VIRTUAL_STAGE_SCHEDULES
+from megatron_2bw.schedules import PIPELINE_SCHEDULES, V_SCHEDULES, VIRTUAL_STAGE_SCHEDULES
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import keeps_versions
 from megatron_2bw.schedules.interleaved import warmup_slots
@@ -61,6 +61,14 @@ SCHEDULE_NOTES = {
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
              "d - i plus min(i + 1, m) pending W (whole graphs here: min(d, m) in all); bubble "
              "(d - 1)(F + I - W) (Qi et al., ICLR 2024, Section 2.1); no recomputation",
+    "zb-v": "ZB-V: two chunks per rank in a V (rank i holds stages i and 2d-1-i), split "
+            "backward; exact; 1 version; stash at most 2d chunk halves = d microbatches on "
+            "every stage; bubble (d - 1) F/2 per rank (Qi et al., ICLR 2024, Section 6); "
+            "untied embeddings, no recomputation",
+    "dualpipev": "DualPipeV: DualPipe cut in half, two chunks per rank in a V, split backward "
+                 "in the cool-down; exact; 1 version; stash d + 1/2 microbatches; bubble "
+                 "(d - 1)(F&B + B - 3W) of a chunk (DeepSeek-V3, Table 2); m >= 2d, untied "
+                 "embeddings, no recomputation",
     "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
                 "stash d + (d - 1)/V on stage 0; bubble (d - 1)/(V m) (SC'21 Section 2.2)",
 }
@@ -69,7 +77,7 @@ SCHEDULE_NOTES = {
 ALL_SCHEDULES = PIPELINE_SCHEDULES
 """Every `--pipeline-schedule` the training accepts."""
 
-NO_RECOMPUTE = ("zb-h1", "pipemare")
+NO_RECOMPUTE = ("zb-h1", "pipemare", "zb-v", "dualpipev")
 """Schedules the training runs without recomputation (megatron_2bw.arguments refuses
 --recompute-granularity with them: zb-h1's W and pipemare's newer backward weights would replay
 the forward differently)."""
@@ -125,18 +133,21 @@ class Layout:
                 + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else "")
                 + (" sel" if self.selective else ""))
 
-    def problem(self, num_layers: int) -> str | None:
+    def problem(self, num_layers: int, tied: bool = True) -> str | None:
         """Why the training refuses this layout (None: it runs it), as megatron_2bw.arguments
         validates: schedules with several weight versions need m >= d; those in NO_RECOMPUTE
         run without recomputation; V > 1 needs an interleaving schedule (VIRTUAL_STAGE_SCHEDULES),
         d >= 2, L a multiple of d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d
-        (_validate_virtual_stages)."""
+        (_validate_virtual_stages); the V schedules need d >= 2, L a multiple of 2d, untied
+        embeddings (`tied`: the model's) and, for dualpipev, m >= 2d (_validate_v_placement)."""
         if keeps_versions(self.schedule) and self.m < self.d:
             return f"{self.schedule} needs m >= d, got m = B/(b w) = {self.m} < d={self.d}"
         if self.recompute and self.selective:
             return "full and selective recomputation exclude each other"
         if self.schedule in NO_RECOMPUTE and (self.recompute or self.selective):
             return f"{self.schedule} runs without recomputation"
+        if self.schedule in V_SCHEDULES:
+            return self._v_problem(num_layers, tied)
         if self.v == 1:
             return None
         if self.schedule not in VIRTUAL_STAGE_SCHEDULES:
@@ -154,6 +165,19 @@ class Layout:
         if keeps_versions(self.schedule) and self.m * self.v < look_ahead:
             return (f"{self.schedule} with v={self.v} keeps two versions only when m v >= "
                     f"2(d - 1) + (v - 1) d = {look_ahead}, got {self.m * self.v}")
+        return None
+
+    def _v_problem(self, num_layers: int, tied: bool) -> str | None:
+        if self.v != 1:
+            return f"{self.schedule} runs its own 2 chunks per rank, not v={self.v}"
+        if self.d < 2:
+            return f"{self.schedule} needs d >= 2"
+        if num_layers % (2 * self.d):
+            return f"{num_layers} layers do not split into the V's 2d = {2 * self.d} chunks"
+        if tied:
+            return f"{self.schedule} runs with untied embeddings only"
+        if self.schedule == "dualpipev" and self.m < 2 * self.d:
+            return f"dualpipev needs m >= 2d = {2 * self.d}, got m = {self.m}"
         return None
 
 
@@ -249,11 +273,14 @@ def _sig(x: float, digits: int = 3) -> float:
 @functools.lru_cache(maxsize=4096)
 def _simulate_normalized(schedule: str, d: int, m: int, forward: tuple, backward: tuple,
                          p2p: float, step: float, sync: str) -> float:
-    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+    from megatron_2bw.schedules import Costs, pipeline_actions, placement_of, simulate
 
+    placement = placement_of(schedule, d)
+    if placement.shape == "v":  # a chunk runs half of its stage's layers
+        forward, backward = tuple(f / 2 for f in forward), tuple(b / 2 for b in backward)
     result = simulate(pipeline_actions(schedule, d, m, 3),
                       Costs(forward=forward, backward=backward, p2p=p2p, step=step),
-                      step_sync=sync)
+                      step_sync=sync, placement=placement)
     ends = [max(result.batch_ends(i)[k] for i in range(d)) for k in range(2)]
     return ends[1] - ends[0]  # call 1: filled by call 0, not draining: the steady state
 
@@ -489,6 +516,12 @@ class CostModel:
             slowest = work.index(bottleneck)
             fill = sum(f for i, f in enumerate(forward) if i != slowest)
             return m * bottleneck + fill + 2 * (d - 1) * p2p + step
+        if schedule in V_SCHEDULES:
+            # Two chunks of half a stage each, the V's bubble: ZB-V idles (d - 1) T_F of a
+            # chunk per rank (Qi et al., Section 6), DualPipeV (d - 1)(F&B + B - 3W) of a chunk
+            # (DeepSeek-V3, Table 2), the same F/2 where W is half the backward; the slowest
+            # stage's F as the bound (tests/test_vshape.py derives both).
+            return m * bottleneck + (d - 1) * max(forward) / 2 + 2 * (d - 1) * p2p + step
         if keeps_versions(schedule):
             # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
             # (global gradient norm) waits for stage 0's last backward: after the last stage's,
@@ -626,6 +659,11 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
+    if layout.schedule in V_SCHEDULES:
+        # Chunk passes, each half a stage's activations: the stash (ZB-V at most 2d, DualPipeV
+        # 2d + 1) and, kept as whole graphs here, the pending W's, one pass shared (as zb-h1).
+        passes = spec.stash(d, m, stage) + spec.weight_grads(d, m, stage) - 1
+        return min(passes, 2 * m) / 2
     if v > 1:
         # Every interleaved order (megatron's, flush's, 2BW-interleaved's) has the same warm-up.
         return min(m * v, warmup_slots(d, stage, v) + 1) / v

@@ -15,7 +15,8 @@ A microbatch's backward on a stage is either one fused B (the common case) or an
 later, by its W (zero-bubble schedules, Qi et al., ICLR 2024, Section 2, where the input
 gradient is called B; the letters here are those of torch.distributed.pipelining, which keeps
 B for the whole backward). With V model chunks
-per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement).
+per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement), or,
+in the V of ZB-V and DualPipeV, i and 2d-1-i (`Placement`).
 
 Microbatches are numbered globally across batches from 0: batch b holds microbatches
 b*m .. b*m+m-1, with m microbatches per batch. Version 0 is the initial weights; the step after
@@ -49,7 +50,6 @@ __all__ = [
     "parse_actions",
     "communication",
     "Placement",
-    "virtual_neighbour",
     "format_grid",
     "validate",
 ]
@@ -226,12 +226,6 @@ class Placement:
         found = {n[0] for c in range(self.chunks) for step in (-1, 1)
                  if (n := self.neighbour(stage, c, step)) is not None}
         return sorted(found - {stage})
-
-
-def virtual_neighbour(stage: int, chunk: int, step: int, depth: int,
-                      chunks: int) -> tuple[int, int] | None:
-    """`Placement.neighbour` under the loop placement."""
-    return Placement(depth, chunks).neighbour(stage, chunk, step)
 
 
 def communication(actions: Sequence[Action], stage: int, depth: int, *,
