@@ -151,6 +151,25 @@ def test_programs_finish_under_nccl_rules(name):
             assert buffered.makespan <= result.makespan <= 1.15 * buffered.makespan, (d, m)
 
 
+@pytest.mark.parametrize("name", sorted(TORCH_CLASSES))
+def test_groups_mirror_one_to_one(name):
+    """For each pair of neighbours, the n-th group one side exchanges with the other holds
+    exactly the mirror of the other side's n-th (NCCL's fused groups, and the tests' strict
+    mode, make a group wait for all its sends' receives: a group met by two would hang)."""
+    def groups(program, peer, mirror=False):
+        flip = {"send": "recv", "recv": "send"}
+        return [sorted(((flip[t.op] if mirror else t.op), *t.key) for t in step.transfers)
+                for step in program if isinstance(step, Exchange)
+                and any(t.peer == peer for t in step.transfers)]
+
+    for d in range(2, 6):
+        for m in full(name, d):
+            programs = pipeline_programs(name, d, m, 1)
+            for i in range(d - 1):
+                assert groups(programs[i], i + 1) == groups(programs[i + 1], i, mirror=True), \
+                    (d, m, i)
+
+
 def test_memory_declared_by_each_schedule():
     """Peak chunk passes stashed (between F and B/I) and pending (between I and W), measured
     by the simulator, as each schedule declares: ZB-V min(2d, m+1+i, 2m), at most 2d chunk

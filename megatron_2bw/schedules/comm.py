@@ -181,19 +181,22 @@ def _fuse_pairwise(actions: Sequence[Action], stage: int,
     groups from the two lists (`_pair_groups`), so each group on one side meets its mirror on
     the other. In the V one channel carries two kinds of tensor (stage i sends stage i+1 chunk
     0's activations and chunk 1's input gradients, and receives the other two), which the
-    action-by-action pass above would interleave differently on the two sides."""
-    before: dict[int, list[Transfer]] = {}  # position in `actions` -> the group before it
+    action-by-action pass above would interleave differently on the two sides. Each group is
+    its own exchange, also where two fall between the same two actions: a group on one side
+    then meets exactly one group on the other (one that met two would wait, as a fused NCCL
+    group does in the tests' strict mode, for the later one before the earlier could end)."""
+    before: dict[int, list[Exchange]] = {}  # position in `actions` -> the groups before it
     for peer, peer_actions in sorted(neighbours.items()):
         low, high = sorted([(stage, actions), (peer, peer_actions)], key=lambda x: x[0])
         for low_gap, high_gap, down, up in _pair_groups(*low, *high, placement):
             mine = stage == low[0]
             transfers = ([Transfer("send", peer, *k) for k in (down if mine else up)]
                          + [Transfer("recv", peer, *k) for k in (up if mine else down)])
-            before.setdefault(low_gap if mine else high_gap, []).extend(transfers)
+            before.setdefault(low_gap if mine else high_gap, []).append(
+                Exchange(_ordered(transfers)))
     program: list[Step] = []
     for position, action in enumerate([*actions, None]):
-        if position in before:
-            program.append(Exchange(_ordered(before[position])))
+        program += before.get(position, [])
         if action is not None:
             program.append(action)
     return program
