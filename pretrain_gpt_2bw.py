@@ -55,11 +55,11 @@ def loss_func(loss_mask, output_tensor, per_token: bool = False):
 def forward_step(data_iterator, model):
     """Megatron's forward_step_func contract: returns (output, loss function); the batch's
     tensors are on the training device. ``model`` is one chunk: with virtual stages its
-    ``vp_stage`` says whether it reads tokens or labels (as Megatron-LM's pretrain_gpt.py)."""
+    ``pre_process`` and ``post_process`` say whether it reads tokens or labels (Megatron-LM's
+    pretrain_gpt.py asks the pipeline stage, the same outside the V of zb-v and dualpipev)."""
     from megatron.core.utils import unwrap_model
 
-    batch = entry.next_batch(data_iterator,
-                             vp_stage=getattr(unwrap_model(model), "vp_stage", None))
+    batch = entry.next_batch(data_iterator, model=unwrap_model(model))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
     per_token = getattr(unwrap_model(model).config, "calculate_per_token_loss", False)

@@ -17,7 +17,7 @@ from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOK
                                                missing_tokenizer_input, tokenizer_type)
 from megatron_2bw.flag_types import FlagError, int_at_least, number_in
 from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
-                                                  virtual_stage_problem)
+                                                  v_placement_problem, virtual_stage_problem)
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
            "int_at_least", "number_in"]
@@ -152,7 +152,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "PipeDream-1F1B with weight stashing (each stage updates after its own "
                         "backwards of a batch); pipemare: PipeMare, pipedream without weight "
                         "stashing (a backward reads the newest weights); zb-h1: zero-bubble "
-                        "ZB-H1 (split backward, the weights of flush); naive: inter-layer model "
+                        "ZB-H1 (split backward, the weights of flush); zb-v, dualpipev: ZB-V and "
+                        "DualPipeV, two model chunks per rank in a V (rank i holds stages i and "
+                        "2d-1-i; the weights of flush); naive: inter-layer model "
                         "parallelism without pipelining; megatron: Megatron's own 1F1B")
     g.add_argument("--pipemare-discrepancy-decay", type=number_in(0, 1, True, True),
                    default=None, metavar="D",
@@ -525,7 +527,10 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
     evenly over PP x V chunks. megatron-core's interleaved schedule (0.16.1) runs microbatches
     in groups of PP per chunk (``microbatch_group_size_per_vp_stage`` defaults to PP) and
     refuses a last group smaller than PP, so m is a multiple of PP, at every step of a ramp
-    too. Without virtual stages overlap_p2p_comm is off, as in Megatron-LM."""
+    too. Without virtual stages overlap_p2p_comm is off, as in Megatron-LM. The V schedules
+    set their own two chunks (`_validate_v_placement`)."""
+    if _validate_v_placement(args):
+        return
     per_rank, per_chunk = (args.num_virtual_stages_per_pipeline_rank,
                            args.num_layers_per_virtual_pipeline_stage)
     _require(per_rank is None or per_chunk is None, "--num-layers-per-virtual-pipeline-stage",
@@ -557,6 +562,32 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
                     for size in args.rampup_batch_size[:2]]
     _refuse(virtual_stage_problem(args.pipeline_schedule, pp, V, layers, batches, flag,
                                   args.overlap_p2p_comm))
+
+
+def _validate_v_placement(args: argparse.Namespace) -> bool:
+    """zb-v and dualpipev (``schedules.V_SCHEDULES``): the layout rules of
+    ``requirements.v_placement_problem`` (recomputation: ``RECOMPUTE_REFUSED``), and not yet
+    checkpoints (megatron-core numbers a chunk's layers by the interleaved placement, so chunk 1
+    of rank i would save stage 2d-1-i's layers under stage d+i's numbers). Whether the schedule
+    is one of them."""
+    name = args.pipeline_schedule
+    if name not in schedules.V_SCHEDULES:
+        return False
+    pp, layers, b, dp = (args.pipeline_model_parallel_size, args.num_layers,
+                         args.micro_batch_size, args.data_parallel_size)
+    _require(args.num_layers_per_virtual_pipeline_stage is None,
+             "--num-layers-per-virtual-pipeline-stage",
+             f"--pipeline-schedule {name} runs 2 model chunks per rank (a V); leave it out")
+    batches = [Batch("--global-batch-size", args.global_batch_size, b, dp)]
+    if args.rampup_batch_size is not None:
+        batches += [Batch("--rampup-batch-size", args.rampup_batch_size[0], b, dp)]
+    _refuse(v_placement_problem(name, pp, args.num_virtual_stages_per_pipeline_rank, layers,
+                                batches, not args.untie_embeddings_and_output_weights))
+    _require(args.save is None and args.load is None, "--save" if args.save else "--load",
+             f"not yet under --pipeline-schedule {name} (megatron-core would number rank i's "
+             f"second chunk as stage {pp}+i, not {2 * pp - 1}-i)")
+    args.virtual_pipeline_model_parallel_size = 2
+    return True
 
 
 def _validate_rampup(args: argparse.Namespace) -> None:

@@ -182,19 +182,25 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else type(error).__name__)[:240]
 
 
-def next_batch(data_iterator, every_stage: bool = False, vp_stage: int | None = None) -> dict:
+def next_batch(data_iterator, every_stage: bool = False, vp_stage: int | None = None, *,
+               model=None) -> dict:
     """The microbatch this pipeline stage needs, every tensor on the training device: GPT reads
     tokens on the first stage and labels on the last, nothing on the stages between (they read
     their input from the previous stage); with ``every_stage`` (BERT: every stage needs the
     padding mask) each stage reads the whole batch. With virtual pipeline stages the stage is
-    the model chunk's (``vp_stage``): first and last of the whole virtual pipeline."""
+    the model chunk's (``vp_stage``): first and last of the whole virtual pipeline. Given the
+    (unwrapped) ``model`` chunk, its own ``pre_process`` and ``post_process`` say so, whatever
+    the placement of the chunks (the V of zb-v and dualpipev holds both on rank 0)."""
     from megatron.core import parallel_state as ps
 
     from megatron_2bw.runtime import device
 
     ignore_virtual = vp_stage is None
-    first = ps.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
-    last = ps.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+    if model is not None:
+        first, last = model.pre_process, model.post_process
+    else:
+        first = ps.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
     if not (every_stage or first or last):
         return {"tokens": None, "position_ids": None, "labels": None, "loss_mask": None}
     return device.to_device(next(data_iterator), device.training_device())

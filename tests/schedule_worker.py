@@ -86,13 +86,16 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
 
 
 def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int = 0,
-                 chunks: int = 1) -> str:
+                 chunks: int = 1, schedule: str = "flush") -> str:
     """A chunk's parameter name as it is in the PP=1 model: chunk c of stage s is virtual
-    stage v = c*d + s and holds global layers v*L/(dV) .. (v+1)*L/(dV) - 1, numbered from 0
-    inside the chunk."""
+    stage v (c*d + s; under zb-v and dualpipev, the V: s, and 2d-1-s for c = 1) and holds
+    global layers v*L/(dV) .. (v+1)*L/(dV) - 1, numbered from 0 inside the chunk."""
+    from megatron_2bw.schedules import placement_of
+
+    virtual = placement_of(schedule, depth, chunks).virtual(stage, chunk)
     parts = name.removeprefix("module.").split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + (chunk * depth + stage) * num_layers // (depth * chunks))
+        parts[2] = str(int(parts[2]) + virtual * num_layers // (depth * chunks))
     return ".".join(parts)
 
 
@@ -101,7 +104,7 @@ def _split_dim(param: torch.nn.Parameter) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
-def _load_slice(model, init: dict, tie: bool, num_layers: int) -> None:
+def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str) -> None:
     """Copy this rank's slice of the full initial weights into its chunks' parameters. With
     tied embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
     from megatron.core import parallel_state as ps
@@ -112,7 +115,7 @@ def _load_slice(model, init: dict, tie: bool, num_layers: int) -> None:
     with torch.no_grad():
         for c, name, p in _chunk_params(model):
             chunks = len(model) if isinstance(model, (list, tuple)) else 1
-            full_name = _global_name(name, stage, depth, num_layers, c, chunks)
+            full_name = _global_name(name, stage, depth, num_layers, c, chunks, schedule)
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
             full = init[full_name]
@@ -202,7 +205,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
     if init_path:  # else megatron-core's own initialization from the seed
-        _load_slice(model, torch.load(init_path), tie, model_spec.num_layers)
+        _load_slice(model, torch.load(init_path), tie, model_spec.num_layers, run["schedule"])
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
@@ -228,7 +231,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
 
     params = {}
     for c, name, p in _chunk_params(model):
-        key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c, len(model))
+        key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c, len(model),
+                           run["schedule"])
         if key == "output_layer.weight" and tie:
             key = "tied:output_layer.weight"  # the last stage's copy of the word embeddings
         params[key] = (p.detach().clone(), _split_dim(p))

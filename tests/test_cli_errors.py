@@ -90,6 +90,24 @@ FLAG_CASES = {
         ["--num-layers", "four"],
         ["--num-layers", "4"],
         1, "--num-layers", ["'four'"]),
+    # the V schedules: 2d chunks of layers, untied embeddings, DualPipeV's m >= 2d
+    "v-layers-not-divisible-by-2d": (
+        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
+         "--untie-embeddings-and-output-weights", "--num-layers", "6"],
+        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
+         "--untie-embeddings-and-output-weights", "--num-layers", "8"],
+        2, "--num-layers", ["6 layers", "4 model chunks"]),
+    "v-tied-embeddings": (
+        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2"],
+        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
+         "--untie-embeddings-and-output-weights"],
+        2, "--untie-embeddings-and-output-weights", ["zb-v"]),
+    "dualpipev-fewer-than-2d-microbatches": (
+        ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
+         "--untie-embeddings-and-output-weights", "--global-batch-size", "6"],
+        ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
+         "--untie-embeddings-and-output-weights", "--global-batch-size", "8"],
+        2, "--global-batch-size", ["m >= 2 x pipeline depth = 4", "= 3"]),
 }
 
 

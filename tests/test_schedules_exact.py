@@ -27,6 +27,8 @@ parameters, ||W - W_ref|| / ||W_ref||.
    otherwise; each stage steps after its own backwards), and far from 2BW's result. Grid:
        d=2 m=2 w=1 tied       d=2 m=4 w=2 untied
        d=4 m=4 w=1 recompute  d=4 m=8 w=1 step at the loop
+2c. zb-v and dualpipev (two chunks per stage in a V): d=2 m=4 w=1, untied embeddings, after 6
+   iterations equal to the PP=1 gradient-accumulation reference, losses seen on stage 0.
 3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive, zb-h1 each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
@@ -213,6 +215,11 @@ PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed
     Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
     Case("pipemare", d=4, m=8, w=1, iters=6),
 ]
+V_CASES = [  # two chunks per stage in a V (stage s holds layers s and 3 - s), untied embeddings;
+    # with TWOBW_CASES' untied d=2 m=4 run in its processes, sharing its references
+    Case("zb-v", d=2, m=4, w=1, iters=6, tie=False),
+    Case("dualpipev", d=2, m=4, w=1, iters=6, tie=False),
+]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
 FOUR_STAGE_CASES = [Case(s, d=4, m=4, w=1, iters=10) for s in ("2bw", *SYNC_SCHEDULES)]
@@ -229,7 +236,7 @@ def _groups() -> dict:
     interleaved_2bw = [case for case in INTERLEAVED_CASES if case.rule != "sync"]
     for label, cases in (("sync", SYNC_CASES + ZBH1_CASES + interleaved_sync),
                          ("2bw", TWOBW_CASES + PIPEDREAM_CASES + PIPEMARE_CASES
-                          + interleaved_2bw)):
+                          + interleaved_2bw + V_CASES)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
                                       {"world": case.world, "timeout_s": 150, "runs": []})
@@ -267,7 +274,7 @@ def _pipemare_variants(case: Case) -> list[Case]:
 def _reference_jobs() -> dict:
     jobs = {}
     for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
-                 + INTERLEAVED_CASES + PIPEMARE_CASES
+                 + INTERLEAVED_CASES + PIPEMARE_CASES + V_CASES
                  + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)]):
         for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
@@ -502,7 +509,20 @@ def test_interleaved_schedules_match_their_references(launch, case):
     _check_against_reference(launch, case)
 
 
-# ---- 2d. PipeMare (no weight stashing) ---------------------------------------------------------
+# ---- 2d. V-shape schedules (ZB-V, DualPipeV) ---------------------------------------------------
+
+@pytest.mark.parametrize("case", V_CASES, ids=lambda case: case.name)
+def test_v_schedules_match_gradient_accumulation(launch, case):
+    """Stage 0 embeds (chunk 0) and computes the loss (chunk 1); stage 1 turns the V without a
+    transfer. Split backwards, W's from a queue (DualPipeV) or by order (ZB-V): the weights
+    are the PP=1 gradient-accumulation reference's, the losses its losses, seen on stage 0."""
+    launch.finished(f"2bw-world{case.world}")
+    shards = [torch.load(path) for path in (launch.out / case.name).glob("rank*.pt")]
+    assert {s["pp"] for s in shards if s["losses"]} == {0}
+    _check_against_reference(launch, case)
+
+
+# ---- 2e. PipeMare (no weight stashing) ---------------------------------------------------------
 
 @pytest.mark.parametrize("case", PIPEMARE_CASES, ids=lambda case: case.name)
 def test_pipemare_matches_its_reference(launch, case):

@@ -181,7 +181,7 @@ def _load_run(folder: str) -> tuple[list, str, list[dict]]:
 
 def _simulate(args: argparse.Namespace) -> int:
     """Simulate --schedule and draw it."""
-    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+    from megatron_2bw.schedules import Costs, pipeline_actions, placement_of, simulate
 
     batches = _batch_count(args.batches)
     try:
@@ -192,7 +192,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ToolError("--weight-grad", f"{args.weight_grad:g} must be less than --backward "
                                          f"{args.backward:g}, of which it is a part")
     result = simulate(actions, Costs(args.forward, args.backward, p2p=args.p2p,
-                                     weight_grad=args.weight_grad))
+                                     weight_grad=args.weight_grad),
+                      placement=placement_of(args.schedule, args.depth))
     records = trace.records_from_simulation(result)
     title = args.title or (f"{args.schedule}: d={args.depth}, m={args.microbatches}, "
                            f"{batches} batches (simulated; bubble {result.bubble:.0%})")

@@ -23,12 +23,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_2bw.schedules import PIPELINE_SCHEDULES
+from megatron_2bw.schedules import PIPELINE_SCHEDULES, V_SCHEDULES
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import keeps_versions
 from megatron_2bw.schedules.interleaved import warmup_slots
 from megatron_2bw.schedules.requirements import (RECOMPUTE_REFUSED, Batch, recompute_problem,
-                                                  too_few_microbatches, virtual_stage_problem)
+                                                  too_few_microbatches, v_placement_problem,
+                                                  virtual_stage_problem)
 
 from .cluster import Cluster
 from .model import ModelSpec
@@ -63,6 +64,14 @@ SCHEDULE_NOTES = {
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
              "d - i plus min(i + 1, m) pending W (counted as whole graphs: min(d, m)); bubble "
              "(d - 1)(F + I - W) (Qi et al., ICLR 2024, Section 2.1); no recomputation",
+    "zb-v": "ZB-V: two chunks per rank in a V (rank i holds stages i and 2d-1-i), split "
+            "backward; exact; 1 version; stash at most 2d chunk halves = d microbatches on "
+            "every stage; bubble (d - 1) F/2 per rank (Qi et al., ICLR 2024, Section 6); "
+            "untied embeddings, no recomputation",
+    "dualpipev": "DualPipeV: DualPipe cut in half, two chunks per rank in a V, split backward "
+                 "in the cool-down; exact; 1 version; stash d + 1/2 microbatches; bubble "
+                 "(d - 1)(F&B + B - 3W) of a chunk (DeepSeek-V3, Table 2); m >= 2d, untied "
+                 "embeddings, no recomputation",
     "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
                 "stash d + (d - 1)/V on stage 0; bubble (d - 1)/(V m) (SC'21 Section 2.2)",
 }
@@ -127,24 +136,28 @@ class Layout:
                 + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else "")
                 + (" sel" if self.selective else ""))
 
-    def problem(self, num_layers: int) -> str | None:
+    def problem(self, num_layers: int, tied: bool = True) -> str | None:
         """Why the training refuses this layout (None: it runs it): the rules of
         megatron_2bw.schedules.requirements, which megatron_2bw.arguments raises as flag
         errors (schedules with several weight versions need m >= d; those in NO_RECOMPUTE run
         without recomputation; V > 1 needs an interleaving schedule, d >= 2, L a multiple of
-        d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d)."""
+        d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d; the V schedules need
+        d >= 2, L a multiple of 2d, untied embeddings (``tied``: the model's) and, for
+        dualpipev, m >= 2d)."""
         batch = Batch("--global-batch-size", self.global_batch, self.b, self.w)
         too_few = too_few_microbatches(self.schedule, self.d, batch)
         if too_few is not None:
             return too_few.message
         if self.recompute and self.selective:
             return "full and selective recomputation exclude each other"
-        found = ((recompute_problem(self.schedule) if self.recompute or self.selective
-                  else None)
-                 or (virtual_stage_problem(self.schedule, self.d, self.v, num_layers, [batch],
-                                           "--num-virtual-stages-per-pipeline-rank")
-                     if self.v > 1 else None))
+        found = recompute_problem(self.schedule) if self.recompute or self.selective else None
+        if found is None and self.schedule in V_SCHEDULES:
+            found = v_placement_problem(self.schedule, self.d, self.v, num_layers, [batch], tied)
+        elif found is None and self.v > 1:
+            found = virtual_stage_problem(self.schedule, self.d, self.v, num_layers, [batch],
+                                          "--num-virtual-stages-per-pipeline-rank")
         return None if found is None else found.message
+
 
 
 @dataclass(frozen=True)
@@ -239,11 +252,14 @@ def _sig(x: float, digits: int = 3) -> float:
 @functools.lru_cache(maxsize=4096)
 def _simulate_normalized(schedule: str, d: int, m: int, forward: tuple, backward: tuple,
                          p2p: float, step: float, sync: str) -> float:
-    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+    from megatron_2bw.schedules import Costs, pipeline_actions, placement_of, simulate
 
+    placement = placement_of(schedule, d)
+    if placement.shape == "v":  # a chunk runs half of its stage's layers
+        forward, backward = tuple(f / 2 for f in forward), tuple(b / 2 for b in backward)
     result = simulate(pipeline_actions(schedule, d, m, 3),
                       Costs(forward=forward, backward=backward, p2p=p2p, step=step),
-                      step_sync=sync)
+                      step_sync=sync, placement=placement)
     ends = [max(result.batch_ends(i)[k] for i in range(d)) for k in range(2)]
     return ends[1] - ends[0]  # call 1: filled by call 0, not draining: the steady state
 
@@ -479,6 +495,12 @@ class CostModel:
             slowest = work.index(bottleneck)
             fill = sum(f for i, f in enumerate(forward) if i != slowest)
             return m * bottleneck + fill + 2 * (d - 1) * p2p + step
+        if schedule in V_SCHEDULES:
+            # Two chunks of half a stage each, the V's bubble: ZB-V idles (d - 1) T_F of a
+            # chunk per rank (Qi et al., Section 6), DualPipeV (d - 1)(F&B + B - 3W) of a chunk
+            # (DeepSeek-V3, Table 2), the same F/2 where W is half the backward; the slowest
+            # stage's F as the bound (tests/test_vshape.py derives both).
+            return m * bottleneck + (d - 1) * max(forward) / 2 + 2 * (d - 1) * p2p + step
         if keeps_versions(schedule):
             # Steady state: no flush, no bubble (Section 3.1): m (F* + B*). A pipeline-wide step
             # (global gradient norm) waits for stage 0's last backward: after the last stage's,
@@ -616,6 +638,11 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
+    if layout.schedule in V_SCHEDULES:
+        # Chunk passes, each half a stage's activations: the stash (ZB-V at most 2d, DualPipeV
+        # 2d + 1) and, kept as whole graphs here, the pending W's, one pass shared (as zb-h1).
+        passes = spec.stash(d, m, stage) + spec.weight_grads(d, m, stage) - 1
+        return min(passes, 2 * m) / 2
     if v > 1:
         # Every interleaved order (megatron's, flush's, 2BW-interleaved's) has the same warm-up.
         return min(m * v, warmup_slots(d, stage, v) + 1) / v

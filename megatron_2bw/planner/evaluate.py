@@ -195,7 +195,7 @@ def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluat
                          f"t={layout.t}")
     if model.num_layers % layout.d:
         raise ValueError(f"{model.num_layers} layers do not split into d={layout.d} stages")
-    problem = layout.problem(model.num_layers)
+    problem = layout.problem(model.num_layers, model.tied)
     if problem:
         raise ValueError(problem)
     time = cost.time(layout, simulate=simulate and layout.d * 3 * (2 * layout.m + 1) <= 4000)

@@ -202,7 +202,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                     for schedule, v in _schedules_at(d, request):
                         considered += 1
                         layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
-                        problem = layout.problem(model.num_layers)
+                        problem = layout.problem(model.num_layers, model.tied)
                         if problem:
                             rejected.append(Rejection(t, d, w, b, m, rc, schedule, problem))
                             continue

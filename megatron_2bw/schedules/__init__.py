@@ -1,6 +1,6 @@
 """Pipeline schedules as data: per-stage action lists for GPipe, PipeDream-Flush, PipeDream-2BW,
-PipeDream with weight stashing, PipeMare (no stashing), ZB-H1 (zero bubble, split backward)
-and naive model parallelism, one Megatron call (one batch) at a time or for a whole training.
+PipeDream with weight stashing, PipeMare (no stashing), ZB-H1 (zero bubble, split backward),
+ZB-V and DualPipeV (two model chunks per stage in a V, `vshape`) and naive model parallelism, one Megatron call (one batch) at a time or for a whole training.
 
     call_actions("2bw", depth=4, microbatches=8, stage=1, call=t, fill=t == 0, drain=last)
     pipeline_actions("flush", depth=4, microbatches=8, num_batches=3)  # [stage] -> [Action]
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .actions import (Action, Comms, Kind, P2P, ScheduleError, communication, format_actions,
-                      format_grid, parse_action, parse_actions, validate)
+from .actions import (Action, Comms, Kind, P2P, Placement, ScheduleError, communication,
+                      format_actions, format_grid, parse_action, parse_actions, validate)
 from .comm import Exchange, Step, Transfer, actions_of, fuse, transfers_of, unbatched
 from .flush import flush
 from .gpipe import gpipe
@@ -28,11 +28,12 @@ from .pipedream import pipedream, pipedream_version
 from .pipemare import pipemare, pipemare_backward_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
 from .twobw import twobw, twobw_version
+from .vshape import dualpipev, vshape_stash, vshape_weight_grads, zbv
 from .zbh1 import zbh1
 
 __all__ = [
-    "Action", "Kind", "P2P", "Comms", "ScheduleError", "ScheduleSpec", "SCHEDULES",
-    "keeps_versions", "INTERLEAVED", "PIPELINE_SCHEDULES", "VIRTUAL_STAGE_SCHEDULES",
+    "Action", "Kind", "P2P", "Comms", "Placement", "ScheduleError", "ScheduleSpec", "SCHEDULES",
+    "keeps_versions", "placement_of", "V_SCHEDULES", "INTERLEAVED", "PIPELINE_SCHEDULES", "VIRTUAL_STAGE_SCHEDULES",
     "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
     "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
     "Costs", "SimResult", "Span", "simulate", "format_timeline",
@@ -62,6 +63,9 @@ class ScheduleSpec:
     backward_version_of: Callable[[int, int, int, int], int] | None = None
     """Like `version_of`, for the backward (B, I, W) where it reads another version than its
     forward (no weight stashing); None: the forward's."""
+    shape: str = "loop"
+    """Where its model chunks sit (`Placement`): "v" runs two chunks per stage in a V; "loop"
+    one chunk, or V chunks interleaved (`INTERLEAVED`)."""
 
 
 def _batch_reads(version_of_batch: Callable[[int], int]) -> Callable[[int, int, int, int], int]:
@@ -87,10 +91,20 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     # ZB-H1 (Qi et al., ICLR 2024, Section 2.1): flush's order and stash, W(j-i) after I(j).
     "zb-h1": ScheduleSpec("zb-h1", zbh1, _batch_reads(lambda b: b), 1,
                           lambda d, m, i: min(d - i, m), lambda d, m, i: min(i + 1, m)),
+    # ZB-V and DualPipeV (schedules/vshape.py): two chunks per stage in a V; stash and
+    # pending W's counted in chunk passes (each half a stage's activations).
+    "zb-v": ScheduleSpec("zb-v", zbv, _batch_reads(lambda b: b), 1, vshape_stash("zb-v"),
+                         vshape_weight_grads("zb-v"), shape="v"),
+    "dualpipev": ScheduleSpec("dualpipev", dualpipev, _batch_reads(lambda b: b), 1,
+                              vshape_stash("dualpipev"), vshape_weight_grads("dualpipev"),
+                              shape="v"),
 }
 """Our schedules (``--pipeline-schedule``; "megatron" is megatron-core's own). Those holding
 more than one weight version never flush: a call leaves microbatches in flight."""
 
+
+V_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.shape == "v")
+"""Schedules that run two model chunks per stage in the V placement."""
 
 INTERLEAVED: dict[str, Callable[..., list[Action]]] = {"flush": interleaved_flush,
                                                      "2bw": interleaved_twobw}
@@ -105,12 +119,14 @@ VIRTUAL_STAGE_SCHEDULES = ("megatron", *INTERLEAVED)
 an interleaved form (flush, 2BW-interleaved)."""
 
 
-def _neighbours(stage: int, depth: int, chunks: int) -> list[int]:
-    """The stages `stage` exchanges with: the previous and next one, and with model chunks the
-    ring's wrap-around (the last stage feeds stage 0's next chunk)."""
-    if chunks > 1:
-        return sorted({(stage - 1) % depth, (stage + 1) % depth} - {stage})
-    return [s for s in (stage - 1, stage + 1) if 0 <= s < depth]
+def placement_of(schedule: str, depth: int, chunks: int = 1) -> Placement:
+    """Where `schedule`'s model chunks sit: the V of a V schedule (two chunks, whatever
+    `chunks` says short of another number), else the loop of `chunks` chunks."""
+    if schedule in SCHEDULES and SCHEDULES[schedule].shape == "v":
+        if chunks not in (1, 2):
+            raise ValueError(f"{schedule} runs 2 model chunks per stage (a V), not {chunks}")
+        return Placement.v(depth)
+    return Placement(depth, chunks)
 
 
 def keeps_versions(schedule: str) -> bool:
@@ -139,11 +155,11 @@ def call_actions(schedule: str, depth: int, microbatches: int, stage: int, call:
     `fill`: the pipeline is empty when the call starts (first call, or first after a drain).
     `drain`: the call leaves it empty (last call, or before evaluation / a checkpoint).
     Only 2BW looks at them; the other schedules fill and drain in every call. `chunks`: model
-    chunks per stage (`INTERLEAVED` schedules)."""
+    chunks per stage (`INTERLEAVED` schedules; a V schedule runs two whatever it says)."""
     spec = _spec(schedule, depth, microbatches)
     if not 0 <= stage < depth:
         raise ValueError(f"stage {stage} outside 0..{depth - 1}")
-    if chunks > 1:
+    if placement_of(schedule, depth, chunks).shape == "loop" and chunks > 1:
         if schedule not in INTERLEAVED:
             raise ValueError(f"{schedule} runs one model chunk per stage; with {chunks}: "
                              f"{', '.join(sorted(INTERLEAVED))}")
@@ -185,7 +201,9 @@ def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: in
              version_of=lambda stage, k: spec.version_of(depth, microbatches, stage, k),
              backward_version_of=None if backward is None else
              lambda stage, k: backward(depth, microbatches, stage, k),
-             max_versions=spec.max_versions)
+             max_versions=spec.max_versions,
+             placement=placement_of(schedule, depth,
+                                    1 + max((a.chunk for x in lists for a in x), default=0)))
 
 
 def call_program(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
@@ -197,8 +215,9 @@ def call_program(schedule: str, depth: int, microbatches: int, stage: int, call:
         return call_actions(schedule, depth, microbatches, s, call, fill=fill, drain=drain,
                             chunks=chunks)
 
-    neighbours = {s: actions(s) for s in _neighbours(stage, depth, chunks)}
-    return fuse(actions(stage), stage, depth, neighbours, chunks=chunks)
+    placement = placement_of(schedule, depth, chunks)
+    neighbours = {s: actions(s) for s in placement.peers(stage)}
+    return fuse(actions(stage), stage, depth, neighbours, placement=placement)
 
 
 def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches: int, *,
@@ -216,15 +235,22 @@ def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches:
     return programs
 
 
-def forward_program(depth: int, microbatches: int, stage: int, chunks: int = 1) -> list[Step]:
+def forward_program(depth: int, microbatches: int, stage: int, chunks: int = 1,
+                    placement: Placement | None = None) -> list[Step]:
     """An evaluation call (forward only) on `stage`: every microbatch forward once through
-    each of its `chunks` model chunks, in order (interleaved: `interleaved.forward_slots`), with
-    its exchanges. Actions read version 0 here; the executor uses the newest weights."""
+    each of its `chunks` model chunks, in order (interleaved: `interleaved.forward_slots`; the
+    V: all through chunk 0, then all through chunk 1), with its exchanges. Actions read
+    version 0 here; the executor uses the newest weights."""
+    placement = placement or Placement(depth, chunks)
+
     def forwards() -> list[Action]:
+        if placement.shape == "v":
+            return [Action(Kind.FORWARD, j, 0, 0, c) for c in (0, 1)
+                    for j in range(microbatches)]
         if chunks > 1:
             return [Action(Kind.FORWARD, j, 0, 0, c)
                     for j, c in forward_slots(depth, microbatches, chunks)]
         return [Action(Kind.FORWARD, j, 0, 0) for j in range(microbatches)]
 
-    neighbours = {s: forwards() for s in _neighbours(stage, depth, chunks)}
-    return fuse(forwards(), stage, depth, neighbours, chunks=chunks)
+    neighbours = {s: forwards() for s in placement.peers(stage)}
+    return fuse(forwards(), stage, depth, neighbours, placement=placement)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import SCHEDULES, ScheduleError, Costs, format_timeline, pipeline_programs, simulate
+from . import (SCHEDULES, ScheduleError, Costs, format_timeline, pipeline_programs,
+               placement_of, simulate)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage, program in enumerate(programs):
         print(f"stage {stage}: " + " ".join(map(str, program)))
     try:
-        result = simulate(programs, Costs(forward=1.0, backward=2.0), step_sync=args.step_sync)
+        result = simulate(programs, Costs(forward=1.0, backward=2.0), step_sync=args.step_sync,
+                          placement=placement_of(args.schedule, args.stages))
     except ScheduleError as error:
         print(f"\nNCCL mode: {error}")
         return 1

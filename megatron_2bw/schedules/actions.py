@@ -15,7 +15,8 @@ A microbatch's backward on a stage is either one fused B (the common case) or an
 later, by its W (zero-bubble schedules, Qi et al., ICLR 2024, Section 2, where the input
 gradient is called B; the letters here are those of torch.distributed.pipelining, which keeps
 B for the whole backward). With V model chunks
-per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement).
+per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement), or,
+in the V of ZB-V and DualPipeV, i and 2d-1-i (`Placement`).
 
 Microbatches are numbered globally across batches from 0: batch b holds microbatches
 b*m .. b*m+m-1, with m microbatches per batch. Version 0 is the initial weights; the step after
@@ -48,7 +49,7 @@ __all__ = [
     "format_actions",
     "parse_actions",
     "communication",
-    "virtual_neighbour",
+    "Placement",
     "format_grid",
     "validate",
 ]
@@ -160,36 +161,93 @@ class Comms:
     send: P2P | None
 
 
-def virtual_neighbour(stage: int, chunk: int, step: int, depth: int,
-                       chunks: int) -> tuple[int, int] | None:
-    """(stage, chunk) of virtual stage ``chunk*depth + stage + step`` (step +-1), None past
-    either end of the model (Megatron's interleaved placement: chunk c of stage i holds
-    virtual stage c*d + i)."""
-    virtual = chunk * depth + stage + step
-    if not 0 <= virtual < depth * chunks:
-        return None
-    return virtual % depth, virtual // depth
+@dataclass(frozen=True)
+class Placement:
+    """Which piece of the model (virtual stage, counted from the input) each stage's model
+    chunk holds, for `depth` stages of `chunks` chunks each.
+
+    "loop" (Megatron's interleaved placement; one chunk: plain pipelining): chunk c of stage i
+    holds virtual stage c*d + i, so the model loops over the stages V times and stage 0's
+    chunk c follows stage d-1's chunk c-1.
+    "v" (ZB-V and DualPipeV; Qi et al., "Pipeline Parallelism with Controllable Memory",
+    2024, and torch.distributed.pipelining's ``style="v"``): two chunks, chunk 0 of stage i
+    holds virtual stage i and chunk 1 holds 2d-1-i. The model goes down the stages and comes
+    back up: the turn at stage d-1 (its chunk 0 feeds its chunk 1) is a local hand-off, and
+    stage 0 holds both the first virtual stage (the input) and the last (the loss).
+    """
+
+    depth: int
+    chunks: int = 1
+    shape: Literal["loop", "v"] = "loop"
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("loop", "v"):
+            raise ValueError(f"a placement is 'loop' or 'v', not {self.shape!r}")
+        if self.shape == "v" and self.chunks != 2:
+            raise ValueError(f"the V placement has 2 chunks per stage, not {self.chunks}")
+        if self.shape == "loop" and self.chunks > 1 and self.depth < 2:
+            raise ValueError(f"{self.chunks} model chunks per stage need at least 2 stages, "
+                             f"got {self.depth}")
+
+    @classmethod
+    def v(cls, depth: int) -> "Placement":
+        return cls(depth, 2, "v")
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The virtual stage chunk `chunk` of stage `stage` holds."""
+        if self.shape == "v" and chunk == 1:
+            return 2 * self.depth - 1 - stage
+        return chunk * self.depth + stage
+
+    def holder(self, virtual: int) -> tuple[int, int]:
+        """(stage, chunk) holding virtual stage `virtual`: the inverse of `virtual`."""
+        chunk, offset = divmod(virtual, self.depth)
+        if self.shape == "v" and chunk == 1:
+            return self.depth - 1 - offset, 1
+        return offset, chunk
+
+    def neighbour(self, stage: int, chunk: int, step: int) -> tuple[int, int] | None:
+        """(stage, chunk) of the virtual stage `step` (+-1) away from (stage, chunk), None past
+        either end of the model."""
+        virtual = self.virtual(stage, chunk) + step
+        if not 0 <= virtual < self.depth * self.chunks:
+            return None
+        return self.holder(virtual)
+
+    def is_first(self, stage: int, chunk: int) -> bool:
+        """Whether (stage, chunk) is the model's first virtual stage (it reads the input)."""
+        return self.virtual(stage, chunk) == 0
+
+    def is_last(self, stage: int, chunk: int) -> bool:
+        """Whether (stage, chunk) is the model's last virtual stage (it computes the loss)."""
+        return self.virtual(stage, chunk) == self.depth * self.chunks - 1
+
+    def peers(self, stage: int) -> list[int]:
+        """The other stages `stage` exchanges tensors with, in order."""
+        found = {n[0] for c in range(self.chunks) for step in (-1, 1)
+                 if (n := self.neighbour(stage, c, step)) is not None}
+        return sorted(found - {stage})
 
 
 def communication(actions: Sequence[Action], stage: int, depth: int, *,
-                  chunks: int = 1) -> list[Comms]:
+                  chunks: int = 1, placement: Placement | None = None) -> list[Comms]:
     """For each action of `stage`'s list, the transfers it implies, with `chunks` model chunks
-    per stage.
+    per stage placed as `placement` says (default: the loop placement of `chunks`).
 
     F(k) receives F(k)'s activation from the previous virtual stage and sends its output to the
     next; B(k) and I(k) receive the output gradient from the next virtual stage and send their
     input gradient to the previous; the first and last virtual stage have no peer on one side;
     W and steps communicate nothing point-to-point. With one chunk the previous virtual stage
     is stage-1 and the next stage+1; with V chunks, chunk c of stage 0 follows chunk c-1 of
-    stage d-1.
+    stage d-1. A neighbour on the stage itself (the V's turn) is a local hand-off: no
+    transfer.
     """
-    if chunks > 1 and depth < 2:
-        raise ValueError(f"{chunks} model chunks per stage need at least 2 stages, got {depth}")
+    placement = placement or Placement(depth, chunks)
     comms = []
     for a in actions:
-        if a.kind is not Kind.STEP and not 0 <= a.chunk < chunks:
-            raise ValueError(f"{a} on stage {stage}: chunk outside 0..{chunks - 1}")
-        before, after = (virtual_neighbour(stage, a.chunk, step, depth, chunks)
+        if a.kind is not Kind.STEP and not 0 <= a.chunk < placement.chunks:
+            raise ValueError(f"{a} on stage {stage}: chunk outside 0..{placement.chunks - 1}")
+        before, after = (_remote(placement.neighbour(stage, a.chunk, step), stage)
                          for step in (-1, 1))
         if a.kind is Kind.FORWARD:
             recv = None if before is None else P2P(before[0], "activation", a.microbatch,
@@ -202,6 +260,11 @@ def communication(actions: Sequence[Action], stage: int, depth: int, *,
             recv = send = None
         comms.append(Comms(recv, send))
     return comms
+
+
+def _remote(neighbour: tuple[int, int] | None, stage: int) -> tuple[int, int] | None:
+    """A neighbour on another stage; None at the model's ends and for a local hand-off."""
+    return None if neighbour is None or neighbour[0] == stage else neighbour
 
 
 # --- the grid and the validator --------------------------------------------------------------
@@ -229,9 +292,10 @@ def format_grid(schedule: Sequence[Sequence[Action]],
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batches: int, *,
              version_of: Callable[[int, int], int] | None = None,
              backward_version_of: Callable[[int, int], int] | None = None,
-             max_versions: int | None = None) -> None:
+             max_versions: int | None = None, placement: Placement | None = None) -> None:
     """Raise `ScheduleError` unless on every stage and for every model chunk (V = one more than
-    the largest chunk in the schedule): each microbatch of the `num_batches` batches has exactly
+    the largest chunk in the schedule, placed as `placement` says, by default the loop
+    placement): each microbatch of the `num_batches` batches has exactly
     one F and then either one B or one I and later one W, all with the same version
     (`version_of(stage, microbatch)` if given), or, with `backward_version_of`, the backward's
     (B, I, W) that version instead (no weight stashing); a forward reads a version already
@@ -239,12 +303,34 @@ def validate(schedule: Sequence[Sequence[Action]], microbatches: int, num_batche
     order; and at most `max_versions` weight versions are alive (the newest plus those made
     already that microbatches forwarded and not yet through their B or W will read there).
     Across stages: each stage receives activations and gradients in the order its neighbours
-    send them."""
+    send them; a local hand-off (the V's turn) comes after the action that makes it."""
     chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
+    placement = placement or Placement(len(schedule), chunks)
     for stage, actions in enumerate(schedule):
         _validate_stage(schedule, stage, microbatches, num_batches, chunks, version_of,
                         backward_version_of, max_versions)
-    _check_channel_order(schedule, chunks)
+        _check_local_handoffs(schedule, stage, placement)
+    _check_channel_order(schedule, placement)
+
+
+def _check_local_handoffs(schedule: Sequence[Sequence[Action]], stage: int,
+                          placement: Placement) -> None:
+    """An F whose previous virtual stage is on the same stage runs after that chunk's F of
+    the microbatch, and a B or I whose next one is, after that chunk's B or I."""
+    done: set[tuple[Kind, int, int]] = set()
+    for j, a in enumerate(schedule[stage]):
+        if a.kind not in (Kind.FORWARD, *SENDS_GRAD):
+            continue
+        forward = a.kind is Kind.FORWARD
+        source = placement.neighbour(stage, a.chunk, -1 if forward else 1)
+        if source is not None and source[0] == stage:
+            kinds = (Kind.FORWARD,) if forward else SENDS_GRAD
+            if not any((kind, a.microbatch, source[1]) in done for kind in kinds):
+                raise ScheduleError(
+                    f"stage {stage}, step {j} ({a}): its input comes from this stage's chunk "
+                    f"{source[1]}, which has not made it yet\n"
+                    + format_grid(schedule, {stage: j}))
+        done.add((a.kind, a.microbatch, a.chunk))
 
 
 def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatches: int,
@@ -321,12 +407,12 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
                             + format_grid(schedule))
 
 
-def _check_channel_order(schedule: Sequence[Sequence[Action]], chunks: int) -> None:
+def _check_channel_order(schedule: Sequence[Sequence[Action]], placement: Placement) -> None:
     """Point-to-point messages between two stages are matched in order (Megatron's p2p has no
     tags), so a stage must receive each kind of tensor in the order its neighbour sends it:
     activations in the sender's forward order, gradients in its backward order."""
     depth = len(schedule)
-    comms = [communication(actions, stage, depth, chunks=chunks)
+    comms = [communication(actions, stage, depth, placement=placement)
              for stage, actions in enumerate(schedule)]
 
     def order(stage: int, op: str, peer: int, tensor: str) -> list[tuple[int, int, int]]:
@@ -338,9 +424,7 @@ def _check_channel_order(schedule: Sequence[Sequence[Action]], chunks: int) -> N
         return found
 
     for sender in range(depth):
-        for receiver in {sender - 1, sender + 1, (sender + 1) % depth, (sender - 1) % depth}:
-            if receiver == sender or not 0 <= receiver < depth:
-                continue
+        for receiver in placement.peers(sender):
             for tensor in ("activation", "grad"):
                 sent = order(sender, "send", receiver, tensor)
                 for (k_sent, c_sent, _), (k_recv, c_recv, j) in zip(

@@ -8,9 +8,11 @@ groups), the weight versions of 2BW and PipeDream (the schedules that keep sever
 is said of 2BW below holds for both. With virtual stages (V model chunks per stage: flush
 and 2BW, whose one weight version spans the V chunks), an action names its chunk: it runs that chunk's model on that chunk's data iterator,
 and the stash, inbox and outbox are keyed by (microbatch, chunk); "first stage" and "last
-stage" below mean the first and last virtual stage (chunk 0 of stage 0, chunk V-1 of stage
-d-1), and stage 0 exchanges with stage d-1 (the ring: chunk c of the last stage feeds chunk
-c+1 of stage 0).
+stage" below mean the first and last virtual stage (the runner's `Placement`: in the loop,
+chunk 0 of stage 0 and chunk V-1 of stage d-1, and stage 0 exchanges with stage d-1, whose
+chunk c feeds chunk c+1 of stage 0; in the V of zb-v and dualpipev, chunks 0 and 1 of stage
+0, and stage d-1's chunk 0 hands its output to its chunk 1 through ``handoff``, detached as a
+received tensor, without a transfer; the gradient comes back the same way).
 Steps are dispatched through a table:
 
     {..}: one batch_isend_irecv group: send what earlier actions left in the outbox, receive
@@ -82,8 +84,8 @@ from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
 from megatron_2bw.runtime import device, distributed
 from megatron_2bw.runtime.clock import clock_for
-from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
-                                    forward_program, keeps_versions)
+from megatron_2bw.schedules import (Action, Exchange, Kind, Placement, Step, call_program,
+                                    format_grid, forward_program, keeps_versions, placement_of)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS, SENDS_GRAD
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.schedules.pipemare import PipeMareOptions, call_schedule, correction_span
@@ -155,6 +157,9 @@ class PipelineRunner:
         # (tensor, microbatch, the sender's chunk) -> tensor, as transfers name them
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # received, not used yet
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # made, not sent yet
+        # the V's turn, keyed as the outbox: a chunk's output for the next chunk of this stage
+        self.handoff: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.placement = Placement(1)
         self.chunks = 1
         self.versions: WeightVersions | None = None
         self.comm: StageComm | None = None
@@ -219,7 +224,7 @@ class PipelineRunner:
     def drain(self) -> None:
         """Called before evaluation and checkpoints: the pipeline must already be empty, and
         a deferred step is applied."""
-        if self.stash or self.weight_grads or self.inbox or self.outbox:
+        if self.stash or self.weight_grads or self.inbox or self.outbox or self.handoff:
             raise RuntimeError(f"{self.schedule}: microbatches are still in flight; call "
                                "prepare_drain() before the last training call")
         if self.deferred is not None:
@@ -240,6 +245,7 @@ class PipelineRunner:
         self.depth = ps.get_pipeline_model_parallel_world_size()
         self.is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.chunks = len(models)
+        self.placement = placement_of(self.schedule, self.depth, self.chunks)
         if keeps_versions(self.schedule) and self.versions is None:
             self.bind(models)
         if keeps_versions(self.schedule) and self.step_mode is None:
@@ -399,28 +405,43 @@ class PipelineRunner:
 
     def _first(self, chunk: int) -> bool:
         """Whether ``chunk`` of this stage is the model's first virtual stage (reads data)."""
-        return self.stage == 0 and chunk == 0
+        return self.placement.is_first(self.stage, chunk)
 
     def _last(self, chunk: int) -> bool:
         """Whether ``chunk`` of this stage is the model's last virtual stage (the loss)."""
-        return self.is_last and chunk == self.chunks - 1
+        return self.placement.is_last(self.stage, chunk)
+
+    def _take(self, tensor: str, microbatch: int, chunk: int, step: int) -> torch.Tensor | None:
+        """What the virtual stage `step` (+-1) away from ``chunk`` made for ``microbatch``:
+        received from its stage, or handed over by this stage's other chunk (the V's turn);
+        None past the model's ends."""
+        maker = self.placement.neighbour(self.stage, chunk, step)
+        if maker is None:
+            return None
+        box = self.handoff if maker[0] == self.stage else self.inbox
+        return box.pop((tensor, microbatch, maker[1]))
+
+    def _give(self, tensor: str, microbatch: int, chunk: int, step: int,
+              value: torch.Tensor) -> None:
+        """Pass ``value`` to the virtual stage `step` (+-1) away: into the outbox for its
+        stage, or, on this stage (the V's turn), detached as a received tensor would be."""
+        taker = self.placement.neighbour(self.stage, chunk, step)
+        if taker is None:
+            return
+        if taker[0] == self.stage:
+            self.handoff[tensor, microbatch, chunk] = value.detach()
+        else:
+            self.outbox[tensor, microbatch, chunk] = value
 
     def _input(self, microbatch: int, chunk: int) -> torch.Tensor | None:
-        """The previous virtual stage's output for ``microbatch`` (None on the first): sent by
-        the previous stage's same chunk, or on stage 0 by the last stage's chunk before."""
-        if self._first(chunk):
-            return None
-        sender = chunk if self.stage > 0 else chunk - 1
-        return self.inbox.pop(("activation", microbatch, sender)).requires_grad_(True)
+        """The previous virtual stage's output for ``microbatch`` (None on the first)."""
+        received = self._take("activation", microbatch, chunk, -1)
+        return None if received is None else received.requires_grad_(True)
 
     def _output_grad(self, microbatch: int, chunk: int) -> torch.Tensor | None:
         """The next virtual stage's input gradient for ``microbatch`` (None on the last: its
-        output is the loss): sent by the next stage's same chunk, or on the last stage by
-        stage 0's chunk after."""
-        if self._last(chunk):
-            return None
-        sender = chunk + 1 if self.is_last else chunk
-        return self.inbox.pop(("grad", microbatch, sender))
+        output is the loss)."""
+        return self._take("grad", microbatch, chunk, 1)
 
     def _forward(self, action: Action, call: _Call) -> None:
         from megatron.core.pipeline_parallel.schedules import forward_step
@@ -436,8 +457,7 @@ class PipelineRunner:
             call.losses, call.config, 1, is_first_microbatch=k % m == 0,
             current_microbatch=k % m, vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
         call.num_tokens += num_tokens
-        if not self._last(c):
-            self.outbox["activation", k, c] = output
+        self._give("activation", k, c, 1, output)
         self.stash[k, c] = (input_tensor, output)
         self.forward_read[k, c] = action.version
 
@@ -470,7 +490,7 @@ class PipelineRunner:
             input_grad = backward_step(input_tensor, output, output_grad,
                                        ModelType.encoder_or_decoder, call.config)
         if not self._first(action.chunk):
-            self.outbox["grad", k, action.chunk] = input_grad
+            self._give("grad", k, action.chunk, -1, input_grad)
 
     def _input_grad(self, action: Action, call: _Call) -> None:
         """I: the input gradient and the small parameters' gradients; the linear layers'
@@ -487,7 +507,7 @@ class PipelineRunner:
         with self._param_grads(action, call):
             self.weight_grads[k, c] = store.input_pass(output, output_grad, input_tensor)
         if not self._first(c):
-            self.outbox["grad", k, c] = input_tensor.grad
+            self._give("grad", k, c, -1, input_tensor.grad)
 
     def _weight_grad(self, action: Action, call: _Call) -> None:
         """W: the microbatch's deferred weight-gradient GEMMs."""
@@ -548,10 +568,10 @@ class PipelineRunner:
                                      call.config, 1, collect_non_loss_data,
                                      is_first_microbatch=j == 0, current_microbatch=j,
                                      vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
-            if not self._last(c):
-                self.outbox["activation", j, c] = output
+            self._give("activation", j, c, 1, output)
 
-        self._execute(forward_program(self.depth, m, self.stage, self.chunks), call, forward)
+        self._execute(forward_program(self.depth, m, self.stage, self.chunks, self.placement),
+                      call, forward)
         return call.losses
 
     # ---- checkpoints (2BW keeps its older weight version) --------------------------------

@@ -15,17 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_2bw.schedules import VIRTUAL_STAGE_SCHEDULES, keeps_versions
+from megatron_2bw.schedules import V_SCHEDULES, VIRTUAL_STAGE_SCHEDULES, keeps_versions
 from megatron_2bw.schedules.interleaved import warmup_slots
 
 __all__ = ["Problem", "Batch", "RECOMPUTE_REFUSED", "too_few_microbatches", "recompute_problem",
-           "virtual_stage_problem"]
+           "virtual_stage_problem", "v_placement_problem"]
 
 RECOMPUTE_REFUSED = {
     "zb-h1": "the recomputation's nested backward ignores the split into input and weight "
              "gradients",
     "pipemare": "recomputing at the backward would redo the forward with the backward's newer "
                 "weights",
+    "zb-v": "the recomputation's nested backward ignores the split into input and weight "
+            "gradients",
+    "dualpipev": "the recomputation's nested backward ignores the split into input and weight "
+                 "gradients",
 }
 """Schedules that run without activation recomputation, and why."""
 
@@ -113,4 +117,32 @@ def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int,
                                        f"versions only when the first stage's {look_ahead} "
                                        f"warm-up forwards (2(d-1) + (V-1)d) fit in one batch: "
                                        f"m x V = {batch.m} x {v} < {look_ahead}")
+    return None
+
+
+def v_placement_problem(schedule: str, d: int, v: int | None, num_layers: int,
+                        batches: Sequence[Batch], tied: bool) -> Problem | None:
+    """zb-v and dualpipev (``V_SCHEDULES``): two model chunks per rank in a V (rank i holds
+    stages i and 2d-1-i), so V is theirs (None or 2), d >= 2, L a multiple of 2d, untied
+    embeddings (the V puts the embedding and the output layer on rank 0's two chunks, outside
+    megatron-core's embedding group of first and last rank), and for DualPipeV m >= 2d in every
+    batch."""
+    if v not in (None, 1, 2):
+        return Problem("--num-virtual-stages-per-pipeline-rank",
+                       f"--pipeline-schedule {schedule} runs 2 model chunks per rank (a V); "
+                       f"leave it out")
+    if d < 2:
+        return Problem("--pipeline-model-parallel-size",
+                       f"--pipeline-schedule {schedule} needs at least 2 pipeline stages, got {d}")
+    if num_layers % (2 * d):
+        return Problem("--num-layers", f"{num_layers} layers do not split evenly over the V's "
+                                       f"2 x {d} pipeline stages = {2 * d} model chunks")
+    if tied:
+        return Problem("--untie-embeddings-and-output-weights",
+                       f"needed by --pipeline-schedule {schedule} (tied embeddings across rank "
+                       f"0's two chunks are not supported yet)")
+    for batch in batches:
+        if schedule == "dualpipev" and batch.m < 2 * d:
+            return Problem(batch.flag, f"dualpipev needs microbatches per batch m >= 2 x "
+                                       f"pipeline depth = {2 * d}: {batch.split()}")
     return None

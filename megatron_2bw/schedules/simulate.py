@@ -13,8 +13,11 @@ free and its inputs have arrived:
                       embedding all-reduce): starts when every stage got to its S(v)
 
 With V model chunks per stage (V = one more than the largest chunk in the lists), "stage i-1"
-and "stage i+1" are the previous and next virtual stage: chunk c of stage i is virtual stage
-c*d + i, so F(k) of chunk c on stage 0 waits for F(k) of chunk c-1 on stage d-1.
+and "stage i+1" are the previous and next virtual stage (`actions.Placement`): in the loop
+placement chunk c of stage i is virtual stage c*d + i, so F(k) of chunk c on stage 0 waits for
+F(k) of chunk c-1 on stage d-1; in the V placement (chunk 1 of stage i is virtual stage
+2d-1-i) F(k) of chunk 1 on stage d-1 takes chunk 0's output on the same stage, a local
+hand-off without `p2p` and without an exchange.
 
 Sends are buffered: a send never waits for its receive (Megatron posts both sides at once; a
 schedule whose receives line up in order, as all of ours do, behaves the same).
@@ -45,8 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from .actions import (SENDS_GRAD, Action, Kind, ScheduleError, format_grid,
-                      virtual_neighbour)
+from .actions import SENDS_GRAD, Action, Kind, Placement, ScheduleError, format_grid
 from .comm import Exchange, Step
 
 __all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
@@ -122,173 +124,208 @@ class SimResult:
         return [s.end for s in self.spans if s.stage == stage and s.kind is Kind.STEP]
 
 
-def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
-             step_sync: Literal["local", "pipeline"] = "local") -> SimResult:
-    """Run all stages' lists ([stage] -> [Action]) or programs ([stage] -> [Action | Exchange],
-    NCCL mode) together; see the module docstring."""
-    if step_sync not in ("local", "pipeline"):
-        raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
-    depth = len(schedule)
-    chunks = 1 + max((a.chunk for steps in schedule for a in steps if isinstance(a, Action)),
-                     default=0)
-    nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
-    partners = _partners(schedule) if nccl else {}
-    posted: dict[tuple[int, int], float] = {}  # (stage, position) of an exchange -> reached at
-    received: list[set[tuple[str, int, int]]] = [set() for _ in range(depth)]
-    forward_end: dict[tuple[int, int, int], float] = {}  # (stage, microbatch, chunk) -> end
-    backward_end: dict[tuple[int, int, int], float] = {}  # of B or I
-    step_end: dict[tuple[int, int], float] = {(i, 0): 0.0 for i in range(depth)}  # version 0
-    cursor = [0] * depth
-    free = [0.0] * depth
-    spans: list[Span] = []
-    # (microbatch, chunk) -> the version its backward reads (without weight stashing a newer
-    # one than its forward's)
-    stash: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]
-    backward_reads = [{(a.microbatch, a.chunk): a.version for a in steps
-                       if isinstance(a, Action) and a.kind in SENDS_GRAD} for steps in schedule]
-    pending: list[dict[tuple[int, int], int]] = [{} for _ in range(depth)]  # I done, W not
-    newest = [0] * depth
-    peak_stash = [0] * depth
-    peak_weight_grads = [0] * depth
-    max_versions = [1] * depth
+class _Stage:
+    """One stage's progress through its list: where it is, when it is free, and what its
+    actions hold (the bookkeeping behind `SimResult`'s memory fields)."""
 
-    def violation(stage: int, why: str) -> ScheduleError:
-        return ScheduleError(f"dependency violation on stage {stage}, step {cursor[stage]} "
-                             f"({schedule[stage][cursor[stage]]}): {why}\n"
-                             + format_grid(schedule, {stage: cursor[stage]}))
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self.steps = steps
+        self.cursor = 0
+        """Position of the next step in `steps`."""
+        self.free = 0.0
+        """When the stage's last action (or exchange) ended."""
+        self.forward_end: dict[tuple[int, int], float] = {}  # (microbatch, chunk) -> end
+        self.backward_end: dict[tuple[int, int], float] = {}  # of its B or I
+        self.step_end: dict[int, float] = {0: 0.0}  # version -> when the stage made it
+        self.received: set[tuple[str, int, int]] = set()  # NCCL mode: (tensor, mb, chunk)
+        self.backward_reads = {(a.microbatch, a.chunk): a.version for a in steps
+                               if isinstance(a, Action) and a.kind in SENDS_GRAD}
+        """(microbatch, chunk) -> the version its backward reads (without weight stashing a
+        newer one than its forward's)."""
+        self.stash: dict[tuple[int, int], int] = {}  # forwarded, before B or I -> version
+        self.pending: dict[tuple[int, int], int] = {}  # after I, before W -> version
+        self.newest = 0
+        self.peak_stash = self.peak_weight_grads = 0
+        self.max_versions = 1
 
-    def source(stage: int, a: Action) -> tuple[str, tuple[int, int] | None]:
+    def next(self) -> Step | None:
+        return self.steps[self.cursor] if self.cursor < len(self.steps) else None
+
+    def record(self, a: Action, end: float) -> None:
+        """`a` ran until `end`: move the cursor and update what the stage holds."""
+        self.free, self.cursor, key = end, self.cursor + 1, (a.microbatch, a.chunk)
+        if a.kind is Kind.FORWARD:
+            self.forward_end[key] = end
+            self.stash[key] = self.backward_reads.get(key, a.version)
+        elif a.kind in SENDS_GRAD:
+            self.backward_end[key] = end
+            version = self.stash.pop(key)
+            if a.kind is Kind.INPUT_GRAD:
+                self.pending[key] = version
+        elif a.kind is Kind.WEIGHT_GRAD:
+            self.pending.pop(key)
+        else:
+            self.step_end[a.version] = end
+            self.newest = max(self.newest, a.version)
+        self.peak_stash = max(self.peak_stash, len(self.stash))
+        self.peak_weight_grads = max(self.peak_weight_grads, len(self.pending))
+        alive = {self.newest, *(v for v in (*self.stash.values(), *self.pending.values())
+                                if v <= self.newest)}
+        self.max_versions = max(self.max_versions, len(alive))
+
+
+class _Simulation:
+    """All stages run together: `ready` says when an action's inputs are there, `run` runs it,
+    `exchange` completes a fused group (NCCL mode), `advance` runs one stage as far as it can."""
+
+    def __init__(self, schedule: Sequence[Sequence[Step]], costs: Costs,
+                 step_sync: Literal["local", "pipeline"], placement: Placement | None) -> None:
+        self.schedule, self.costs, self.step_sync = schedule, costs, step_sync
+        self.depth = len(schedule)
+        chunks = 1 + max((a.chunk for steps in schedule for a in steps
+                          if isinstance(a, Action)), default=0)
+        self.placement = placement or Placement(self.depth, chunks)
+        self.nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
+        self.partners = _partners(schedule) if self.nccl else {}
+        self.posted: dict[tuple[int, int], float] = {}  # (stage, position) -> reached at
+        self.stages = [_Stage(steps) for steps in schedule]
+        self.spans: list[Span] = []
+
+    def violation(self, stage: int, why: str) -> ScheduleError:
+        at = self.stages[stage].cursor
+        return ScheduleError(f"dependency violation on stage {stage}, step {at} "
+                             f"({self.schedule[stage][at]}): {why}\n"
+                             + format_grid(self.schedule, {stage: at}))
+
+    def source(self, stage: int, a: Action) -> tuple[str, tuple[int, int] | None]:
         """The tensor `a` receives and the (stage, chunk) that makes it (None: no input)."""
         if a.kind is Kind.FORWARD:
-            return "activation", virtual_neighbour(stage, a.chunk, -1, depth, chunks)
-        return "grad", virtual_neighbour(stage, a.chunk, 1, depth, chunks)
+            return "activation", self.placement.neighbour(stage, a.chunk, -1)
+        return "grad", self.placement.neighbour(stage, a.chunk, 1)
 
-    def received_input(stage: int, a: Action) -> float:
-        """NCCL mode: the input came in an exchange before `a`, or `a` can never run."""
-        tensor, peer = source(stage, a)
-        if peer is not None and (tensor, a.microbatch, peer[1]) not in received[stage]:
-            raise violation(stage, f"its input ({tensor} of microbatch {a.microbatch}) "
-                                   "is not received in an exchange before it")
-        return free[stage]
-
-    def inputs_ready(stage: int, a: Action) -> float | None:
+    def ready(self, stage: int, a: Action) -> float | None:
         """When `a`'s inputs are there; None while another stage has not produced them."""
+        here = self.stages[stage]
         if a.kind is Kind.STEP:
-            return free[stage]
-        if (stage, a.version) not in step_end:
-            raise violation(stage, f"version {a.version} is not made before it on this stage")
-        ready = step_end[stage, a.version]
-        key = (a.microbatch, a.chunk)
-        if a.kind in SENDS_GRAD and key not in stash[stage]:
-            raise violation(stage, "no forward of this microbatch before it on this stage")
+            return here.free
+        if a.version not in here.step_end:
+            raise self.violation(stage, f"version {a.version} is not made before it on this "
+                                        "stage")
+        ready, key = here.step_end[a.version], (a.microbatch, a.chunk)
+        if a.kind in SENDS_GRAD and key not in here.stash:
+            raise self.violation(stage, "no forward of this microbatch before it on this stage")
         if a.kind is Kind.WEIGHT_GRAD:
-            if key not in pending[stage]:
-                raise violation(stage, "no input gradient of this microbatch before it")
+            if key not in here.pending:
+                raise self.violation(stage, "no input gradient of this microbatch before it")
             return ready
-        if nccl:
-            return max(ready, received_input(stage, a))
-        _, peer = source(stage, a)
-        ends = forward_end if a.kind is Kind.FORWARD else backward_end
+        tensor, peer = self.source(stage, a)
         if peer is None:
             return ready
-        if (peer[0], a.microbatch, peer[1]) not in ends:
+        if peer[0] == stage:  # the V's turn: a local hand-off, after its maker on this stage
+            ends = here.forward_end if a.kind is Kind.FORWARD else here.backward_end
+            if (a.microbatch, peer[1]) not in ends:
+                raise self.violation(stage, f"its input ({tensor} of microbatch "
+                                            f"{a.microbatch}) is made by chunk {peer[1]} of "
+                                            "this stage after it")
+            return max(ready, ends[a.microbatch, peer[1]])
+        if self.nccl:  # the input came in an exchange before `a`, or `a` can never run
+            if (tensor, a.microbatch, peer[1]) not in here.received:
+                raise self.violation(stage, f"its input ({tensor} of microbatch "
+                                            f"{a.microbatch}) is not received in an exchange "
+                                            "before it")
+            return max(ready, here.free)
+        there = self.stages[peer[0]]
+        ends = there.forward_end if a.kind is Kind.FORWARD else there.backward_end
+        if (a.microbatch, peer[1]) not in ends:
             return None
-        return max(ready, ends[peer[0], a.microbatch, peer[1]] + costs.p2p)
+        return max(ready, ends[a.microbatch, peer[1]] + self.costs.p2p)
 
-    def run(stage: int, a: Action, start: float) -> None:
-        end = start + costs.of(a, stage)
-        spans.append(Span(stage, a.kind, a.microbatch, a.version, start, end, a.chunk))
-        free[stage] = end
-        cursor[stage] += 1
-        key = (a.microbatch, a.chunk)
-        if a.kind is Kind.FORWARD:
-            forward_end[(stage, *key)] = end
-            stash[stage][key] = backward_reads[stage].get(key, a.version)
-        elif a.kind in SENDS_GRAD:
-            backward_end[(stage, *key)] = end
-            version = stash[stage].pop(key)
-            if a.kind is Kind.INPUT_GRAD:
-                pending[stage][key] = version
-        elif a.kind is Kind.WEIGHT_GRAD:
-            pending[stage].pop(key)
-        else:
-            step_end[stage, a.version] = end
-            newest[stage] = max(newest[stage], a.version)
-        peak_stash[stage] = max(peak_stash[stage], len(stash[stage]))
-        peak_weight_grads[stage] = max(peak_weight_grads[stage], len(pending[stage]))
-        alive = {newest[stage], *(v for v in (*stash[stage].values(), *pending[stage].values())
-                                   if v <= newest[stage])}
-        max_versions[stage] = max(max_versions[stage], len(alive))
+    def run(self, stage: int, a: Action, start: float) -> None:
+        end = start + self.costs.of(a, stage)
+        self.spans.append(Span(stage, a.kind, a.microbatch, a.version, start, end, a.chunk))
+        self.stages[stage].record(a, end)
 
-    def try_exchange(stage: int, exchange: Exchange) -> bool:
-        """Complete the exchange `stage` waits at once every partner exchange is posted."""
-        here = (stage, cursor[stage])
-        if not all(partner in posted for partner in partners[here]):
+    def exchange(self, stage: int, exchange: Exchange) -> bool:
+        """Post the exchange `stage` is at; complete it once every partner exchange is
+        posted."""
+        here = self.stages[stage]
+        at = (stage, here.cursor)
+        self.posted.setdefault(at, here.free)
+        if not all(partner in self.posted for partner in self.partners[at]):
             return False
-        end = max(posted[p] for p in (here, *partners[here])) + costs.p2p
-        received[stage].update(t.key for t in exchange.transfers if t.op == "recv")
-        free[stage] = max(free[stage], end)
-        cursor[stage] += 1
+        end = max(self.posted[p] for p in (at, *self.partners[at])) + self.costs.p2p
+        here.received.update(t.key for t in exchange.transfers if t.op == "recv")
+        here.free, here.cursor = max(here.free, end), here.cursor + 1
         return True
 
-    def next_step(stage: int) -> Step | None:
-        steps = schedule[stage]
-        return steps[cursor[stage]] if cursor[stage] < len(steps) else None
-
-    def is_step(step: Step | None) -> bool:
-        return isinstance(step, Action) and step.kind is Kind.STEP
-
-    while True:
-        progress = False
-        for stage in range(depth):
-            while (a := next_step(stage)) is not None:
-                if isinstance(a, Exchange):
-                    posted.setdefault((stage, cursor[stage]), free[stage])
-                    if not try_exchange(stage, a):
-                        break
-                    progress = True
-                    continue
-                if a.kind is Kind.STEP and step_sync == "pipeline":
-                    break  # joins the collective below
-                ready = inputs_ready(stage, a)
+    def advance(self, stage: int) -> bool:
+        """Run `stage` until it waits (on a peer, an exchange or the step's collective);
+        whether it moved."""
+        moved = False
+        while (a := self.stages[stage].next()) is not None:
+            if isinstance(a, Exchange):
+                if not self.exchange(stage, a):
+                    break
+            elif a.kind is Kind.STEP and self.step_sync == "pipeline":
+                break  # joins the collective (`collective`)
+            else:
+                ready = self.ready(stage, a)
                 if ready is None:
                     break
-                run(stage, a, max(free[stage], ready))
-                progress = True
-        waiting = [next_step(stage) for stage in range(depth)]
-        if (step_sync == "pipeline" and is_step(waiting[0])
-                and all(a == waiting[0] for a in waiting)):
-            start = max(free)  # every stage is at the same step: the collective runs
-            for stage in range(depth):
-                run(stage, waiting[0], start)
-            progress = True
-        if all(a is None for a in waiting):
-            break
-        if not progress:
-            blocked = {stage: cursor[stage] for stage in range(depth)
-                       if waiting[stage] is not None}
-            raise ScheduleError(
-                "deadlock: no action can run while actions remain; blocked: "
-                + ", ".join(f"stage {s} at {waiting[s]}" for s in blocked) + "\n"
-                + format_grid(schedule, blocked))
+                self.run(stage, a, max(self.stages[stage].free, ready))
+            moved = True
+        return moved
 
-    makespan = max(free, default=0.0)
-    busy = tuple(sum(s.end - s.start for s in spans if s.stage == i and s.kind is not Kind.STEP)
-                 for i in range(depth))
-    step = tuple(sum(s.end - s.start for s in spans if s.stage == i and s.kind is Kind.STEP)
-                 for i in range(depth))
-    work = [b + s for b, s in zip(busy, step)]
-    return SimResult(
-        makespan=makespan,
-        busy=busy,
-        step=step,
-        bubble=1 - sum(work) / (depth * makespan) if makespan else 0.0,
-        stage_bubble=tuple(1 - w / makespan if makespan else 0.0 for w in work),
-        peak_stash=tuple(peak_stash),
-        peak_weight_grads=tuple(peak_weight_grads),
-        max_versions=tuple(max_versions),
-        spans=tuple(spans),
-    )
+    def collective(self) -> bool:
+        """step_sync "pipeline": once every stage waits at the same step, it runs on all."""
+        waiting = [stage.next() for stage in self.stages]
+        first = waiting[0]
+        if not (isinstance(first, Action) and first.kind is Kind.STEP
+                and all(a == first for a in waiting)):
+            return False
+        start = max(stage.free for stage in self.stages)
+        for i in range(self.depth):
+            self.run(i, first, start)
+        return True
+
+    def deadlock(self) -> ScheduleError:
+        blocked = {i: s.cursor for i, s in enumerate(self.stages) if s.next() is not None}
+        return ScheduleError(
+            "deadlock: no action can run while actions remain; blocked: "
+            + ", ".join(f"stage {i} at {self.stages[i].next()}" for i in blocked) + "\n"
+            + format_grid(self.schedule, blocked))
+
+    def result(self) -> SimResult:
+        makespan = max((s.free for s in self.stages), default=0.0)
+        busy = tuple(sum(s.end - s.start for s in self.spans
+                         if s.stage == i and s.kind is not Kind.STEP) for i in range(self.depth))
+        step = tuple(sum(s.end - s.start for s in self.spans
+                         if s.stage == i and s.kind is Kind.STEP) for i in range(self.depth))
+        work = [b + s for b, s in zip(busy, step)]
+        return SimResult(
+            makespan=makespan, busy=busy, step=step,
+            bubble=1 - sum(work) / (self.depth * makespan) if makespan else 0.0,
+            stage_bubble=tuple(1 - w / makespan if makespan else 0.0 for w in work),
+            peak_stash=tuple(s.peak_stash for s in self.stages),
+            peak_weight_grads=tuple(s.peak_weight_grads for s in self.stages),
+            max_versions=tuple(s.max_versions for s in self.stages),
+            spans=tuple(self.spans))
+
+
+def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
+             step_sync: Literal["local", "pipeline"] = "local",
+             placement: Placement | None = None) -> SimResult:
+    """Run all stages' lists ([stage] -> [Action]) or programs ([stage] -> [Action | Exchange],
+    NCCL mode) together, their chunks placed as `placement` says (default: the loop
+    placement); see the module docstring."""
+    if step_sync not in ("local", "pipeline"):
+        raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
+    sim = _Simulation(schedule, costs, step_sync, placement)
+    while any(stage.next() is not None for stage in sim.stages):
+        moved = [sim.advance(i) for i in range(sim.depth)]
+        if not (any(moved) | sim.collective()):
+            raise sim.deadlock()
+    return sim.result()
 
 
 def _partners(schedule: Sequence[Sequence[Step]]) -> dict[tuple[int, int], set[tuple[int, int]]]:

@@ -149,6 +149,9 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     vp_stage=i)``; it is virtual stage i x PP + (PP rank), its layers placed by megatron-core's
     ``get_transformer_layer_offset``; only chunk 0 of the first rank pre-processes (the
     embedding) and only chunk V-1 of the last rank post-processes (output layer and loss).
+    Under zb-v and dualpipev (the V placement, ``schedules.Placement``) both are rank 0's:
+    its chunk 0 embeds and its chunk 1 holds the output layer and the loss; megatron-core
+    still numbers chunk 1's layers by the interleaved offset (see arguments.py).
     Each chunk has its own DDP wrapper; chunks after the first, and all of them with
     --overlap-param-gather-with-optimizer-step, hold one bucket (Megatron-LM's
     ``disable_bucketing``: their communication overlaps with compute anyway).
@@ -180,13 +183,19 @@ def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage:
 
     from megatron_2bw.runtime.device import training_device
 
+    from megatron_2bw.schedules import placement_of
+
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     with _model_fits(args):
         if vp_stage is None:
             model = provider(config, pre_process=first, post_process=last)
         else:
-            model = provider(config, pre_process=first and vp_stage == 0,
-                             post_process=last and vp_stage == virtual_stages(args) - 1,
+            placement = placement_of(getattr(args, "pipeline_schedule", "flush"),
+                                     ps.get_pipeline_model_parallel_world_size(),
+                                     virtual_stages(args))
+            stage = ps.get_pipeline_model_parallel_rank()
+            model = provider(config, pre_process=placement.is_first(stage, vp_stage),
+                             post_process=placement.is_last(stage, vp_stage),
                              vp_stage=vp_stage)
             model.vp_stage = vp_stage
     if config.params_dtype != torch.float32 or config.fp16 or config.bf16:

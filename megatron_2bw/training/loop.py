@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.runtime import distributed
-from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules import keeps_versions, placement_of
 from megatron_2bw.schedules.pipemare import PipeMareOptions
 from megatron_2bw.training import build, checkpointing, logs
 from megatron_2bw.training.checkpointing import TrainState
@@ -56,12 +56,20 @@ def _cpu_group():
 _CPU_GROUP = None
 
 
-def _mean_loss_over_data_parallel(loss_dicts: list, key: str) -> float | None:
+def _loss_stage(args: argparse.Namespace) -> int:
+    """The pipeline stage that computes the loss: the last, but the first under zb-v and
+    dualpipev (the V placement: rank 0's second chunk is the model's end)."""
+    depth = args.pipeline_model_parallel_size
+    placement = placement_of(args.pipeline_schedule, depth, build.virtual_stages(args))
+    return placement.holder(depth * placement.chunks - 1)[0]
+
+
+def _mean_loss_over_data_parallel(loss_dicts: list, key: str, loss_stage: int) -> float | None:
     """Average ``key`` over this rank's microbatches, then over data-parallel replicas.
-    Returns None on ranks that hold no loss (all but the last pipeline stage)."""
+    Returns None on ranks that hold no loss (all but the `loss_stage` pipeline stage)."""
     from megatron.core import parallel_state as ps
 
-    if not ps.is_pipeline_last_stage():
+    if ps.get_pipeline_model_parallel_rank() != loss_stage:
         return None
     local = torch.stack([d[key].float().reshape(()) for d in loss_dicts]).mean()
     dist.all_reduce(local, group=ps.get_data_parallel_group())
@@ -95,7 +103,11 @@ class Trainer:
             self.forward_backward.configure_pipemare(PipeMareOptions.from_args(args))
         self.forward_step_func = forward_step_func
         self.loss_key = loss_key
-        self.logger = logs.Logger(self.info.rank == self.info.world_size - 1, args.tensorboard_dir,
+        # the last rank of the loss's stage (megatron-core orders ranks tp-cp-ep-dp-pp)
+        self.loss_stage = _loss_stage(args)
+        logs_here = self.info.rank == (self.loss_stage + 1) * (
+            self.info.world_size // args.pipeline_model_parallel_size) - 1
+        self.logger = logs.Logger(logs_here, args.tensorboard_dir,
                                   logs.LogFlags.from_args(args), self.info.device)
         self.timers = logs.attach_timers(args, self.config, self.optimizer,
                                            self.info.device)
@@ -223,7 +235,7 @@ class Trainer:
             self.scheduler.step(increment=batch_size)
         self.state.iteration += 1
         self.state.consumed_train_samples += batch_size
-        loss = _mean_loss_over_data_parallel(loss_dicts, self.loss_key)
+        loss = _mean_loss_over_data_parallel(loss_dicts, self.loss_key, self.loss_stage)
         return loss, grad_norm, num_zeros, succeeded
 
     @contextlib.contextmanager
@@ -258,7 +270,8 @@ class Trainer:
                 loss_dicts = self.forward_backward(  # full batches, as Megatron-LM evaluates
                     data_iterator=iterator,
                     **self._schedule_kwargs(True, self.args.num_microbatches))
-                losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key))
+                losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key,
+                                                            self.loss_stage))
         for chunk in self.model:
             chunk.train()
         loss = None if losses[0] is None else sum(losses) / len(losses)
