@@ -549,11 +549,16 @@ def _validate_batch(args: argparse.Namespace) -> None:
              f"{B} is not divisible by micro batch ({b}) x data-parallel size ({dp}) = {b * dp}")
     args.num_microbatches = B // (b * dp)
     m = args.num_microbatches
-    if schedules.keeps_versions(args.pipeline_schedule):
+    if args.pipeline_schedule == "2bw":
         _require(m >= pp, "--global-batch-size",
                  f"{args.pipeline_schedule} needs microbatches per batch m = {B} / ({b} x {dp}) "
                  f"= {m} >= pipeline depth {pp}; raise --global-batch-size to at least "
                  f"{b * dp * pp}")
+    if args.pipeline_schedule == "pipemare" and m < pp:
+        _require(getattr(args, "pipemare_discrepancy_decay", None) is None,
+                 "--pipemare-discrepancy-decay",
+                 f"PipeMare's discrepancy correction (T2) runs with m >= d microbatches per "
+                 f"batch only, got m = {m} < pipeline depth {pp}")
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 

@@ -290,9 +290,12 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
     for iteration in range(args.train_iters):
         if counter is not None:
             marks.append(counter.snapshot()[1])
-        pausing = iteration == args.train_iters - 1 or iteration in drains
-        if pausing and hasattr(fb, "prepare_drain"):
-            fb.prepare_drain()
+        pauses = {args.train_iters - 1, *drains}
+        if hasattr(fb, "prepare_drain"):  # as early as the schedule needs to know
+            notice = fb.drain_notice(args.num_microbatches)
+            ahead = next((a for a in range(notice) if iteration + a in pauses), None)
+            if ahead is not None:
+                fb.prepare_drain(ahead + 1)
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()

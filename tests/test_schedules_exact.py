@@ -197,6 +197,9 @@ PIPEDREAM_CASES = [
     Case("pipedream", d=2, m=4, w=2, iters=6, tie=False),
     Case("pipedream", d=4, m=4, w=1, iters=6, recompute=True),
     Case("pipedream", d=4, m=8, w=1, iters=6, deferred=False),
+    # PipeDream's own setting, an update per microbatch: stage i holds d - i versions, the
+    # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before
+    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,)),
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
@@ -206,6 +209,7 @@ PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed
     # ... and with the loop's step; two synchronous (flush) iterations first
     Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
     Case("pipemare", d=4, m=8, w=1, iters=6),
+    Case("pipemare", d=4, m=1, w=1, iters=6),  # forward delays up to 3 steps
 ]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
