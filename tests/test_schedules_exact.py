@@ -100,6 +100,9 @@ class Case:
     none: the schedules' weights do not depend on drains."""
     layers: int = 4
     """Transformer layers (d x V must divide them)."""
+    round_trip: bool = False
+    """At each drain the weight versions are saved as a checkpoint holds them, spoilt in
+    memory and loaded back (tests/schedule_worker.py)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -149,7 +152,8 @@ class Case:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
                 "deferred": self.deferred, "model": self.model,
-                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains)}
+                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains),
+                "round_trip": self.round_trip}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -198,8 +202,9 @@ PIPEDREAM_CASES = [
     Case("pipedream", d=4, m=4, w=1, iters=6, recompute=True),
     Case("pipedream", d=4, m=8, w=1, iters=6, deferred=False),
     # PipeDream's own setting, an update per microbatch: stage i holds d - i versions, the
-    # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before
-    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,)),
+    # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before;
+    # at the drain all versions go through a checkpoint's save and load
+    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True),
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
