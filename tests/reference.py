@@ -193,7 +193,8 @@ def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int, decay: float
 def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
                   iterations: int, tie: bool, model: Model = MODEL,
                   lrs: list[float] | None = None, depth: int = 1,
-                  discrepancy_decay: float | None = None, sync_iters: int = 0) -> dict:
+                  discrepancy_decay: float | None = None, sync_iters: int = 0,
+                  lr_warmup_steps: int = 0) -> dict:
     """Train the full model from `init` with `rule` ("sync", "2bw", or "pipedream" or
     "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel),
     per-iteration losses [t][replica] and grad norms. `microbatches` as a list: batch t has
@@ -204,7 +205,10 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     `discrepancy_decay` D, a backward whose forward read W(t-1) on its stage reads
     W(t) - (t - forward's version) * delta instead of W(t), with, per parameter,
     delta(t+1) = gamma * delta(t) + (1 - gamma) * (W(t+1) - W(t)), delta(0) = 0,
-    gamma = D ** (1 / s) and s = 1 on stages with look-ahead forwards (none elsewhere)."""
+    gamma = D ** (1 / s) and s = 1 on stages with look-ahead forwards (none elsewhere);
+    `lr_warmup_steps` K (T1), step t of stage i uses lr_t / tau_i ** (1 - min(t/K, 1)) with
+    tau_i = max(ceil((d-i-1)/m), 1), the oldest version a forward of the stage reads in steady
+    state (t - floor((t m - w_i)/m))."""
     sizes = microbatches if isinstance(microbatches, list) else None
     if sizes is not None and len(sizes) != iterations:
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
@@ -218,11 +222,16 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         for name, p in params.items():
             p.copy_(init["embedding.word_embeddings.weight" if split_tie and
                          name == "output_layer.weight" else name])
-    groups = [
-        {"params": [p for n, p in params.items() if not no_weight_decay(n, p)],
-         "weight_decay": model.weight_decay},
-        {"params": [p for n, p in params.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
-    ]
+    stages = range(depth) if per_stage else [None]
+    stage_of = (lambda n: _stage_of(n, depth, model.num_layers)) if per_stage else \
+        (lambda n: None)
+    groups = [group for stage in stages for group in (
+        {"params": [p for n, p in params.items()
+                    if not no_weight_decay(n, p) and stage_of(n) == stage],
+         "weight_decay": model.weight_decay, "stage": stage},
+        {"params": [p for n, p in params.items()
+                    if no_weight_decay(n, p) and stage_of(n) == stage],
+         "weight_decay": 0.0, "stage": stage}) if group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=model.lr, betas=(model.adam_beta1, model.adam_beta2),
                                   eps=model.adam_eps)
     snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
@@ -283,6 +292,9 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
             group["lr"] = model.lr * min(t, warmup) / warmup if warmup else model.lr
             if lrs is not None:
                 group["lr"] = lrs[t]
+            if rule == "pipemare" and lr_warmup_steps:  # T1
+                tau = max(-(-(depth - group["stage"] - 1) // microbatches), 1)
+                group["lr"] /= tau ** (1.0 - min(t / lr_warmup_steps, 1.0))
         optimizer.step()
         with torch.no_grad():
             for n, d in delta.items():

@@ -723,6 +723,11 @@ def test_pipemare_flags_are_validated_in_one_line():
                               "2", "--pipemare-lr-warmup-steps", "7"], world_size=2)
     assert PipeMareOptions.from_args(args) == PipeMareOptions(0.3, 7, 2)
     assert PipeMareOptions.from_args(parse_args(mare, world_size=2)) == PipeMareOptions()
+    for schedule in ("pipedream", "pipemare"):
+        below = ["--pipeline-schedule", schedule, "--global-batch-size", "2"]
+        assert parse_args(flags + below, world_size=2).num_microbatches == 1
+    assert parse_args(mare + ["--global-batch-size", "2", "--pipemare-lr-warmup-steps", "3",
+                              "--untie-embeddings-and-output-weights"], world_size=2)
     refused = {("--pipeline-schedule", "pipedream", "--pipemare-sync-iters", "1"):
                "--pipemare-sync-iters: only with --pipeline-schedule pipemare",
                ("--pipemare-lr-warmup-steps", "3"): "--pipemare-lr-warmup-steps: only with",
@@ -731,7 +736,19 @@ def test_pipemare_flags_are_validated_in_one_line():
                ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "0"):
                "--pipemare-discrepancy-decay: expected",
                ("--pipeline-schedule", "pipemare", "--pipemare-sync-iters", "-1"):
-               "--pipemare-sync-iters: expected an integer >= 0"}
+               "--pipemare-sync-iters: expected an integer >= 0",
+               # m = 1 < d = 2: pipedream and pipemare run, 2BW does not, nor T2, nor T1 with
+               # tied embeddings (its stages step with different rates)
+               ("--pipeline-schedule", "2bw", "--global-batch-size", "2"):
+               "--global-batch-size: 2bw needs microbatches per batch m = 2 / \\(2 x 1\\) = 1 "
+               ">= pipeline depth 2",
+               ("--pipeline-schedule", "pipemare", "--global-batch-size", "2",
+                "--pipemare-discrepancy-decay", "0.5"):
+               "--pipemare-discrepancy-decay: PipeMare's discrepancy correction \\(T2\\) runs "
+               "with m >= d",
+               ("--pipeline-schedule", "pipemare", "--global-batch-size", "2",
+                "--pipemare-lr-warmup-steps", "3"):
+               "--pipemare-lr-warmup-steps: at m = 1 < pipeline depth 2 T1 gives stages"}
     for extra, message in refused.items():
         with pytest.raises(FlagError, match=message) as error:
             parse_args(flags + list(extra), world_size=2)

@@ -95,6 +95,8 @@ class Case:
     """pipemare: --pipemare-discrepancy-decay (T2), in the run and its reference."""
     sync_iters: int = 0
     """pipemare: --pipemare-sync-iters, in the run and its reference."""
+    lr_warmup_steps: int = 0
+    """pipemare: --pipemare-lr-warmup-steps (T1), in the run and its reference."""
     drains: tuple[int, ...] = ()
     """Iterations after which the run drains (as before an evaluation); the reference has
     none: the schedules' weights do not depend on drains."""
@@ -107,7 +109,9 @@ class Case:
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
         return ((("--pipemare-discrepancy-decay", str(self.decay)) if self.decay else ())
-                + (("--pipemare-sync-iters", str(self.sync_iters)) if self.sync_iters else ()))
+                + (("--pipemare-sync-iters", str(self.sync_iters)) if self.sync_iters else ())
+                + (("--pipemare-lr-warmup-steps", str(self.lr_warmup_steps))
+                   if self.lr_warmup_steps else ()))
 
     @property
     def model(self) -> dict:
@@ -141,7 +145,8 @@ class Case:
         if rule != "pipemare":
             return {}
         return {**({"discrepancy_decay": self.decay} if self.decay else {}),
-                **({"sync_iters": self.sync_iters} if self.sync_iters else {})}
+                **({"sync_iters": self.sync_iters} if self.sync_iters else {}),
+                **({"lr_warmup_steps": self.lr_warmup_steps} if self.lr_warmup_steps else {})}
 
     @property
     def rule(self) -> str:
@@ -214,7 +219,8 @@ PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed
     # ... and with the loop's step; two synchronous (flush) iterations first
     Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
     Case("pipemare", d=4, m=8, w=1, iters=6),
-    Case("pipemare", d=4, m=1, w=1, iters=6),  # forward delays up to 3 steps
+    # forward delays up to 3 steps: T1 scales stage i's first steps by 1/tau_i ** (1 - k/K)
+    Case("pipemare", d=4, m=1, w=1, iters=6, tie=False, lr_warmup_steps=4),
 ]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
@@ -258,13 +264,16 @@ def _far_references(case: Case) -> dict[str, tuple[str, float]]:
             far["pipemare without T2"] = (replace(case, decay=None).reference(), 1e-4)
         if case.sync_iters:
             far["pipemare without W"] = (replace(case, sync_iters=0).reference(), 1e-4)
+        if case.lr_warmup_steps:
+            far["pipemare without T1"] = (replace(case, lr_warmup_steps=0).reference(), 1e-4)
     return far
 
 
 def _pipemare_variants(case: Case) -> list[Case]:
     """The case without each of its PipeMare options (their references: `_far_references`)."""
     return ([replace(case, decay=None)] if case.decay else []) + \
-        ([replace(case, sync_iters=0)] if case.sync_iters else [])
+        ([replace(case, sync_iters=0)] if case.sync_iters else []) + \
+        ([replace(case, lr_warmup_steps=0)] if case.lr_warmup_steps else [])
 
 
 def _reference_jobs() -> dict:

@@ -90,7 +90,8 @@ from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, 
                                     forward_program, keeps_versions)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
 from megatron_2bw.schedules.p2p import CommError, StageComm
-from megatron_2bw.schedules.pipemare import PipeMareOptions, call_schedule, correction_span
+from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, correction_span,
+                                             forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.weights import WeightVersions
 
@@ -356,12 +357,28 @@ class PipelineRunner:
             # step's collectives that its neighbours' first forwards wait for
             self._apply_deferred()
         self._execute(program, call, self._run)
+        self._reschedule_lr(m, batch)
         self.batches_done += 1
         self.pipeline_empty = drain
         self.in_flight_m = None if drain else m
         if drain:
             self.drain_at = None
         return call.losses
+
+    def _reschedule_lr(self, microbatches: int, batch: int) -> None:
+        """PipeMare's T1 (--pipemare-lr-warmup-steps K): the step after batch t (step k = t)
+        runs with the learning rate scaled by 1 / tau_i ** (1 - min(k/K, 1)) on this stage
+        (`pipemare.lr_factor`), tau_i its largest forward delay, > 1 only at m < d. Scaled in
+        the optimizer's groups now, between the call and the loop's ``optimizer.step()``:
+        the step (or the deferred step, which records the rate there) reads it, and the
+        scheduler's next ``step()`` sets every group's rate afresh."""
+        steps = self.pipemare.lr_warmup_steps
+        if self.schedule != "pipemare" or not steps or self.optimizer is None:
+            return
+        factor = lr_factor(batch, steps, forward_delay(self.depth, microbatches, self.stage))
+        if factor != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= factor
 
     def _launch_param_gathers(self, call: _Call, actions: list[Action]) -> None:
         """Virtual stages with --overlap-param-gather and --align-param-gather: launch chunks
