@@ -52,10 +52,11 @@ SCHEDULE_NOTES = {
              "(d - 1)/(m + d - 1)",
     "naive": "no pipelining: one stage busy at a time; exact; stash 1; bubble (d - 1)/d",
     "pipedream": "PipeDream-1F1B with weight stashing: no flush, bubble only when training "
-                 "starts; 2 weight versions at m >= d; each stage updates after its own "
+                 "starts; 1 + ceil((d - 1 - i)/m) weight versions (2 at m >= d, d - i at "
+                 "m = 1); each stage updates after its own "
                  "backwards (stale by up to d - 1 - i microbatches' look-ahead); stash d - i",
     "pipemare": "PipeMare: PipeDream's order and forwards, backwards at the newest weights "
-                "(no stash of versions for the backward); no flush; 2 versions at m >= d; "
+                "(no stash of versions for the backward); no flush; 1 version; "
                 "stash d - i; no recomputation",
     "zb-h1": "ZB-H1: flush's order with the backward split into input (I) and weight (W) "
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
@@ -127,11 +128,11 @@ class Layout:
 
     def problem(self, num_layers: int) -> str | None:
         """Why the training refuses this layout (None: it runs it), as megatron_2bw.arguments
-        validates: schedules with several weight versions need m >= d; those in NO_RECOMPUTE
+        validates: 2BW needs m >= d; those in NO_RECOMPUTE
         run without recomputation; V > 1 needs an interleaving schedule (VIRTUAL_STAGE_SCHEDULES),
         d >= 2, L a multiple of d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d
         (_validate_virtual_stages)."""
-        if keeps_versions(self.schedule) and self.m < self.d:
+        if self.schedule == "2bw" and self.m < self.d:
             return f"{self.schedule} needs m >= d, got m = B/(b w) = {self.m} < d={self.d}"
         if self.recompute and self.selective:
             return "full and selective recomputation exclude each other"
@@ -354,8 +355,9 @@ class CostModel:
             stages.append(StageMemory(
                 stage=i, parameters=params,
                 weights=params * e,
-                # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total.
-                extra_versions=(spec.max_versions - 1) * params * e,
+                # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total;
+                # PipeDream 1 + ceil((d-1-i)/m): d - i at m = 1 (2BW paper, Section 2).
+                extra_versions=(spec.versions_on(d, m, i) - 1) * params * e,
                 gradients=params * GRAD_BYTES,
                 optimizer=params * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),
