@@ -1,8 +1,10 @@
 """tools/bench_schedules.py end to end on a tiny GPT: every row it prints comes from real runs,
 and its memory columns agree with numbers derived here by hand.
 
-One round of single / single-at-once / 2bw / flush with d = m = 2 (about a minute on 2 cores).
-Timings are not checked (tests check correctness, benchmarks report speed).
+One round of single / single-at-once / 2bw / flush / zb-h1 with d = m = 2 (about a minute on 2
+cores). Timings are not checked (tests check correctness, benchmarks report speed); bytes copied
+are: zb-h1's split backward copies no more than flush's fused one (its W re-ran the backward on
+cloned saved tensors before: 15x flush's bytes on this model).
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ def _stage_params() -> list[int]:
 
 def test_bench_rows_and_memory_columns(tmp_path):
     measurements = tmp_path / "bench.json"
-    run = python(["tools/bench_schedules.py", "--schedules", "2bw,flush", "--iters", "2",
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw,flush,zb-h1", "--iters", "2",
                   "--warmup", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
                   "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
                   "--vocab-size", str(VOCAB), "--micro-batch-size", str(MICRO),
                   "--json", str(measurements)], timeout=420)
     assert run.returncode == 0, run.output[-3000:]
     rows = {line[:17].strip(): line[17:].split() for line in run.output.splitlines()
-            if line[:17].strip() in ("single (PP=1)", "single, d at once", "2bw", "flush")}
-    assert set(rows) == {"single (PP=1)", "single, d at once", "2bw", "flush"}, run.output
+            if line[:17].strip() in ("single (PP=1)", "single, d at once", "2bw", "flush",
+                                     "zb-h1")}
+    assert set(rows) == {"single (PP=1)", "single, d at once", "2bw", "flush", "zb-h1"}, \
+        run.output
 
     # ms/iter samples/s vs2bw vs-ideal vs-busy cpu runq recv coll stash stash-MiB weights-MiB
     for name, cells in rows.items():
@@ -48,7 +52,7 @@ def test_bench_rows_and_memory_columns(tmp_path):
     assert float(rows["2bw"][2]) == 1.0
     assert float(rows["single (PP=1)"][3]) == 0.5  # single / d over itself
     # peak stashed microbatches: d - i for 2bw and flush (1F1B), one for a whole-model process
-    assert rows["2bw"][9] == rows["flush"][9] == "2/1"
+    assert rows["2bw"][9] == rows["flush"][9] == rows["zb-h1"][9] == "2/1"
     assert rows["single, d at once"][9] == "1/1" and rows["single (PP=1)"][9] == "1"
 
     data = json.loads(measurements.read_text())
@@ -59,9 +63,20 @@ def test_bench_rows_and_memory_columns(tmp_path):
         assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
         # the forward saves at least the stage's input activation, s*b*h fp32 (stage 1)
         assert by_stage[1]["saved_bytes_per_microbatch"] >= SEQ * MICRO * HIDDEN * 4
-        assert all(len(r["seconds"]) == 2 for r in by_stage)
+        assert all(len(r["iterations"]) == 2 for r in by_stage)
     (busy,) = data["runs"]["single, d at once"]
     assert [r["stage"] for r in busy["ranks"]] == [0, 1]  # two independent copies
     assert all(r["param_bytes"] == 4 * sum(expected) for r in busy["ranks"])
     weights = [float(x) for x in rows["2bw"][11].split("/")]  # MiB, two versions
     assert weights == [round(2 * 4 * n / 2**20, 1) for n in expected]
+
+    # zb-h1 against flush: measured action times, both bubbles, copies within 1.5x
+    (flush,), (zbh1,) = data["runs"]["flush"], data["runs"]["zb-h1"]
+    assert all({"F", "B", "S"} <= set(r["action_seconds"]) for r in flush["ranks"])
+    assert all({"F", "I", "W", "S"} <= set(r["action_seconds"]) for r in zbh1["ranks"])
+    copied = {name: sum(r["copied_bytes"] for r in run_["ranks"])
+              for name, run_ in (("flush", flush), ("zb-h1", zbh1))}
+    assert 0 < copied["zb-h1"] <= 1.5 * copied["flush"], copied
+    lines = [line for line in run.output.splitlines() if "bubble (d-1)" in line]
+    assert [line.split()[0] for line in lines] == ["flush", "zb-h1"], run.output
+    assert "T_I" in lines[1] and "T_W" in lines[1] and "measured" in lines[1]

@@ -23,11 +23,19 @@ A stage's time per iteration is the median of its measured iterations; the table
 slowest stage. Training data are random tokens (the data pipeline is not what is measured).
 
 Memory columns, per stage: peak stashed activations (microbatches forwarded and not yet
-backwarded; for zb-h1, not yet through their W, since its W re-traverses the kept graph) from the
-schedule's action lists (Megatron's 1F1B has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves for backward
-on that stage (measured with autograd's saved-tensor hooks, parameters excluded; the
-boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes x
-the weight versions the schedule keeps (2 for 2BW).
+through their backward: B, or I for zb-h1) from the schedule's action lists (Megatron's 1F1B
+has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves
+for backward on that stage (measured with autograd's saved-tensor hooks, parameters excluded;
+the boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes
+x the weight versions the schedule keeps (2 for 2BW); W = the most bytes zb-h1's pending
+weight-gradient passes keep at once (measured). ``copied`` counts the bytes written by tensor
+copies in one iteration (a dispatch mode on ``copy_``, ``clone`` and ``_to_copy``).
+
+Zero bubble: with flush and zb-h1 in the run, the lines under the table give each stage's
+measured action times (T_F, T_B; T_F, T_I, T_W: medians from the executor's timeline), the
+bubble the zero-bubble paper's formulas predict from them, (d-1)(T_F+T_B) and
+(d-1)(T_F+T_I-T_W) (Qi et al. 2024, Section 2.1), next to the measured one (per stage, an
+iteration's time outside its actions), zb-h1's samples/s over flush's and their copies.
 
 Fairness: by default ``--clip-grad 0 --untie-embeddings-and-output-weights``. A grad-norm
 all-reduce over the pipeline stages (clipping) or the tied-embedding all-reduce between the first
@@ -52,6 +60,7 @@ wall ~ cpu + runq + recv + time blocked in collectives.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -59,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,6 +135,54 @@ class _SavedBytes:
         return result
 
 
+class _CopiedBytes:
+    """Bytes the process writes by copying tensors (``copy_``, ``clone``, ``_to_copy``: also
+    ``.contiguous()``, ``.to()``, ``.clone()``), forward, backward and step, counted with a
+    dispatch mode (it slows the process: only in a warm-up iteration)."""
+
+    OPS = ("copy_.default", "clone.default", "_to_copy.default")
+
+    def __init__(self):
+        self.bytes = 0
+
+    def counting(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = {getattr(torch.ops.aten, name.split(".")[0]).default for name in self.OPS}
+        counter = self
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in ops:
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        return Count()
+
+
+class _PendingW:
+    """The most bytes this stage's pending weight-gradient passes keep at once (zb-h1: each
+    I leaves inputs and output gradients for its W; ``schedules.wgrad``), sampled after every
+    I."""
+
+    def __init__(self):
+        from megatron_2bw.schedules.wgrad import WeightGradStore
+
+        self.peak = 0
+        self._alive: list = []
+        input_pass = WeightGradStore.input_pass
+
+        def tracked(store, *args, **kwargs):
+            pending = input_pass(store, *args, **kwargs)
+            self._alive = [p for p in self._alive if p.pending] + [pending]
+            self.peak = max(self.peak, sum(p.nbytes() for p in self._alive))
+            return pending
+
+        WeightGradStore.input_pass = tracked
+
+
 class _Waits:
     """Per-iteration instrumentation of this process: time blocked in the executor's p2p
     exchanges (wraps ``StageComm.exchange``; None for Megatron's own schedule, which uses its
@@ -175,7 +233,61 @@ class _Waits:
             return None
 
 
-def worker(argv: list[str]) -> int:
+@dataclass
+class Iteration:
+    """One training iteration on one rank, in seconds (None where not measured)."""
+
+    seconds: float
+    """Wall time of ``train_step``."""
+    cpu_seconds: float
+    """The main thread's CPU time."""
+    run_queue_seconds: float | None
+    """The main thread's time ready to run while another thread or process had the core."""
+    recv_seconds: float | None
+    """Time blocked in the executor's p2p exchanges (None: Megatron's own schedule, PP=1)."""
+    collective_seconds: float
+    """Time in the main thread's all-reduces and a deferred step's waits."""
+    end: float
+    """``time.perf_counter()`` when the iteration ended."""
+    busy_seconds: float | None = None
+    """Time in the executor's actions (F, B, I, W, S); the rest of ``seconds`` is this stage's
+    bubble (None: Megatron's own schedule, which records none)."""
+
+
+@dataclass
+class RankResult:
+    """What one rank of one run measured (written as JSON by the worker)."""
+
+    rank: int
+    stage: int
+    iterations: list[Iteration]
+    """The measured iterations only (warm-up and the drain call left out)."""
+    measured_wall: float | None
+    """From the end of the last warm-up iteration to the end of the last measured one."""
+    param_bytes: int
+    saved_bytes_per_microbatch: int | None
+    """The most bytes one forward saved for backward (parameters excluded)."""
+    optimizer: str
+    threads: int
+    copied_bytes: int | None = None
+    pending_w_bytes: int = 0
+    """The most bytes pending W's kept at once (``_PendingW``)."""
+    """Bytes copied in one iteration (a warm-up one; ``_CopiedBytes``)."""
+    action_seconds: dict[str, float] = field(default_factory=dict)
+    """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
+
+    def values(self, key: str) -> list:
+        """One field of every measured iteration."""
+        return [getattr(iteration, key) for iteration in self.iterations]
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RankResult":
+        data = dict(data, iterations=[Iteration(**i) for i in data["iterations"]])
+        return cls(**data)
+
+
+def _worker_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The worker's own flags (before ``--``) and the training flags (after)."""
     ours, flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     p = ToolParser(prog="bench_schedules.py --worker")
     p.add_argument("--worker", action="store_true")
@@ -184,23 +296,18 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--chained-optimizer", action="store_true")
     p.add_argument("--timeline", action="store_true")
-    opts = p.parse_args(ours)
+    return p.parse_args(ours), flags
 
-    import torch
 
-    torch.set_num_threads(1)
+def _build_trainer(args, opts: argparse.Namespace):
+    """megatron-2bw's Trainer for the benchmark's GPT (random tokens), its forward step wrapped
+    to count saved bytes; with --chained-optimizer, megatron-core's wrapper around the optimizer."""
     from functools import partial
 
-    import megatron_2bw
     import pretrain_gpt_2bw
     from megatron_2bw import entry
-    from megatron_2bw.arguments import parse_args
-    from megatron_2bw.runtime import distributed
     from megatron_2bw.training.loop import Trainer
 
-    args = parse_args(flags)
-    megatron_2bw.install(args.pipeline_schedule)
-    waits = _Waits()
     vocab = entry.padded_vocab(args, None)
     saved = _SavedBytes(pretrain_gpt_2bw.forward_step)
     trainer = Trainer(args, partial(pretrain_gpt_2bw.model_provider, args=args, vocab_size=vocab),
@@ -212,49 +319,89 @@ def worker(argv: list[str]) -> int:
         if hasattr(trainer.forward_backward, "attach_optimizer"):
             trainer.forward_backward.attach_optimizer(trainer.optimizer,
                                                       defer=not args.no_deferred_step)
-    optimizer_note = type(trainer.optimizer).__name__
-    runner = trainer.forward_backward
-    if opts.timeline and hasattr(runner, "timeline"):
-        runner.timeline = []
-    total = opts.warmup + opts.iters + 1  # + the drain call (2BW), not measured
-    seconds, cpu_seconds, runq_seconds, recv_seconds, coll_seconds, ends = [], [], [], [], [], []
+    return trainer, saved
+
+
+def _timed_iteration(trainer, waits: _Waits) -> Iteration:
+    """One ``train_step`` with its wall, CPU, run-queue and waiting times."""
+    start, cpu_start, runq_start = time.perf_counter(), time.thread_time(), waits.run_queue()
+    waits.recv = waits.collective = 0.0
+    trainer.train_step()
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+    runq_end = waits.run_queue()
+    return Iteration(seconds=seconds, cpu_seconds=cpu,
+                     run_queue_seconds=None if runq_start is None or runq_end is None
+                     else runq_end - runq_start,
+                     recv_seconds=waits.recv if waits.used else None,
+                     collective_seconds=waits.collective, end=time.perf_counter())
+
+
+def _run_iterations(trainer, saved: _SavedBytes, copied: _CopiedBytes, waits: _Waits,
+                    warmup: int, iters: int) -> list[Iteration]:
+    """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
+    leaves nothing in flight); saved bytes are counted in warm-up iterations (the first one
+    only where it is the only one), copies in the last warm-up iteration."""
+    runner, total = trainer.forward_backward, warmup + iters + 1
+    iterations = []
     for i in range(total):
         if i == total - 1 and hasattr(runner, "prepare_drain"):
             runner.prepare_drain()
-        saved.active = 0 < i < opts.warmup or (opts.warmup == 1 and i == 0)
-        start, cpu_start, runq_start = time.perf_counter(), time.thread_time(), waits.run_queue()
-        waits.recv = waits.collective = 0.0
-        trainer.train_step()
-        seconds.append(time.perf_counter() - start)
-        cpu_seconds.append(time.thread_time() - cpu_start)
-        runq_end = waits.run_queue()
-        runq_seconds.append(None if runq_start is None or runq_end is None
-                            else runq_end - runq_start)
-        recv_seconds.append(waits.recv if waits.used else None)
-        coll_seconds.append(waits.collective)
-        ends.append(time.perf_counter())
+        saved.active = 0 < i < warmup or (warmup == 1 and i == 0)
+        with copied.counting() if i == warmup - 1 else contextlib.nullcontext():
+            iterations.append(_timed_iteration(trainer, waits))
     if hasattr(runner, "drain"):
         runner.drain()
+    return iterations
+
+
+def _action_seconds(records: list, measured: list[Iteration], start: float) -> dict[str, float]:
+    """From the executor's timeline records: each measured iteration's ``busy_seconds`` (set
+    here), and per action kind the median duration over the measured iterations."""
+    durations: dict[str, list[float]] = {}
+    for iteration in measured:
+        inside = [r for r in records if start <= r.start and r.end <= iteration.end]
+        iteration.busy_seconds = sum(r.end - r.start for r in inside)
+        for r in inside:
+            durations.setdefault(r.kind, []).append(r.end - r.start)
+        start = iteration.end
+    return {kind: statistics.median(values) for kind, values in durations.items()}
+
+
+def worker(argv: list[str]) -> int:
+    """One rank of one configuration: train, time, write ``rank<N>.json`` (a RankResult) and,
+    with --timeline, the executor's timeline records."""
+    opts, flags = _worker_options(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    import megatron_2bw
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.runtime import distributed
+
+    args = parse_args(flags)
+    megatron_2bw.install(args.pipeline_schedule)
+    waits = _Waits()
+    trainer, saved = _build_trainer(args, opts)
+    runner, copied, pending_w = trainer.forward_backward, _CopiedBytes(), _PendingW()
+    if hasattr(runner, "timeline"):
+        runner.timeline = []
+    iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters)
 
     from megatron.core import parallel_state as ps
 
-    chunk = trainer.model[0]
+    measured = iterations[opts.warmup:opts.warmup + opts.iters]
+    records = getattr(runner, "timeline", None)
+    actions = _action_seconds(records, measured, iterations[opts.warmup - 1].end) if records \
+        else {}
     rank = torch.distributed.get_rank()
-    result = {
-        "rank": rank, "stage": ps.get_pipeline_model_parallel_rank(),
-        "seconds": seconds[opts.warmup:opts.warmup + opts.iters],
-        "cpu_seconds": cpu_seconds[opts.warmup:opts.warmup + opts.iters],
-        "run_queue_seconds": runq_seconds[opts.warmup:opts.warmup + opts.iters],
-        "recv_seconds": recv_seconds[opts.warmup:opts.warmup + opts.iters],
-        "collective_seconds": coll_seconds[opts.warmup:opts.warmup + opts.iters],
-        "measured_wall": ends[opts.warmup + opts.iters - 1] - ends[opts.warmup - 1]
-        if opts.warmup else None,
-        "param_bytes": sum(p.numel() * p.element_size() for p in chunk.parameters()),
-        "saved_bytes_per_microbatch": max(saved.per_microbatch, default=None),
-        "optimizer": optimizer_note,
-        "threads": torch.get_num_threads(),
-    }
-    Path(opts.out, f"rank{rank}.json").write_text(json.dumps(result))
+    result = RankResult(
+        rank=rank, stage=ps.get_pipeline_model_parallel_rank(), iterations=measured,
+        measured_wall=measured[-1].end - iterations[opts.warmup - 1].end if opts.warmup else None,
+        param_bytes=sum(p.numel() * p.element_size() for p in trainer.model[0].parameters()),
+        saved_bytes_per_microbatch=max(saved.per_microbatch, default=None),
+        optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads(),
+        copied_bytes=copied.bytes, pending_w_bytes=pending_w.peak, action_seconds=actions)
+    Path(opts.out, f"rank{rank}.json").write_text(json.dumps(asdict(result)))
     if opts.timeline and getattr(runner, "timeline", None):
         from megatron_2bw import trace
 
@@ -266,6 +413,38 @@ def worker(argv: list[str]) -> int:
 
 
 # --- driver -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the table: a row."""
+
+    name: str
+    """The row's name."""
+    schedule: str
+    processes: int
+    clip_grad: float
+    tied: bool
+    label: str
+    """Its timeline folder's name."""
+    copies: int = 1
+    """Independent jobs started at once (the busy-machine reference: copy i reports as stage i)."""
+    extra: tuple[str, ...] = ()
+    """More training flags."""
+
+
+@dataclass
+class Run:
+    """One run of one configuration: its ranks' results."""
+
+    ranks: list[RankResult]
+
+    def iteration_time(self) -> float:
+        """The slowest stage's median time per iteration (s)."""
+        return max(statistics.median(r.values("seconds")) for r in self.ranks)
+
+    def by_stage(self) -> list[RankResult]:
+        return sorted(self.ranks, key=lambda r: r.stage)
+
 
 def _model_flags(a: argparse.Namespace) -> list[str]:
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -279,36 +458,60 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
             "--eval-iters", "0", "--log-interval", "1000000", "--seed", "1234"]
 
 
-def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, tied: bool,
-            label: str, timeline_dir: Path | None, copies: int = 1,
-            extra: tuple[str, ...] = ()) -> dict:
-    """One configuration under torchrun; returns the per-rank results. ``copies`` > 1 starts
-    that many independent jobs at once (the busy-machine reference): copy i reports as stage i."""
-    flags = _model_flags(a) + ["--pipeline-schedule", schedule,
-                               "--pipeline-model-parallel-size", str(nproc),
-                               "--clip-grad", str(clip_grad), *extra]
-    if not tied:
-        flags.append("--untie-embeddings-and-output-weights")
+def _training_flags(a: argparse.Namespace, config: Config) -> list[str]:
+    flags = _model_flags(a) + ["--pipeline-schedule", config.schedule,
+                               "--pipeline-model-parallel-size", str(config.processes),
+                               "--clip-grad", str(config.clip_grad), *config.extra]
+    return flags + ([] if config.tied else ["--untie-embeddings-and-output-weights"])
+
+
+def _worker_command(a: argparse.Namespace, config: Config, out: Path, timeline: bool) -> list[str]:
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
+               str(config.processes), "--master-port", str(free_port()),
+               str(Path(__file__).resolve()), "--worker", "--out", str(out),
+               "--warmup", str(a.warmup), "--iters", str(a.iters)]
+    command += ["--chained-optimizer"] if a.chained_optimizer else []
+    command += ["--timeline"] if timeline else []
+    command += ["--", *_training_flags(a, config)]
+    return ["nice", "-n", str(a.nice), *command] if a.nice else command
+
+
+def _read_ranks(outs: list[Path], copies: int) -> list[RankResult]:
+    ranks = []
+    for copy, out in enumerate(outs):
+        for path in sorted(out.glob("rank*.json")):
+            rank = RankResult.from_json(json.loads(path.read_text()))
+            if copies > 1:
+                rank.rank = rank.stage = copy
+            ranks.append(rank)
+    return sorted(ranks, key=lambda r: r.rank)
+
+
+def _keep_timeline(out: Path, timeline_dir: Path | None, label: str) -> None:
+    if timeline_dir is None or not any(out.glob("rank*.jsonl")):
+        return
+    target = timeline_dir / label
+    target.mkdir(parents=True, exist_ok=True)
+    for stale in target.glob("*.jsonl"):
+        stale.unlink()
+    for p in out.glob("rank*.jsonl"):
+        (target / p.name).write_text(p.read_text())
+
+
+def _launch(a: argparse.Namespace, config: Config, timeline_dir: Path | None) -> Run:
+    """One configuration under torchrun (``config.copies`` jobs at once)."""
     with tempfile.TemporaryDirectory() as root:
-        outs = [Path(root, str(i)) for i in range(copies)]
+        outs = [Path(root, str(i)) for i in range(config.copies)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        what = f"{copies} x 1 process at once" if copies > 1 else \
-            f"{nproc} process{'es' if nproc > 1 else ''}"
-        print(f"  {label}: {what} ...", end="", flush=True, file=sys.stderr)
-        started = time.perf_counter()
-        jobs = []
+        n = config.processes
+        what = f"{config.copies} x 1 process at once" if config.copies > 1 else \
+            f"{n} process{'es' if n > 1 else ''}"
+        print(f"  {config.label}: {what} ...", end="", flush=True, file=sys.stderr)
+        started, jobs = time.perf_counter(), []
         for out in outs:
             out.mkdir()
-            command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
-                       str(nproc), "--master-port", str(free_port()),
-                       str(Path(__file__).resolve()), "--worker", "--out", str(out),
-                       "--warmup", str(a.warmup), "--iters", str(a.iters)]
-            command += ["--chained-optimizer"] if a.chained_optimizer else []
-            command += ["--timeline"] if timeline_dir else []
-            command += ["--", *flags]
-            if a.nice:
-                command = ["nice", "-n", str(a.nice), *command]
-            jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+            jobs.append(subprocess.Popen(_worker_command(a, config, out, timeline_dir is not None),
+                                         env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True))
         outputs = [job.communicate()[0] for job in jobs]
         print(f" {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
@@ -316,28 +519,10 @@ def _launch(a: argparse.Namespace, schedule: str, nproc: int, clip_grad: float, 
             if job.returncode != 0:
                 for line in output.splitlines()[-30:]:  # indented: not this tool's error line
                     print(f"  | {line}", file=sys.stderr)
-                raise ToolError(f"{label} run", f"failed with exit code {job.returncode}; "
-                                                "its last lines are above")
-        ranks = []
-        for copy, out in enumerate(outs):
-            for path in sorted(out.glob("rank*.json")):
-                rank = json.loads(path.read_text())
-                if copies > 1:
-                    rank["rank"] = rank["stage"] = copy
-                ranks.append(rank)
-        if timeline_dir is not None and any(outs[0].glob("rank*.jsonl")):
-            target = timeline_dir / label
-            target.mkdir(parents=True, exist_ok=True)
-            for stale in target.glob("*.jsonl"):
-                stale.unlink()
-            for p in outs[0].glob("rank*.jsonl"):
-                (target / p.name).write_text(p.read_text())
-    return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
-
-
-def _iteration_time(run: dict) -> float:
-    """Slowest stage's median time per iteration (s)."""
-    return max(statistics.median(r["seconds"]) for r in run["ranks"])
+                raise ToolError(f"{config.label} run", f"failed with exit code "
+                                f"{job.returncode}; its last lines are above")
+        _keep_timeline(outs[0], timeline_dir, config.label)
+        return Run(_read_ranks(outs, config.copies))
 
 
 def _paired(numerators: list[float], denominators: list[float], scale: float = 1.0) -> float:
@@ -346,17 +531,17 @@ def _paired(numerators: list[float], denominators: list[float], scale: float = 1
 
 
 def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
-    """Per stage, the most microbatches whose autograd graph the executor holds at once: from
-    F to B, or from F to W where the backward is split (zb-h1's W traverses the graph again)."""
+    """Per stage, the most microbatches forwarded and not yet through their backward (B, or I
+    where the backward is split: after the I only what its W needs is kept)."""
     from megatron_2bw.schedules import Kind, pipeline_actions
-    from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
+    from megatron_2bw.schedules.actions import SENDS_GRAD
 
     order = "flush" if schedule == "megatron" else schedule  # Megatron's 1F1B = Flush's order
     peaks = []
     for actions in pipeline_actions(order, depth, microbatches, 3):
         held = peak = 0
         for a in actions:
-            held += (a.kind is Kind.FORWARD) - (a.kind in MAKES_PARAM_GRADS)
+            held += (a.kind is Kind.FORWARD) - (a.kind in SENDS_GRAD)
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -372,25 +557,19 @@ def _per_stage(values) -> str:
     return "/".join(values)
 
 
-def _pooled(rounds: list[dict]) -> list[dict]:
-    """Per stage, the per-iteration measurements of every round joined."""
-    stages: dict[int, dict[str, list]] = {}
-    for run in rounds:
-        for rank in run["ranks"]:
-            joined = stages.setdefault(rank["stage"], {})
-            for key, value in rank.items():
-                if isinstance(value, list):
-                    joined.setdefault(key, []).extend(value)
-    return [stages[i] for i in sorted(stages)]
-
-
-def _median_ms(stages: list[dict], key: str) -> str:
-    """Per stage, the median over measured iterations of ``key``, in ms ('-' if not measured)."""
-    def one(values):
-        values = [v for v in values if v is not None]
+def _median_ms(ranks: list[list[RankResult]], key: str) -> str:
+    """Per stage, the median over every round's measured iterations of ``key``, in ms ('-' if
+    not measured); ``ranks[i]`` holds stage i's results of every round."""
+    def one(results: list[RankResult]) -> str:
+        values = [v for r in results for v in r.values(key) if v is not None]
         return f"{statistics.median(values) * 1e3:.0f}" if values else "-"
 
-    return _per_stage(one(stage.get(key) or []) for stage in stages)
+    return _per_stage(one(results) for results in ranks)
+
+
+def _stages(runs: list[Run]) -> list[list[RankResult]]:
+    """Per stage, that stage's results of every round."""
+    return [list(results) for results in zip(*(run.by_stage() for run in runs))]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -452,6 +631,206 @@ def _check_configs(a: argparse.Namespace, schedules: list[str]) -> None:
         check_training_flags(flags, nproc, f"{schedule} on {nproc} process(es)", rename=rename)
 
 
+def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
+    """The table's rows: the single process, d copies of it at once, every schedule, and with
+    --sync-variants 2bw and flush with clipping and tied embeddings."""
+    clip, tied = a.clip_grad, a.tie_embeddings
+    configs = [Config(SINGLE, "megatron", 1, clip, tied, "single"),
+               Config(BUSY, "megatron", 1, clip, tied, "single_busy", copies=a.depth)]
+    configs += [Config(s, s, a.depth, clip, tied, s) for s in schedules]
+    if a.sync_variants:
+        configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
+                    Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
+                           "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
+                    Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
+    return configs
+
+
+def _run_rounds(a: argparse.Namespace, configs: list[Config]) -> dict[str, list[Run]]:
+    """Every configuration ``--rounds`` times; rounds interleave the configurations (a shared
+    machine's load drifts). Timelines are kept from the first round's pipelines."""
+    runs: dict[str, list[Run]] = {config.name: [] for config in configs}
+    for round_ in range(a.rounds):
+        if a.rounds > 1:
+            print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
+        for config in configs:
+            keep = a.timeline_dir if config.processes > 1 and round_ == 0 else None
+            runs[config.name].append(_launch(a, config, keep))
+    return runs
+
+
+def _write_json(path: Path, a: argparse.Namespace, runs: dict[str, list[Run]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "ms_per_round": {name: [run.iteration_time() * 1e3 for run in rounds]
+                         for name, rounds in runs.items()},
+        "runs": {name: [asdict(run) for run in rounds] for name, rounds in runs.items()}},
+        indent=1))
+
+
+@dataclass
+class Table:
+    """The measurements of every row, and what the rows are compared with."""
+
+    a: argparse.Namespace
+    runs: dict[str, list[Run]]
+    load: tuple[float, float]
+    """The 1-minute load average before and after the runs."""
+    times: dict[str, list[float]] = field(init=False)
+    """Row name -> seconds per iteration, one per round."""
+
+    def __post_init__(self):
+        self.times = {name: [run.iteration_time() for run in rounds]
+                      for name, rounds in self.runs.items()}
+
+    def time_of(self, name: str) -> float:
+        """Median over rounds of a row's seconds per iteration."""
+        return statistics.median(self.times[name])
+
+    def ratio(self, name: str, reference: str, scale: float = 1.0) -> float:
+        """``scale * reference time / row time``, paired within each round, median over rounds
+        (a shared machine's speed drifts by 10-20% between rounds, which would otherwise enter a
+        ratio of two medians taken at different times)."""
+        if reference not in self.times:
+            return float("nan")
+        return _paired(self.times[reference], self.times[name], scale)
+
+
+HEADER = (f"{'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} {'vs busy':>7}  "
+          f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
+          f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11} {'copied MiB':>10} "
+          f"{'W MiB':>9}")
+
+
+def _row(table: Table, name: str, width: int) -> str:
+    """One row: time, throughput, ratios, per-stage waits and memory."""
+    a, rounds = table.a, table.runs[name]
+    d, t = a.depth, table.time_of(name)
+    first = rounds[0].by_stage()
+    if name.startswith("single"):
+        stash, versions = [1] * len(first), 1
+    else:
+        stash, versions = _stash_counts(name.split()[0], d, a.microbatches), \
+            _versions(name.split()[0])
+    boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
+    saved = [r.saved_bytes_per_microbatch or boundary for r in first]
+    weights = [r.param_bytes * versions for r in first]
+    stages = _stages(rounds)
+    return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * a.microbatches / t:9.2f} "
+            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, 1 / d):8.2f} "
+            f"{table.ratio(name, BUSY, 1 / d):7.2f}  "
+            f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
+            f"{_median_ms(stages, 'recv_seconds'):>9} "
+            f"{_median_ms(stages, 'collective_seconds'):>9}  "
+            f"{_per_stage(str(c) for c in stash):>5} "
+            f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
+            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11} "
+            f"{_per_stage(f'{(r.copied_bytes or 0) / 2**20:.1f}' for r in first):>10} "
+            f"{_per_stage(f'{r.pending_w_bytes / 2**20:.1f}' for r in first):>9}")
+
+
+def _notes(table: Table, schedules: list[str]) -> list[str]:
+    """The lines under the table: what the columns mean, the references, the machine."""
+    a, d = table.a, table.a.depth
+    single, busy = table.time_of(SINGLE), table.time_of(BUSY)
+    boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
+    saved = "/".join(f"{(r.saved_bytes_per_microbatch or 0) / 2**20:.1f}"
+                     for r in table.runs[schedules[0]][0].by_stage())
+    optimizers = sorted({r.optimizer for rounds in table.runs.values() for run in rounds
+                         for r in run.ranks})
+    return [
+        "ms/iter: median over rounds of the slowest stage's median; vs 2bw and vs ideal:"
+        " median over rounds of the ratio within a round; per stage (stage "
+        "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
+        "ms ready but not running (another process had the core), recv = ms blocked in "
+        "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches (forwarded, "
+        "input gradient not yet computed); weights = parameters x versions; copied = bytes "
+        "written by tensor copies (copy_, clone, _to_copy) in one iteration; W = the most bytes "
+        "pending weight-gradient passes keep at once (zb-h1: inputs and output gradients of the "
+        "linear layers, from each I to its W)",
+        f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {single / d * 1e3:.1f} ms"
+        f" per iteration; busy = the same with d copies of the single process running at"
+        f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"
+        f" machine's shared caches, memory and host give each of d busy cores; every copy"
+        f" holds the whole model, a stage only 1/d of it); boundary activation s*b*h*4 = "
+        f"{boundary / 2**20:.2f} MiB, saved for backward per microbatch and stage (measured): "
+        f"{saved} MiB",
+        f"optimizer: {', '.join(optimizers)}"
+        + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
+           "the stages at every step, also with --clip-grad 0; 2bw's deferred step skips it)"
+           if "ChainedOptimizer" in optimizers else ""),
+        f"note: --clip-grad {a.clip_grad} and {'tied' if a.tie_embeddings else 'untied'} "
+        "embeddings for every row but the +clip+tied ones; a grad-norm or tied-embedding "
+        "all-reduce syncs all stages at each step, which costs 2BW a (d-1) x backward stall per "
+        "batch unless its step is deferred (the default; --sync-variants shows both)",
+        f"load average before/after: {table.load[0]:.2f}/{table.load[1]:.2f} "
+        f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}"]
+
+
+def _table(table: Table, schedules: list[str]) -> str:
+    width = max(17, *(len(name) for name in table.runs))
+    header = f"{'schedule':<{width}} {HEADER}"
+    rows = [header, "-" * len(header)]
+    rows += [_row(table, name, width) for name in table.runs]
+    return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table))
+
+
+def _action_ms(runs: list[Run], kind: str) -> list[float]:
+    """Per stage, the median over rounds of an action's median duration (ms)."""
+    return [statistics.median(r.action_seconds.get(kind, float("nan")) for r in results) * 1e3
+            for results in _stages(runs)]
+
+
+def _bubble_ms(runs: list[Run]) -> list[float]:
+    """Per stage, the median over every measured iteration of the time outside actions (ms)."""
+    return [statistics.median(i.seconds - i.busy_seconds for r in results for i in r.iterations
+                              if i.busy_seconds is not None) * 1e3
+            for results in _stages(runs)]
+
+
+BUBBLE_FORMULAS = {  # Qi et al. 2024, Section 2.1 (T_B there is the input-gradient part)
+    "flush": ("(d-1)(T_F+T_B)", lambda t: t["F"] + t["B"]),
+    "zb-h1": ("(d-1)(T_F+T_I-T_W)", lambda t: t["F"] + t["I"] - t["W"]),
+}
+
+
+def _zero_bubble(table: Table) -> list[str]:
+    """flush against zb-h1: measured action times, the bubble their formulas predict beside
+    the measured one, the throughput and the copies."""
+    if not {"flush", "zb-h1"} <= set(table.runs):
+        return []
+    d = table.a.depth
+    lines = [f"zero bubble (d={d}, m={table.a.microbatches}; per stage 0/1/..., ms; predicted "
+             "from the stages' mean action times):"]
+    for name, (formula, per_microbatch) in BUBBLE_FORMULAS.items():
+        runs = table.runs[name]
+        kinds = ("F", "B") if name == "flush" else ("F", "I", "W")
+        times = {kind: _action_ms(runs, kind) for kind in kinds}
+        mean = {kind: statistics.fmean(values) for kind, values in times.items()}
+        lines.append(f"  {name:<6} " + "  ".join(
+            f"T_{kind} {_per_stage(f'{v:.1f}' for v in values)}" for kind, values in times.items())
+            + f"  bubble {formula} = {(d - 1) * per_microbatch(mean):.1f}, measured "
+            f"{_per_stage(f'{v:.1f}' for v in _bubble_ms(runs))}")
+    copies = {name: sum(r.copied_bytes or 0 for r in table.runs[name][0].ranks)
+              for name in BUBBLE_FORMULAS}
+    lines.append(f"  zb-h1 / flush: samples/s {table.ratio('zb-h1', 'flush'):.2f}x (paired within "
+                 f"rounds), bytes copied per iteration {copies['zb-h1'] / 2**20:.1f} / "
+                 f"{copies['flush'] / 2**20:.1f} MiB = "
+                 f"{copies['zb-h1'] / max(copies['flush'], 1):.2f}x (all stages)")
+    return lines
+
+
+def _describe(a: argparse.Namespace) -> str:
+    return (f"benchmark: GPT {a.num_layers} layers, h={a.hidden_size}, "
+            f"heads={a.num_attention_heads}, s={a.seq_length}, vocab={a.vocab_size}; micro batch "
+            f"b={a.micro_batch_size}, m={a.microbatches} microbatches, global batch "
+            f"{a.micro_batch_size * a.microbatches}; PP={a.depth} on {a.depth} single-threaded "
+            f"CPU processes; {a.warmup} warm-up + {a.iters} measured iterations; clip-grad "
+            f"{a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
+            f"{', ChainedOptimizer' if a.chained_optimizer else ''}")
+
+
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     """Benchmark the schedules (or, with --worker, run one rank); bad input ends it with one
@@ -463,112 +842,13 @@ def main(argv: list[str] | None = None) -> int:
     a.warmup = max(a.warmup, 1)
     schedules = list(dict.fromkeys(a.schedules))
     _check_configs(a, schedules)
-    d, m, b = a.depth, a.microbatches, a.micro_batch_size
-    h, s = a.hidden_size, a.seq_length
-
-    print(f"benchmark: GPT {a.num_layers} layers, h={h}, heads={a.num_attention_heads}, s={s}, "
-          f"vocab={a.vocab_size}; micro batch b={b}, m={m} microbatches, global batch {b * m}; "
-          f"PP={d} on {d} single-threaded CPU processes; {a.warmup} warm-up + {a.iters} measured "
-          f"iterations; clip-grad {a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
-          f"{', ChainedOptimizer' if a.chained_optimizer else ''}", file=sys.stderr)
-    # (row name, schedule, processes, clip-grad, tied, label, copies at once, extra flags)
-    configs = [(SINGLE, "megatron", 1, a.clip_grad, a.tie_embeddings, "single", 1, ()),
-               (BUSY, "megatron", 1, a.clip_grad, a.tie_embeddings, "single_busy", d, ())]
-    configs += [(sch, sch, d, a.clip_grad, a.tie_embeddings, sch, 1, ()) for sch in schedules]
-    if a.sync_variants:
-        configs += [("2bw +clip+tied", "2bw", d, 1.0, True, "2bw_clip_tied", 1, ()),
-                    ("2bw +clip+tied, loop step", "2bw", d, 1.0, True, "2bw_clip_tied_loop", 1,
-                     ("--no-deferred-step",)),
-                    ("flush +clip+tied", "flush", d, 1.0, True, "flush_clip_tied", 1, ())]
-    load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {}
-    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
-    for round_ in range(a.rounds):  # rounds interleave the configurations (drifting load)
-        if a.rounds > 1:
-            print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
-        for name, schedule, nproc, clip, tied, label, copies, extra in configs:
-            run = _launch(a, schedule, nproc, clip, tied, label,
-                          a.timeline_dir if nproc > 1 and round_ == 0 else None, copies, extra)
-            runs.setdefault(name, []).append(run)
-            times[name].append(_iteration_time(run))
-    load_after = os.getloadavg()
-    time_of = {name: statistics.median(ts) for name, ts in times.items()}
+    print(_describe(a), file=sys.stderr)
+    load_before = os.getloadavg()[0]
+    runs = _run_rounds(a, _configs(a, schedules))
+    load = (load_before, os.getloadavg()[0])
     if a.json:  # written before the table, so a formatting error loses no measurement
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                      "ms_per_round": {
-                                          k: [t * 1e3 for t in v] for k, v in times.items()},
-                                      "runs": runs}, indent=1))
-
-    single, busy = time_of[SINGLE], time_of[BUSY]
-    ideal = single / d
-    # Ratios pair the runs of one round (minutes apart at most) before taking the median over
-    # rounds: a shared machine's speed drifts by 10-20% between rounds, which would otherwise
-    # enter a ratio of two medians taken at different times.
-    vs_ideal = {name: _paired(times[SINGLE], ts, 1 / d) for name, ts in times.items()}
-    vs_busy = {name: _paired(times[BUSY], ts, 1 / d) for name, ts in times.items()}
-    vs_2bw = {name: _paired(times["2bw"], ts) if "2bw" in times else float("nan")
-              for name, ts in times.items()}
-    boundary = s * b * h * 4  # one microbatch's activation at a stage boundary, fp32
-    width = max(17, *(len(name) for name in runs))
-    header = (f"{'schedule':<{width}} {'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} "
-              f"{'vs busy':>7}  "
-              f"{'cpu ms':>9} {'runq ms':>9} {'recv ms':>9} {'coll ms':>9}  "
-              f"{'stash':>5} {'stash MiB':>10} {'weights MiB':>11}")
-    rows = [header, "-" * len(header)]
-    for name, rounds in runs.items():
-        schedule = name.split()[0]
-        t = time_of[name]
-        if name.startswith("single"):
-            stash = [1] * len(rounds[0]["ranks"])
-            versions = 1
-        else:
-            stash = _stash_counts(schedule, d, m)
-            versions = _versions(schedule)
-        by_stage = {r["stage"]: r for r in rounds[0]["ranks"]}
-        saved = [by_stage[i]["saved_bytes_per_microbatch"] or boundary for i in sorted(by_stage)]
-        weights = [by_stage[i]["param_bytes"] * versions for i in sorted(by_stage)]
-        stages = _pooled(rounds)
-        rows.append(
-            f"{name:<{width}} {t * 1e3:8.1f} {b * m / t:9.2f} "
-            f"{vs_2bw[name]:7.2f} {vs_ideal[name]:8.2f} {vs_busy[name]:7.2f}  "
-            f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
-            f"{_median_ms(stages, 'recv_seconds'):>9} "
-            f"{_median_ms(stages, 'collective_seconds'):>9}  "
-            f"{_per_stage(str(c) for c in stash):>5} "
-            f"{_per_stage(f'{c * x / 2**20:.1f}' for c, x in zip(stash, saved)):>10} "
-            f"{_per_stage(f'{w / 2**20:.1f}' for w in weights):>11}")
-    rows.append("ms/iter: median over rounds of the slowest stage's median; vs 2bw and vs ideal:"
-                " median over rounds of the ratio within a round; per stage (stage "
-                "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
-                "ms ready but not running (another process had the core), recv = ms blocked in "
-                "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches; "
-                "weights = parameters x versions")
-    rows.append(f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {ideal * 1e3:.1f} ms"
-                f" per iteration; busy = the same with d copies of the single process running at"
-                f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"
-                f" machine's shared caches, memory and host give each of d busy cores; every copy"
-                f" holds the whole model, a stage only 1/d of it); boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, "
-                f"saved for backward per microbatch and stage (measured): "
-                + "/".join(f"{(r['saved_bytes_per_microbatch'] or 0) / 2**20:.1f}"
-                           for r in sorted(runs[schedules[0]][0]['ranks'],
-                                           key=lambda r: r['stage']))
-                + " MiB")
-    optimizers = {r["optimizer"] for rounds in runs.values() for run in rounds
-                  for r in run["ranks"]}
-    rows.append(f"optimizer: {', '.join(sorted(optimizers))}"
-                + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
-                   "the stages at every step, also with --clip-grad 0; 2bw's deferred step "
-                   "skips it)"
-                   if "ChainedOptimizer" in optimizers else ""))
-    rows.append(f"note: --clip-grad {a.clip_grad} and "
-                f"{'tied' if a.tie_embeddings else 'untied'} embeddings for every row but the "
-                "+clip+tied ones; a grad-norm or tied-embedding all-reduce syncs all stages at "
-                "each step, which costs 2BW a (d-1) x backward stall per batch unless its step "
-                "is deferred (the default; --sync-variants shows both)")
-    rows.append(f"load average before/after: {load_before[0]:.2f}/{load_after[0]:.2f} "
-                f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}")
-    print("\n".join(rows))
+        _write_json(a.json, a, runs)
+    print(_table(Table(a, runs, load), schedules))
     return 0
 
 

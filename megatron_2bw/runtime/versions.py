@@ -52,6 +52,7 @@ _FINALIZE = "megatron.core.distributed.finalize_model_grads"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _CLIP = "megatron.core.optimizer.clip_grads"
+_LAYERS = "megatron.core.tensor_parallel.layers"
 
 MEGATRON_CORE: tuple[Expected, ...] = (
     Expected(_FINALIZE, "_allreduce_non_tensor_model_parallel_grads",
@@ -85,6 +86,11 @@ MEGATRON_CORE: tuple[Expected, ...] = (
              user="runtime/distributed.py"),
     Expected("megatron.core.parallel_state", "_global_process_group_list",
              user="runtime/distributed.py (through update_pg_timeout)"),
+    Expected(_LAYERS, "LinearWithGradAccumulationAndAsyncCommunication",
+             user="schedules/wgrad.py (its backward swapped during zb-h1's I)"),
+    Expected(_LAYERS, "custom_bwd", user="schedules/wgrad.py"),
+    Expected(_LAYERS, "dist_all_gather_func", user="schedules/wgrad.py"),
+    Expected(_LAYERS, "dist_reduce_scatter_func", user="schedules/wgrad.py"),
     Expected("megatron.core.jit", "noop_decorator", ("func",), user="runtime/cpu.py"),
     Expected("megatron.core.jit", "jit_fuser", user="runtime/cpu.py (replaced)"),
     Expected("megatron.core.datasets.indexed_dataset", "_INDEX_HEADER", user="data/indexed.py"),

@@ -24,12 +24,13 @@ Steps are dispatched through a table:
        last backward run under ``config.no_sync_func``; with --overlap-grad-reduce the last
        one launches the bucket reductions from DDP's hooks, or (``config.grad_sync_func``,
        stages after the first, as Megatron's 1F1B) right after it (order: deferred.py)
-    I: as B, but only dx: autograd's ``inputs=`` is the stage's input, the graph is kept
-       (retain_graph) and no parameter gradient is made, so DDP's hooks do not fire; on the
-       first stage (no input gradient) nothing runs yet
-    W: the parameter gradients of the kept graph (``inputs=`` the parameters), freeing it;
-       DDP's hooks fire here, once per microbatch, and the batch's last W is where the
-       gradients are reduced, as the last B is with a fused backward
+    I: as B, but the linear layers' weight-gradient GEMMs are left for the W (schedules/
+       wgrad.py): dx, and the gradients of the other parameters (norms, biases, embeddings)
+       with their DDP hooks; the graph is freed, the store keeps each deferred linear's
+       (input, output gradient)
+    W: the microbatch's deferred GEMMs, each weight gradient handed to its parameter's
+       accumulator and DDP hook as a fused backward hands it. A chunk's last I and last W
+       together complete its gradients, as its last B does with a fused backward
     S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
        2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
        deferred 2BW step, begin it (the first action reading the new version applies it)
@@ -42,17 +43,11 @@ c+1 when chunk c's first forward of the call runs; each chunk's pre-hooks then w
 own. Every rank of a data-parallel group runs the same action list, so they launch them in
 the same order.
 
-Split backward (zb-h1): autograd saves no split, so W traverses the microbatch's graph again
-(on the first stage W is the whole backward), and a stage keeps a microbatch's whole graph
-until its W; some backwards modify what they saved in place (megatron-core's vocab-parallel
-cross entropy), so where a graph is traversed twice its saved tensors reach each traversal as
-copies (``_saved_tensors_copied_on_use``). The time the split saves is the schedule's,
-measured with the simulator (``schedules.simulate``); what runs here is exact: the weights
-equal flush's (the tests' single-process reference). Megatron's reentrant activation recomputation runs a nested
-backward that ignores ``inputs=`` (it would make parameter gradients in I and again in W), so
-arguments.py refuses zb-h1 with --recompute-granularity; megatron-core's gradient
-accumulation fusion, which writes parameter gradients inside the input-gradient pass, is off
-under zb-h1 (training/fusions.py).
+Split backward (zb-h1): one backward in two parts (``schedules.wgrad``), nothing run twice and
+nothing copied; the weights equal flush's (the tests' single-process reference), with or
+without gradient-accumulation fusion. Megatron's reentrant activation recomputation runs a
+nested backward that ignores ``inputs=`` (deferred weights' DDP hooks would fire in I without
+a gradient), so arguments.py refuses zb-h1 with --recompute-granularity.
 
 PipeMare (``configure_pipemare``): with --pipemare-sync-iters N, calls 0..N-1 run flush's
 program (they fill and drain; the version store still makes each step's version), the first
@@ -88,11 +83,12 @@ from megatron_2bw.runtime import distributed
 from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
                                     forward_program, keeps_versions)
-from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS
+from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS, SENDS_GRAD
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, correction_span,
                                              forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
+from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -128,11 +124,9 @@ class _Call:
     num_tokens: torch.Tensor
     pg_collection: object
     force_all_reduce: bool
-    last_param_grads_of: dict = field(default_factory=dict)
-    """chunk -> the call's last B or W of that chunk: its parameter gradients complete the
-    chunk's for the batch."""
-    split_backward: bool = False
-    """The call's backwards are split into I and W."""
+    completing: dict = field(default_factory=dict)
+    """chunk -> the call's actions whose parameter gradients complete the chunk's for the
+    batch: its last B, or its last I (the small parameters) and its last W (the rest)."""
     gathers_next_chunk_at: dict = field(default_factory=dict)
     """chunk c+1 -> chunk c's first forward of the call, where chunk c+1's parameter
     all-gathers are launched (virtual stages with ``config.param_sync_func``; c+1 >= 2)."""
@@ -141,11 +135,6 @@ class _Call:
     def model(self) -> torch.nn.Module:
         """The one model chunk (schedules that keep weight versions run one chunk)."""
         return self.models[0]
-
-    def traversed_twice(self, runner: "PipelineRunner") -> bool:
-        """Whether the runner's graphs of this call are traversed by an I and again by a W:
-        split backwards on a stage with an input gradient to compute."""
-        return self.split_backward and runner.stage > 0
 
 
 class PipelineRunner:
@@ -160,8 +149,9 @@ class PipelineRunner:
         self.drain_at: int | None = None  # the batch after which the pipeline is empty
         # (microbatch, chunk) -> (input, output) until its backward
         self.stash: dict[tuple[int, int], tuple] = {}
-        # (microbatch, chunk) -> (output, grad) from I to W
-        self.weight_grads: dict[tuple[int, int], tuple] = {}
+        # (microbatch, chunk) -> the deferred weight-gradient GEMMs, from I to W
+        self.weight_grads: dict[tuple[int, int], PendingWeightGrads] = {}
+        self.wgrad_stores: dict[int, WeightGradStore] = {}  # chunk -> its store (zb-h1)
         # (tensor, microbatch, the sender's chunk) -> tensor, as transfers name them
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # received, not used yet
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # made, not sent yet
@@ -348,8 +338,7 @@ class PipelineRunner:
                                fill=self.pipeline_empty, drain=drain, chunks=self.chunks,
                                drain_at=self.drain_at)
         actions = [step for step in program if isinstance(step, Action)]
-        call.last_param_grads_of = {a.chunk: a for a in actions if a.kind in MAKES_PARAM_GRADS}
-        call.split_backward = any(a.kind is Kind.INPUT_GRAD for a in actions)
+        call.completing = _completing(actions)
         self._launch_param_gathers(call, actions)
         if self.deferred is not None and self.schedule in ("pipedream", "pipemare"):
             # each stage's next forwards read its newest version at once; at m < d a stage's
@@ -507,13 +496,10 @@ class PipelineRunner:
         if call.gathers_next_chunk_at.get(c + 1) is action:
             call.config.param_sync_func[c + 1](call.models[c + 1].parameters())
         input_tensor = self._input(k, c)
-        with _saved_tensors_copied_on_use() if call.traversed_twice(self) else \
-                contextlib.nullcontext():
-            output, num_tokens = forward_step(
-                call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
-                call.losses, call.config, 1, is_first_microbatch=k % m == 0,
-                current_microbatch=k % m, vp_stage=self._vp_stage(c),
-                is_last_stage=self._last(c))
+        output, num_tokens = forward_step(
+            call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
+            call.losses, call.config, 1, is_first_microbatch=k % m == 0,
+            current_microbatch=k % m, vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
         call.num_tokens += num_tokens
         if not self._last(c):
             self.outbox["activation", k, c] = output
@@ -552,43 +538,47 @@ class PipelineRunner:
             self.outbox["grad", k, action.chunk] = input_grad
 
     def _input_grad(self, action: Action, call: _Call) -> None:
-        """I: the gradient of the stage's input only; the graph stays for the W."""
-        k = action.microbatch
+        """I: the input gradient and the small parameters' gradients; the linear layers'
+        weight-gradient GEMMs wait in the chunk's store for the W."""
+        k, c = action.microbatch, action.chunk
         input_tensor, output, output_grad = self._backward_inputs(action)
         if output_grad is None:  # the loss, scaled as Megatron's backward_step does
             if call.config.grad_scale_func is not None:
                 output = call.config.grad_scale_func(output)
             output_grad = torch.ones_like(output)
-        if self.stage > 0:
-            (input_grad,) = _run_backward(output, output_grad, (input_tensor,), keep_graph=True,
-                                          accumulate_grad=False)
-            self.outbox["grad", k, action.chunk] = input_grad
-        self.weight_grads[k, action.chunk] = (output, output_grad)
+        store = self.wgrad_stores.get(c)
+        if store is None:
+            store = self.wgrad_stores[c] = WeightGradStore(call.models[c])
+        with self._param_grads(action, call):
+            self.weight_grads[k, c] = store.input_pass(output, output_grad, input_tensor)
+        if not self._first(c):
+            self.outbox["grad", k, c] = input_tensor.grad
 
     def _weight_grad(self, action: Action, call: _Call) -> None:
-        """W: the parameter gradients of the graph kept by the microbatch's I."""
+        """W: the microbatch's deferred weight-gradient GEMMs."""
         if self.versions is not None:
             self.versions.use(action.version)
-        output, output_grad = self.weight_grads.pop((action.microbatch, action.chunk))
-        params = tuple(p for p in call.models[action.chunk].parameters() if p.requires_grad)
+        pending = self.weight_grads.pop((action.microbatch, action.chunk))
         with self._param_grads(action, call):
-            _run_backward(output, output_grad, params, keep_graph=False, accumulate_grad=True)
+            WeightGradStore.weight_pass(pending)
 
     @contextlib.contextmanager
     def _param_grads(self, action: Action, call: _Call):
-        """Around a B or W: each chunk's last one of the call completes that chunk's gradients;
-        all others run under ``config.no_sync_func``. With a grad_sync_func (--overlap-grad-
-        reduce, aligned) the chunk's bucket reductions are launched right after its last one,
+        """Around a B, I or W: a chunk's completing ones (its last B, or its last I and last W)
+        complete that chunk's gradients; all others run under ``config.no_sync_func``. With a
+        grad_sync_func (--overlap-grad-reduce, aligned) the chunk's bucket reductions are
+        launched right after its last completing one,
         except on the first stage of Megatron's 1F1B (one chunk), which launches them from that
         backward's hooks; with virtual stages every stage launches them after, as megatron-core's
         interleaved schedule does (a chunk's backward gives gradients to its parameters only)."""
         config, c = call.config, action.chunk
-        last_of_chunk = action == call.last_param_grads_of.get(c)
+        completing = call.completing.get(c, ())
         sync_after = config.grad_sync_func is not None and (len(call.models) > 1
                                                             or self.stage > 0)
-        with contextlib.nullcontext() if last_of_chunk and not sync_after else _no_sync(config):
+        with contextlib.nullcontext() if action in completing and not sync_after \
+                else _no_sync(config):
             yield
-        if last_of_chunk and sync_after:
+        if completing and action == completing[-1] and sync_after:
             grad_sync = config.grad_sync_func
             chunk_sync = grad_sync[c] if isinstance(grad_sync, (list, tuple)) else grad_sync
             chunk_sync(call.models[c].parameters())
@@ -741,17 +731,6 @@ _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunne
              Kind.WEIGHT_GRAD: PipelineRunner._weight_grad, Kind.STEP: PipelineRunner._step}
 
 
-@contextlib.contextmanager
-def _saved_tensors_copied_on_use():
-    """A forward whose graph is traversed twice (I, then W): every tensor autograd saves is
-    handed to its backward as a copy, because some backwards modify what they saved in place
-    (megatron-core's vocab-parallel cross entropy turns its saved softmax into the logits'
-    gradient) and a second traversal would read the modified tensor. Costs one transient copy
-    per saved tensor per traversal; the saved tensors themselves are not copied."""
-    with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, torch.clone):
-        yield
-
-
 def token_count(device: torch.device) -> torch.Tensor:
     """A call's running count of loss tokens (--calculate-per-token-loss), zero, on the stage's
     training device as megatron-core's schedules create it (``torch.zeros([], dtype=torch.int,
@@ -761,17 +740,18 @@ def token_count(device: torch.device) -> torch.Tensor:
     return torch.zeros([], dtype=torch.int, device=device)
 
 
-def _run_backward(output: torch.Tensor, output_grad: torch.Tensor, inputs: tuple, *,
-                  keep_graph: bool, accumulate_grad: bool):
-    """Autograd's engine on ``output`` with gradient ``output_grad``, restricted to ``inputs``:
-    their gradients returned (``accumulate_grad=False``) or accumulated into ``.grad`` through
-    their AccumulateGrad nodes and hooks (True). Called directly, as Megatron's
-    ``custom_backward``, because a sent output's storage is already freed
-    (``deallocate_output_tensor``) and ``torch.autograd`` would reject its shape."""
-    from torch.autograd import Variable
-
-    return Variable._execution_engine.run_backward(
-        (output,), (output_grad,), keep_graph, False, inputs, True, accumulate_grad)
+def _completing(actions: list[Action]) -> dict[int, list[Action]]:
+    """Per chunk, the actions whose parameter gradients complete the chunk's for the batch, in
+    program order: the last of each kind that makes parameter gradients (B; or I and W)."""
+    last: dict[tuple[int, Kind], Action] = {}
+    for action in actions:
+        if action.kind in MAKES_PARAM_GRADS or action.kind in SENDS_GRAD:
+            last[action.chunk, action.kind] = action
+    completing: dict[int, list[Action]] = {}
+    for action in actions:
+        if last.get((action.chunk, action.kind)) is action:
+            completing.setdefault(action.chunk, []).append(action)
+    return completing
 
 
 def _no_sync(config):

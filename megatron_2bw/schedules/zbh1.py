@@ -16,10 +16,9 @@ no longer fits the gaps it fills, and then the bubble is larger). Synchronous, t
 weights as flush: batch b reads version b.
 
 Memory: at most min(d-i, m) microbatches between F and I on stage i, 1F1B's stash, and
-besides them at most min(i+1, m) whose W is pending. In the paper's implementation those keep
-only what W needs, less than a whole microbatch's activations (its Table 1), so the peak stays
-1F1B's; this package's executor keeps a pending microbatch's whole autograd graph until its W
-(schedules/executor.py), up to min(d, m) graphs per stage.
+besides them at most min(i+1, m) whose W is pending. A pending W keeps only what its GEMMs
+need, the linear layers' inputs and output gradients (schedules/wgrad.py; the paper's Table 1),
+not the microbatch's graph, which its I frees.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ import). Invariants:
   * On the CPU every one is off (the kernels are CUDA's).
   * On CUDA each follows Megatron-LM's flag, and is off, with one note, where its kernel does
     not import (megatron-core would raise: TransformerConfig for RoPE, ColumnParallelLinear for
-    gradient accumulation, the softmax at its first fused call) or, for gradient accumulation,
-    where the schedule traverses a backward twice (zb-h1's input- then weight-gradient pass: the
-    fused kernel adds the weight gradient into ``main_grad`` inside every traversal).
+    gradient accumulation, the softmax at its first fused call). zb-h1 keeps gradient
+    accumulation fused: its W runs each weight-gradient GEMM once, with the fused kernel
+    (schedules/wgrad.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ import argparse
 import importlib.util
 from dataclasses import dataclass
 
-__all__ = ["FusionKernels", "fusion_fields", "SPLIT_BACKWARD_SCHEDULES"]
-
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1",)
-"""Schedules whose backward runs as two traversals of a microbatch's graph (I, then W)."""
+__all__ = ["FusionKernels", "fusion_fields"]
 
 _SOFTMAX_MODULES = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
                     "scaled_softmax_cuda")
@@ -78,19 +75,9 @@ def fusion_fields(args: argparse.Namespace, device: str,
         wanted = getattr(args, field, True)
         if field == "apply_rope_fusion" and args.position_embedding_type != "rope":
             wanted = False  # Megatron-LM's validate_args, silently
-        why = None if not wanted else \
-            missing if not getattr(kernels, kernel) else \
-            _split_backward(args) if field == "gradient_accumulation_fusion" else None
+        why = None if not wanted or getattr(kernels, kernel) else missing
         fields[field] = wanted and why is None
         if why is not None:
             notes.append(f" {field} off ({why}; Megatron-LM's default is on, {flag} turns it "
                          "off)")
     return fields, notes
-
-
-def _split_backward(args: argparse.Namespace) -> str | None:
-    schedule = getattr(args, "pipeline_schedule", None)
-    if schedule in SPLIT_BACKWARD_SCHEDULES:
-        return (f"--pipeline-schedule {schedule} traverses each backward twice, and the fused "
-                "kernel would add the weight gradients in both")
-    return None

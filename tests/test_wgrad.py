@@ -1,0 +1,144 @@
+"""zb-h1's split backward (megatron_2bw/schedules/wgrad.py) on a real megatron-core GPTModel
+(4 layers, tied embeddings, PP=1, so the output layer reads the embedding's weight) under
+megatron-core's DDP with --overlap-grad-reduce, in one gloo process.
+
+Reference: megatron-core's own fused backward of the same microbatch on the same weights.
+  * after I, the parameters that are not deferred linear weights (norms, biases, the tied
+    embedding) hold exactly the reference's ``main_grad``, the deferred weights none;
+  * after W every ``main_grad`` equals the reference's bit for bit;
+  * DDP's hooks fired once per parameter (the golden counts megatron-core records in the
+    reference batch are met, so every bucket's reduction is launched by the hooks, which
+    ``finish_grad_sync`` requires);
+  * I and W together copy no more bytes than the fused backward (nothing re-run, no saved
+    tensor cloned);
+  * the same with gradient-accumulation fusion, apex's CUDA kernel replaced by a CPU
+    stand-in with its contract (``main_grad += grad_output^T @ input``): each weight gradient
+    is added once.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests import dist as launch
+
+MICRO_BATCH = 2
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+"""Each layer's megatron-core linear layers: their weights' GEMMs are deferred to W."""
+
+
+class _Copies:
+    """Bytes written by tensor copies (copy_, clone, _to_copy) while active."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default,
+               torch.ops.aten._to_copy.default}
+        counter = self
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in ops:
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        self.mode = Count()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _stand_in_fused_kernel():
+    """apex's fused_weight_gradient_mlp_cuda contract on the CPU: main_grad += dY^T X."""
+    def accumulate(total_input, grad_output, main_grad):
+        main_grad.add_(grad_output.t().matmul(total_input))
+
+    return types.SimpleNamespace(wgrad_gemm_accum_fp32=accumulate,
+                                 wgrad_gemm_accum_fp16=accumulate)
+
+
+def _main_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.main_grad.clone() for name, p in model.named_parameters()}
+
+
+def _split_against_fused(fusion: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_2bw.schedules.wgrad import WeightGradStore
+    from tests.test_cpu_runtime import _batch, _config, _gpt, _token_losses
+
+    torch.manual_seed(0)
+    config = _config()
+    model = _gpt(config)
+    if fusion:
+        layers.fused_weight_gradient_mlp_cuda = _stand_in_fused_kernel()
+        for module in model.modules():
+            if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+                module.gradient_accumulation_fusion = True
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2000), model)
+    batch = _batch(MICRO_BATCH)
+
+    loss = _token_losses(ddp, batch).mean()
+    with _Copies() as fused_copies:
+        loss.backward()
+    fused = _main_grads(model)
+    ddp.finish_grad_sync()  # the first batch: records each parameter's hook count
+    ddp.zero_grad_buffer()
+
+    loss = _token_losses(ddp, batch).mean()
+    store = WeightGradStore(model)
+    with _Copies() as input_copies:
+        pending = store.input_pass(loss, torch.ones_like(loss), None)
+    after_input = _main_grads(model)
+    with _Copies() as weight_copies:
+        WeightGradStore.weight_pass(pending)
+    after_weight = _main_grads(model)
+    ddp.finish_grad_sync()  # asserts every bucket's reduction was launched by the hooks
+    deferred = sorted(name for name, p in model.named_parameters() if id(p) in store.deferred)
+    return {"fused": fused, "after_input": after_input, "after_weight": after_weight,
+            "deferred": deferred, "copies": (fused_copies.bytes, input_copies.bytes + weight_copies.bytes)}
+
+
+def wgrad_worker(rank: int, world_size: int) -> dict:
+    from tests.test_cpu_runtime import _layout
+
+    _layout(1, 1)
+    return {fusion: _split_against_fused(fusion) for fusion in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    (result,) = launch.spawn(wgrad_worker, 1, out_dir=tmp_path_factory.mktemp("wgrad"),
+                             timeout=180)
+    return result
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused-accumulation"])
+def test_input_then_weight_pass_equals_one_fused_backward(runs, fusion):
+    run = runs[fusion]
+    assert run["deferred"] == sorted(f"decoder.layers.{i}.{linear}.weight" for i in range(4)
+                                     for linear in LINEARS)
+    assert "embedding.word_embeddings.weight" not in run["deferred"]  # tied: its grad in I
+    for name, reference in run["fused"].items():
+        assert reference.abs().sum() > 0, name
+        after_input = run["after_input"][name]
+        if name in run["deferred"]:
+            assert not after_input.any(), f"{name}: a deferred weight got a gradient in I"
+        else:
+            assert torch.equal(after_input, reference), f"{name}: I's gradient differs"
+        assert torch.equal(run["after_weight"][name], reference), f"{name}: differs after W"
+    fused_copies, split_copies = run["copies"]
+    assert split_copies <= fused_copies, run["copies"]
