@@ -3,8 +3,9 @@ and its memory columns agree with numbers derived here by hand.
 
 One round of single / single-at-once / 2bw / flush / zb-h1 with d = m = 2 (about a minute on 2
 cores). Timings are not checked (tests check correctness, benchmarks report speed); bytes copied
-are: zb-h1's split backward copies no more than flush's fused one (its W re-ran the backward on
-cloned saved tensors before: 15x flush's bytes on this model).
+are: zb-h1's split backward copies what flush's fused one copies, within 5% (before, its W
+re-ran the backward on cloned saved tensors: 1.36x flush's bytes on this model, 22x on the
+benchmark's default one).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_bench_rows_and_memory_columns(tmp_path):
     assert all({"F", "I", "W", "S"} <= set(r["action_seconds"]) for r in zbh1["ranks"])
     copied = {name: sum(r["copied_bytes"] for r in run_["ranks"])
               for name, run_ in (("flush", flush), ("zb-h1", zbh1))}
-    assert 0 < copied["zb-h1"] <= 1.5 * copied["flush"], copied
+    assert 0 < copied["zb-h1"] <= 1.05 * copied["flush"], copied
     lines = [line for line in run.output.splitlines() if "bubble (d-1)" in line]
     assert [line.split()[0] for line in lines] == ["flush", "zb-h1"], run.output
     assert "T_I" in lines[1] and "T_W" in lines[1] and "measured" in lines[1]

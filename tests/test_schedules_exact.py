@@ -11,8 +11,8 @@ parameters, ||W - W_ref|| / ||W_ref||.
 1. flush, gpipe, naive, zb-h1: after 5 iterations equal to (a) a PP=1 run with gradient
    accumulation over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
    Grid: d=2, w=2 (4 processes), m=4; tied embeddings. zb-h1 (split backward: the input
-   gradient first, the parameter gradients later by a second traversal) also at m=2 in the
-   same processes, and at d=4 in 3.
+   gradient first, the linear layers' weight-gradient GEMMs later) also at m=2 and with
+   --overlap-grad-reduce in the same processes, and at d=4 in 3.
 2. 2bw: after 6 iterations equal to W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))), and far from the
    synchronous result. Grid (d, m, w, recompute, TP, tie), covering each of d=2/4, m=d/2d,
    w=1/2, full recomputation on/off, TP=2, untied embeddings:
@@ -162,7 +162,13 @@ class Case:
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
-ZBH1_CASES = [Case("zb-h1", d=2, m=2, w=2, iters=5)]  # with SYNC_CASES' m=4 and d=4 below
+ZBH1_CASES = [  # with SYNC_CASES' m=4 and d=4 below
+    Case("zb-h1", d=2, m=2, w=2, iters=5),
+    # DDP's hooks launch the bucket reductions: the last I (norms, biases, embeddings) and the
+    # last W (the linear weights) together complete the batch's gradients
+    Case("zb-h1", d=2, m=4, w=2, iters=5, flags=("--overlap-grad-reduce", "--ddp-bucket-size",
+                                                 "2000")),
+]
 PER_STAGE = ("pipedream", "pipemare")
 """Rules of tests/reference.py that hold weights per stage (they need the depth)."""
 TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")

@@ -60,7 +60,7 @@ SCHEDULE_NOTES = {
                 "stash d - i; no recomputation",
     "zb-h1": "ZB-H1: flush's order with the backward split into input (I) and weight (W) "
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
-             "d - i plus min(i + 1, m) pending W (whole graphs here: min(d, m) in all); bubble "
+             "d - i plus min(i + 1, m) pending W (counted as whole graphs: min(d, m)); bubble "
              "(d - 1)(F + I - W) (Qi et al., ICLR 2024, Section 2.1); no recomputation",
     "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
                 "stash d + (d - 1)/V on stage 0; bubble (d - 1)/(V m) (SC'21 Section 2.2)",
@@ -633,7 +633,8 @@ def _stash(layout: Layout, spec, stage: int) -> float:
         return min(m * v, warmup_slots(d, stage, v) + 1) / v
     pending = spec.weight_grads(d, m, stage)
     if pending:
-        # Split backward (zb-h1): the executor keeps a microbatch's whole graph until its W.
+        # Split backward (zb-h1): a pending W keeps the linear layers' inputs and output
+        # gradients (schedules/wgrad.py), counted here as a whole microbatch's activations.
         # The I that makes a W pending ends that microbatch's stash, so the two peaks share one
         # microbatch: min(d - i, m) + min(i + 1, m) - 1, at most m (min(d, m) for zb-h1).
         return min(spec.stash(d, m, stage) + pending - 1, m)

@@ -75,8 +75,9 @@ class Action:
     Roughly, on stage i:
         F: point weights at `version`; x = recv(i-1) or data; y = chunk(x); stash; send(y, i+1)
         B: point weights at `version`; g = recv(i+1) or loss; backward(stash[mb], g); send(dx, i-1)
-        I: as B, but only dx is computed; the graph is kept for the microbatch's W
-        W: the parameter gradients of the kept graph; sends nothing
+        I: as B, but the linear layers' weight-gradient GEMMs are left for the W (their input
+           and output gradient kept); the graph is freed
+        W: those GEMMs, into the parameters' gradients; sends nothing
         S: optimizer step on the accumulated gradients of `batch`; the result is `version`
     """
 

@@ -44,8 +44,9 @@ own. Every rank of a data-parallel group runs the same action list, so they laun
 the same order.
 
 Split backward (zb-h1): one backward in two parts (``schedules.wgrad``), nothing run twice and
-nothing copied; the weights equal flush's (the tests' single-process reference), with or
-without gradient-accumulation fusion. Megatron's reentrant activation recomputation runs a
+nothing copied; the weights equal flush's (the tests' single-process reference; with
+gradient-accumulation fusion, checked on the CPU with a stand-in for apex's kernel). With
+transformer-engine's linear layers nothing is deferred (W is empty). Megatron's reentrant activation recomputation runs a
 nested backward that ignores ``inputs=`` (deferred weights' DDP hooks would fire in I without
 a gradient), so arguments.py refuses zb-h1 with --recompute-granularity.
 
