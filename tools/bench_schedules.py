@@ -742,6 +742,7 @@ def _row(table: Table, name: str, width: int) -> str:
     """One row: time, throughput, ratios, per-stage waits and memory."""
     a, rounds = table.a, table.runs[name]
     d, t, m = a.depth, table.time_of(name), _microbatches(a, name)
+    scale = m / (a.microbatches * d)  # the ideal: single-process time / d, for the row's m
     first = rounds[0].by_stage()
     if name.startswith("single"):
         stash, versions = [1] * len(first), 1
@@ -752,8 +753,8 @@ def _row(table: Table, name: str, width: int) -> str:
     weights = [r.weight_bytes or r.param_bytes * versions for r in first]
     stages = _stages(rounds)
     return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * m / t:9.2f} "
-            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, 1 / d):8.2f} "
-            f"{table.ratio(name, BUSY, 1 / d):7.2f}  "
+            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, scale):8.2f} "
+            f"{table.ratio(name, BUSY, scale):7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
             f"{_median_ms(stages, 'collective_seconds'):>9}  "
