@@ -165,7 +165,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipemare-lr-warmup-steps", type=_NONNEG, default=0, metavar="K",
                    help="pipemare: PipeMare's learning-rate rescheduling (T1): stage i steps "
                         "with lr / tau_i ** (1 - min(k/K, 1)), tau_i its largest forward delay; "
-                        "with m >= d microbatches tau_i <= 1, so the step size is unchanged")
+                        "with m >= d microbatches tau_i <= 1, so the step size is unchanged; "
+                        "at m < d tau_i = ceil((d-i-1)/m)")
     g.add_argument("--pipemare-sync-iters", type=_NONNEG, default=0, metavar="N",
                    help="pipemare: run the first N iterations synchronously (flush's order "
                         "and weights, the pipeline drained each iteration), then PipeMare's")
@@ -514,6 +515,18 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = B // (b * dp)
     _refuse(too_few_microbatches(args.pipeline_schedule, pp,
                                  Batch("--global-batch-size", B, b, dp)))
+    m = args.num_microbatches
+    if args.pipeline_schedule == "pipemare" and m < pp:
+        _require(getattr(args, "pipemare_discrepancy_decay", None) is None,
+                 "--pipemare-discrepancy-decay",
+                 f"PipeMare's discrepancy correction (T2) runs with m >= d microbatches per "
+                 f"batch only, got m = {m} < pipeline depth {pp}")
+        _require(not getattr(args, "pipemare_lr_warmup_steps", 0)
+                 or getattr(args, "untie_embeddings_and_output_weights", True),
+                 "--pipemare-lr-warmup-steps",
+                 f"at m = {m} < pipeline depth {pp} T1 gives stages different learning rates, "
+                 "so the two copies of tied embeddings would part: add "
+                 "--untie-embeddings-and-output-weights")
     if args.rampup_batch_size is not None:
         _validate_rampup(args)
 
@@ -612,7 +625,7 @@ def _validate_rampup(args: argparse.Namespace) -> None:
                  f"({dp}) = {b * dp}")
     _refuse(too_few_microbatches(args.pipeline_schedule, pp,
                                  Batch("--rampup-batch-size", start, b, dp, name="START"),
-                                 where=" at every step of the ramp"))
+                                 where=" at every step of the ramp", ramp=True))
 
 
 def _validate_training_length(args: argparse.Namespace) -> None:

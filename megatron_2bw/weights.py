@@ -1,28 +1,31 @@
-"""PipeDream-2BW's double-buffered weights (Narayanan et al., ICML 2021, Section 3.1).
+"""A pipeline stage's weight versions: PipeDream-2BW's double buffer (Narayanan et al., ICML
+2021, Section 3.1) and its N-slot generalisation for PipeDream's weight stashing at m < d.
 
-Each stage keeps at most two weight versions: the newest, and the one still read by the
-microbatches in flight. The 2BW update is
+The 2BW update is
 
     W(t+1) = W(t) - lr * grad f(W(t-1))
 
 so the optimizer step after batch t reads the newest version W(t) and writes W(t+1), while
 batch t+1's microbatches, already forwarded with W(t), keep reading W(t) until their
-backward passes are done.
+backward passes are done. Under PipeDream at m = 1 (an update per microbatch) stage i's
+in-flight microbatches read d - i - 1 older versions (schedules/pipedream.py): the store
+keeps as many slots as versions alive, N = 1 + ceil((d-i-1)/m).
 
 Invariants:
-  * Two storages per parameter ("slots"); a version lives in one slot; ``use(v)`` points every
-    parameter's ``.data`` at ``v``'s slot. Forward, recomputation and backward of a microbatch
-    all run after ``use(version)`` (megatron's linear layers read ``p.data`` in backward).
+  * One storage per alive version ("slot"); ``use(v)`` points every parameter's ``.data`` at
+    ``v``'s slot. Forward, recomputation and backward of a microbatch all run after
+    ``use(version)`` (megatron's linear layers read ``p.data`` in backward).
   * The new version is always made in slot 0, the "home" slot: the parameters' own storage at
     construction, which megatron-core's buffers alias (with the distributed optimizer, each
     DDP bucket's ``param_data``, the optimizer's fp32 shard views of it and the parameter
-    all-gather into it). ``fork(v_new)`` retires every version older than the newest, copies
-    the newest (always in slot 0) out to slot 1 and points the parameters at slot 0: the
-    optimizer then writes ``v_new`` there, through the parameters or through views of the
-    buffers, without touching storage an in-flight microbatch reads (those of the newest
-    version now read slot 1).
-  * ``use_derived`` fills the spare slot with weights derived from the newest version
-    (PipeMare's discrepancy-corrected backward weights) and retires the older version there.
+    all-gather into it). ``fork(v_new)`` retires every version older than ``keep_from(v_new)``
+    (by default the newest: 2BW's two versions), copies the newest (always in slot 0) out to a
+    free slot if it is kept (the slot of a retired version, else a new one), and points the
+    parameters at slot 0: the optimizer then writes ``v_new`` there, through the parameters or
+    through views of the buffers, without touching storage an in-flight microbatch reads.
+    A retired version is one no in-flight or later pass reads, so its slot may be rewritten.
+  * ``use_derived`` fills slot 1 with weights derived from the newest version
+    (PipeMare's discrepancy-corrected backward weights) and retires the older versions.
   * An optimizer that updates a Parameter in place bumps its autograd version counter, which
     in-flight backward passes would take for a modification of what they saved. The counters
     are reset to their pre-step values (``after_step``): the storage those passes saved was not
@@ -42,15 +45,20 @@ HOME = 0
 
 
 class WeightVersions:
-    """Two weight slots for one pipeline stage's parameters."""
+    """Weight slots for one pipeline stage's parameters, one per alive version.
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
+    ``keep_from(v_new)``: the oldest version still read once ``v_new`` is made (by a
+    microbatch in flight or one forwarded later); default ``v_new - 1`` (2BW)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter],
+                 keep_from: Callable[[int], int] | None = None):
         self.params = [p for p in params]
         self.slots: list[list[torch.Tensor] | None] = [[p.data for p in self.params], None]
         self.slot_of: dict[int, int] = {0: 0}  # version -> slot
         self.pointed_slot = 0
+        self.keep_from = keep_from or (lambda new_version: new_version - 1)
         self._counters: list[int] | None = None
-        self.derived: tuple[int, object] | None = None  # (version, key) the spare slot holds
+        self.derived: tuple[int, object] | None = None  # (version, key) slot 1 holds
 
     @property
     def newest(self) -> int:
@@ -75,9 +83,9 @@ class WeightVersions:
     def use_derived(self, version: int, key: object,
                     make: Callable[[list[torch.Tensor], list[torch.Tensor]], None]) -> None:
         """Point the parameters at weights derived from ``version``, the newest (PipeMare's
-        corrected backward weights): ``make(newest, spare)`` writes them into the spare slot
-        once per (version, key). The older version that slot held is retired: call only once
-        no pass reads it any more (the next ``fork`` refills the slot)."""
+        corrected backward weights): ``make(newest, spare)`` writes them into slot 1 once per
+        (version, key). The older versions are retired: call only once no pass reads them
+        any more (the next ``fork`` refills the slot)."""
         if version != self.newest:
             raise ValueError(f"weights derived from version {version}: only from the newest "
                              f"({self.newest})")
@@ -87,7 +95,7 @@ class WeightVersions:
             with torch.no_grad():
                 make(self.slots[HOME], spare)
             self.derived = (version, key)
-        self._point(1 - HOME)
+        self._point(1)
 
     def _point(self, slot: int) -> None:
         """Point every parameter's ``.data`` at ``slot``'s tensors (a no-op when it is)."""
@@ -97,9 +105,9 @@ class WeightVersions:
             self.pointed_slot = slot
 
     def fork(self, new_version: int) -> None:
-        """Make room for ``new_version`` in the home slot: keep only the newest version, move it
-        (a copy) to slot 1, and point the parameters at slot 0 for the optimizer step to
-        overwrite."""
+        """Make room for ``new_version`` in the home slot: retire the versions older than
+        ``keep_from(new_version)``, move the newest (a copy) to a free slot if it is kept, and
+        point the parameters at slot 0 for the optimizer step to overwrite."""
         newest = self.newest
         if new_version != newest + 1:
             raise ValueError(f"fork({new_version}) after version {newest}: versions must be "
@@ -107,13 +115,21 @@ class WeightVersions:
         if self.slot_of[newest] != HOME:
             raise RuntimeError(f"weight version {newest} is not in the home slot")
         self.use(newest)
-        moved_out = self.spare_tensors()
-        with torch.no_grad():
-            for dst, src in zip(moved_out, self.slots[HOME]):
-                dst.copy_(src)
-        self.slot_of = {newest: 1 - HOME, new_version: HOME}
+        oldest = self.keep_from(new_version)
+        kept = {v: slot for v, slot in self.slot_of.items() if oldest <= v < newest}
+        if oldest <= newest:
+            free = self._free_slot(set(kept.values()))
+            with torch.no_grad():
+                for dst, src in zip(self.slot_tensors(free), self.slots[HOME]):
+                    dst.copy_(src)
+            kept[newest] = free
+        self.slot_of = {**kept, new_version: HOME}
         self.derived = None
         self._counters = [p._version for p in self.params]
+
+    def _free_slot(self, taken: set[int]) -> int:
+        """The first slot after home that no kept version holds."""
+        return next(slot for slot in range(1, len(self.slots) + 1) if slot not in taken)
 
     def after_step(self) -> None:
         """Undo the autograd version-counter bumps of an in-place optimizer step (see the
@@ -124,27 +140,36 @@ class WeightVersions:
         self._counters = None
 
     # ---- checkpoints -------------------------------------------------------------------
+    def older_versions(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """The alive versions but the newest, newest first, with their tensors."""
+        return [(v, self.slots[self.slot_of[v]]) for v in sorted(self.slot_of, reverse=True)
+                if v != self.newest]
+
     def older_version(self) -> tuple[int, list[torch.Tensor]] | None:
-        """The older alive version and its tensors (None when only one version is alive)."""
-        if len(self.slot_of) < 2:
-            return None
-        older = min(self.slot_of)
-        return older, self.slots[self.slot_of[older]]
+        """The second newest alive version and its tensors (None when only one is alive)."""
+        older = self.older_versions()
+        return older[0] if older else None
+
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """The tensors of ``slot`` (> 0; allocated on first use)."""
+        while len(self.slots) <= slot:
+            self.slots.append(None)
+        if self.slots[slot] is None:
+            self.slots[slot] = [torch.empty_like(p.data) for p in self.params]
+        return self.slots[slot]
 
     def spare_tensors(self) -> list[torch.Tensor]:
-        """The tensors of slot 1, the one that is not home (allocated on first use)."""
-        spare = 1 - HOME
-        if self.slots[spare] is None:
-            self.slots[spare] = [torch.empty_like(p.data) for p in self.params]
-        return self.slots[spare]
+        """The tensors of slot 1, the first that is not home (allocated on first use)."""
+        return self.slot_tensors(1)
 
-    def loaded(self, newest: int, older: int | None) -> None:
-        """A checkpoint was read into the home slot (``newest``) and the spare one
-        (``older``)."""
+    def loaded(self, newest: int, older: int | list[int] | None) -> None:
+        """A checkpoint was read into the home slot (``newest``) and slots 1, 2, ... (the
+        ``older`` versions, newest first; one version or None for 2BW's two)."""
         if self.pointed_slot == HOME:  # the load may have given the parameters new storage
             self.slots[HOME] = [p.data for p in self.params]
         self._point(HOME)
         self.slot_of = {newest: HOME}
         self.derived = None
-        if older is not None:
-            self.slot_of[older] = 1 - HOME
+        olders = [] if older is None else [older] if isinstance(older, int) else list(older)
+        for slot, version in enumerate(olders, start=1):
+            self.slot_of[version] = slot

@@ -7,10 +7,13 @@ clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it
 
     synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
     2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
-    PipeDream (weight stashing, d stages, m >= d microbatches per batch):
-        W_i(t+1) = AdamW(W_i(t), sum_j g_i,j) where microbatch j of batch t reads, on stage i,
-        W_i(max(t-1, 0)) for j < w_i = min(d-i-1, m) (its forward ran before stage i's step
-        after batch t-1: one of the 1F1B warm-up look-ahead forwards) and W_i(t) otherwise
+    PipeDream (weight stashing, d stages, m microbatches per batch, any m >= 1):
+        W_i(t+1) = AdamW(W_i(t), sum_j g_i,j) where microbatch j of batch t (global index
+        k = t m + j) reads, on stage i, W_i(max(floor((k - w_i) / m), 0)), w_i = d-i-1: in
+        1F1B its forward runs right after the backward of microbatch k - w_i - 1, so it reads
+        the version of the steps after every batch whose backwards are done by then (with
+        m >= d: W_i(t-1) for the look-ahead microbatches j < w_i, else W_i(t); with m = 1, an
+        update per microbatch, W_i(k - w_i), as in PipeDream, SOSP 2019, Section 3.3)
     PipeMare (no stashing): forwards as PipeDream's, every backward at W_i(t) (with the
         discrepancy correction W_i(t) - delta_i where the forward read W_i(t-1)); the first
         `sync_iters` batches read W(t) throughout
@@ -175,8 +178,8 @@ def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: 
                      sync_iters: int = 0) -> int:
     """The version microbatch j of batch t reads of parameter `name` under PipeDream (and in
     PipeMare's forward): t during the `sync_iters` synchronous iterations."""
-    warmup = min(depth - _stage_of(name, depth, num_layers) - 1, m)
-    return max(t - 1, 0) if j < warmup and t >= sync_iters else t
+    warmup = depth - _stage_of(name, depth, num_layers) - 1
+    return max((t * m + j - warmup) // m, 0) if t >= sync_iters else t
 
 
 def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int, decay: float) -> float | None:
@@ -190,7 +193,8 @@ def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int, decay: float
 def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | list[int],
                   iterations: int, tie: bool, model: Model = MODEL,
                   lrs: list[float] | None = None, depth: int = 1,
-                  discrepancy_decay: float | None = None, sync_iters: int = 0) -> dict:
+                  discrepancy_decay: float | None = None, sync_iters: int = 0,
+                  lr_warmup_steps: int = 0) -> dict:
     """Train the full model from `init` with `rule` ("sync", "2bw", or "pipedream" or
     "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel),
     per-iteration losses [t][replica] and grad norms. `microbatches` as a list: batch t has
@@ -201,7 +205,10 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     `discrepancy_decay` D, a backward whose forward read W(t-1) on its stage reads
     W(t) - (t - forward's version) * delta instead of W(t), with, per parameter,
     delta(t+1) = gamma * delta(t) + (1 - gamma) * (W(t+1) - W(t)), delta(0) = 0,
-    gamma = D ** (1 / s) and s = 1 on stages with look-ahead forwards (none elsewhere)."""
+    gamma = D ** (1 / s) and s = 1 on stages with look-ahead forwards (none elsewhere);
+    `lr_warmup_steps` K (T1), step t of stage i uses lr_t / tau_i ** (1 - min(t/K, 1)) with
+    tau_i = max(ceil((d-i-1)/m), 1), the oldest version a forward of the stage reads in steady
+    state (t - floor((t m - w_i)/m))."""
     sizes = microbatches if isinstance(microbatches, list) else None
     if sizes is not None and len(sizes) != iterations:
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
@@ -215,32 +222,39 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         for name, p in params.items():
             p.copy_(init["embedding.word_embeddings.weight" if split_tie and
                          name == "output_layer.weight" else name])
-    groups = [
-        {"params": [p for n, p in params.items() if not no_weight_decay(n, p)],
-         "weight_decay": model.weight_decay},
-        {"params": [p for n, p in params.items() if no_weight_decay(n, p)], "weight_decay": 0.0},
-    ]
+    stages = range(depth) if per_stage else [None]
+    stage_of = (lambda n: _stage_of(n, depth, model.num_layers)) if per_stage else \
+        (lambda n: None)
+    groups = [group for stage in stages for group in (
+        {"params": [p for n, p in params.items()
+                    if not no_weight_decay(n, p) and stage_of(n) == stage],
+         "weight_decay": model.weight_decay, "stage": stage},
+        {"params": [p for n, p in params.items()
+                    if no_weight_decay(n, p) and stage_of(n) == stage],
+         "weight_decay": 0.0, "stage": stage}) if group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=model.lr, betas=(model.adam_beta1, model.adam_beta2),
                                   eps=model.adam_eps)
     snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
     previous = snapshot()  # W(t-1), with W(-1) = W(0)
+    history = []  # W(0), W(1), ...: the versions PipeDream's stages read
     gammas = {n: _pipemare_gamma(n, depth, microbatches, model.num_layers, discrepancy_decay)
               for n in params} if rule == "pipemare" and discrepancy_decay else {}
     delta = {n: torch.zeros_like(p) for n, p in params.items() if gammas.get(n) is not None}
     losses, norms = [], []
     for t in range(iterations):
         current = snapshot()  # W(t)
+        history.append(current)
         read = current if rule == "sync" else previous
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(read[n])
 
         @torch.no_grad()
-        def pipedream_weights(j: int, t=t, current=current, previous=previous) -> None:
+        def pipedream_weights(j: int, t=t) -> None:
             for n, p in params.items():
                 version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j,
                                            sync_iters)
-                p.copy_(current[n] if version == t else previous[n])
+                p.copy_(history[version][n])
 
         def newest_weights(j: int, t=t, current=current) -> None:
             """PipeMare's backward: every stage at W(t), corrected by T2 where the forward
@@ -278,6 +292,9 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
             group["lr"] = model.lr * min(t, warmup) / warmup if warmup else model.lr
             if lrs is not None:
                 group["lr"] = lrs[t]
+            if rule == "pipemare" and lr_warmup_steps:  # T1
+                tau = max(-(-(depth - group["stage"] - 1) // microbatches), 1)
+                group["lr"] /= tau ** (1.0 - min(t / lr_warmup_steps, 1.0))
         optimizer.step()
         with torch.no_grad():
             for n, d in delta.items():

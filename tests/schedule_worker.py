@@ -225,7 +225,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     losses = [record["lm loss"] for record in train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
         defer=run.get("deferred", True), drains=tuple(run.get("drains", ())),
-        host_syncs=host_syncs)]
+        host_syncs=host_syncs,
+        round_trip=out / run["name"] / "versions" if run.get("round_trip") else None)]
     with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
         seconds = time.perf_counter() - started
 
@@ -270,9 +271,33 @@ def _count_param_gathers(config, model: list) -> list[dict]:
     return counts
 
 
+def _round_trip_versions(fb, model, directory: Path) -> None:
+    """Save the schedule's weight versions (``checkpoint_extra``: every older version, as a
+    checkpoint holds them), overwrite every older slot with NaN, and load them back
+    (``prepare_load``, ``checkpoint_loaded``): a version lost on the way spoils the weights
+    the run ends with."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sharded: dict = {}
+    fb.checkpoint_extra(model, sharded)
+    dist_checkpointing.save(sharded, str(directory))
+    with torch.no_grad():
+        for _, tensors in fb.versions.older_versions():
+            for tensor in tensors:
+                tensor.fill_(float("nan"))
+    sharded = {}
+    fb.prepare_load(model, sharded, str(directory))
+    fb.checkpoint_loaded(model, dist_checkpointing.load(sharded, str(directory)))
+
+
 def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
                      scheduler, defer: bool = True, drains: tuple[int, ...] = (),
-                     host_syncs: list | None = None) -> list[dict]:
+                     host_syncs: list | None = None,
+                     round_trip: Path | None = None) -> list[dict]:
     """Megatron's training step, ``args.train_iters`` times, with the schedule's drain on the
     last and after the iterations in ``drains`` (as before an evaluation: ``prepare_drain``,
     the call, the step, ``drain()``); on the stage that computes the loss, each iteration's
@@ -294,9 +319,12 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
     for iteration in range(args.train_iters):
         if counter is not None:
             marks.append(counter.snapshot()[1])
-        pausing = iteration == args.train_iters - 1 or iteration in drains
-        if pausing and hasattr(fb, "prepare_drain"):
-            fb.prepare_drain()
+        pauses = {args.train_iters - 1, *drains}
+        if hasattr(fb, "prepare_drain"):  # as early as the schedule needs to know
+            notice = fb.drain_notice(args.num_microbatches)
+            ahead = next((a for a in range(notice) if iteration + a in pauses), None)
+            if ahead is not None:
+                fb.prepare_drain(ahead + 1)
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -313,6 +341,8 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
                            for key in loss_dicts[0]})
         if iteration in drains and hasattr(fb, "drain"):
             fb.drain()
+            if round_trip is not None:
+                _round_trip_versions(fb, model, round_trip / f"iteration{iteration}")
     if hasattr(fb, "drain"):
         fb.drain()
     if counter is not None:

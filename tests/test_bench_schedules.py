@@ -70,6 +70,9 @@ def test_bench_rows_and_memory_columns(tmp_path):
     assert all(r["param_bytes"] == 4 * sum(expected) for r in busy["ranks"])
     weights = [float(x) for x in rows["2bw"][11].split("/")]  # MiB, two versions
     assert weights == [round(2 * 4 * n / 2**20, 1) for n in expected]
+    for name, versions in (("2bw", 2), ("flush", 1)):  # measured: every alive version's bytes
+        by_stage = sorted(data["runs"][name][0]["ranks"], key=lambda r: r["stage"])
+        assert [r["weight_bytes"] for r in by_stage] == [versions * 4 * n for n in expected]
 
     # zb-h1 against flush: measured action times, both bubbles, copies within 1.5x
     (flush,), (zbh1,) = data["runs"]["flush"], data["runs"]["zb-h1"]

@@ -221,7 +221,8 @@ def test_new_schedules_memory_by_hand():
               for s in ("flush", "pipedream", "zb-h1")}
     for i in range(d):
         flush, pipedream, zbh1 = (memory[s][i] for s in ("flush", "pipedream", "zb-h1"))
-        assert pipedream.extra_versions == pipedream.weights == flush.weights > 0
+        assert pipedream.weights == flush.weights > 0  # the last stage reads one version
+        assert pipedream.extra_versions == (pipedream.weights if i < d - 1 else 0)
         assert zbh1.extra_versions == flush.extra_versions == 0
         assert (flush.stashed_microbatches, pipedream.stashed_microbatches,
                 zbh1.stashed_microbatches) == (d - i, d - i, d)
@@ -229,6 +230,17 @@ def test_new_schedules_memory_by_hand():
         assert zbh1.activations == pytest.approx(flush.activations * d / (d - i))
         assert pipedream.total - flush.total == pytest.approx(
             pipedream.extra_versions + pipedream.gradient_copy)
+
+
+def test_pipedream_at_one_microbatch_holds_d_minus_i_versions():
+    """PipeDream as published (an update per microbatch, m = 1): stage i keeps d - i weight
+    versions (2BW paper, Section 2), the memory 2BW was made to avoid; 2BW refuses m < d."""
+    cost = CostModel(SMALL, preset("dgx-a100", nodes=1), "bf16")
+    d = 4
+    stages = cost.memory(Layout(1, d, 1, 2, 1, False, "pipedream")).stages
+    assert [s.extra_versions / s.weights for s in stages] == [d - i - 1 for i in range(d)]
+    assert "2bw needs m >= d" in Layout(1, d, 1, 2, 1, False, "2bw").problem(SMALL.num_layers)
+    assert Layout(1, d, 1, 2, 1, False, "pipedream").problem(SMALL.num_layers) is None
 
 
 def test_every_planner_schedule_is_accepted_by_the_training_parser():

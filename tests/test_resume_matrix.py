@@ -10,7 +10,7 @@ the checkpoint holds; under PipeMare's T2 its backward also reads delta. Llama-s
 rope, grouped-query attention, no biases, untied output layer) is the case that resumed to NaN
 when only ShardedTensor entries carried the older version.
 
-The cases cover each schedule with each model style, and V = 2 virtual stages (2bw, flush), the
+The cases cover each schedule with each model style (pipedream GPT-2-style at m = 1 < d), and V = 2 virtual stages (2bw, flush), the
 distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style.
 (2bw GPT-2-style resumes in test_training, pipemare GPT-2-style with T2's delta read back in
 test_training, megatron's own schedules there and in test_interleaved.) All cases run one after
@@ -37,7 +37,8 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     "2bw-llama-TP2": ["--pipeline-schedule", "2bw", *LLAMA, *PP1,
                       "--tensor-model-parallel-size", "2"],
     "pipedream-llama": ["--pipeline-schedule", "pipedream", *LLAMA],
-    "pipedream-gpt": ["--pipeline-schedule", "pipedream"],
+    # PipeDream's own setting, m = 1 (an update per microbatch): stage 0 keeps 2 versions
+    "pipedream-gpt-m1": ["--pipeline-schedule", "pipedream", "--global-batch-size", "2"],
     "pipemare-T2-llama": ["--pipeline-schedule", "pipemare", *LLAMA,
                           "--pipemare-discrepancy-decay", "0.9"],
     "flush-llama-V2": ["--pipeline-schedule", "flush", *LLAMA,

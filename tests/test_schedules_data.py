@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_2bw.schedules import (SCHEDULES, V_SCHEDULES, Action, Exchange, Kind, P2P, ScheduleError,
-                                    call_actions, communication, format_actions, fuse,
+from megatron_2bw.schedules import (SCHEDULES, V_SCHEDULES, Action, Exchange, Kind, P2P,
+                                    ScheduleError, actions_of, call_actions, communication,
+                                    format_actions, fuse,
                                     keeps_versions, parse_action, parse_actions,
                                     pipeline_actions, pipeline_programs, stage_actions, validate)
 from megatron_2bw.schedules.actions import SENDS_GRAD
@@ -251,9 +252,10 @@ def test_memory_declared_by_each_schedule():
 def test_pipedream_forwards_read_the_newest_version_and_stash_it():
     """PipeDream's rule, from the action order alone: without drains, every forward reads the
     newest version its stage has made before it, and its backward the same (stashed) one; the
-    stages of one microbatch read different versions (no vertical sync); 2 versions at most."""
-    for d, m in ((2, 2), (4, 4), (4, 8), (3, 5)):
-        lists = pipeline_actions("pipedream", d, m, num_batches=4)
+    stages of one microbatch read different versions (no vertical sync); 2 versions at most
+    with m >= d, 1 + ceil((d-i-1)/m) below (d - i at m = 1, an update per microbatch)."""
+    for d, m in ((2, 2), (4, 4), (4, 8), (3, 5), (2, 1), (3, 1), (4, 1), (4, 2), (5, 3)):
+        lists = pipeline_actions("pipedream", d, m, num_batches=2 * d + 2)
         for stage, actions in enumerate(lists):
             newest, read = 0, {}
             for a in actions:
@@ -267,7 +269,36 @@ def test_pipedream_forwards_read_the_newest_version_and_stash_it():
         first_stage = {a.microbatch: a.version for a in lists[0] if a.kind is Kind.FORWARD}
         last_stage = {a.microbatch: a.version for a in lists[-1] if a.kind is Kind.FORWARD}
         assert first_stage[m] == 0 and last_stage[m] == 1  # batch 1's first microbatch
-        assert simulate(lists, COSTS).max_versions == (2,) * (d - 1) + (1,)
+        held = tuple(1 + -(-(d - i - 1) // m) for i in range(d))
+        assert simulate(lists, COSTS).max_versions == held, (d, m)
+        if m == 1:
+            assert held == tuple(d - i for i in range(d))
+
+
+def test_pipedream_and_pipemare_below_d_drain_with_notice():
+    """At m < d the first stage's look-ahead forwards reach ceil((d-1)/m) batches ahead: a
+    drain known that many calls before (``stage_actions`` passes the next drain) empties the
+    pipeline after its call, the refill's forwards read what an undrained run reads (the
+    version rule is checked by the validator), every version bound holds, and the programs
+    with their fused exchanges run deadlock-free in the simulator's NCCL mode. A drain asked
+    for later than that is refused by the runner (executor.prepare_drain)."""
+    from megatron_2bw.schedules.pipedream import drain_notice
+
+    assert [drain_notice(4, m) for m in (1, 2, 3, 4, 8)] == [3, 2, 1, 1, 1]
+    for name in ("pipedream", "pipemare"):
+        for d, m in ((3, 1), (4, 1), (4, 2), (5, 2)):
+            n = 3 * d
+            programs = pipeline_programs(name, d, m, n, drains=(1, d + 1))  # validated
+            result = simulate(programs, COSTS)
+            stashed = tuple(d - i for i in range(d))
+            assert result.peak_stash == stashed, (name, d, m)
+            held = (tuple(1 + -(-(d - i - 1) // m) for i in range(d)) if name == "pipedream"
+                    else (1,) * d)
+            assert result.max_versions == held, (name, d, m)
+            for actions in (actions_of(p) for p in programs):  # nothing crosses a drain
+                for t in (1, d + 1):
+                    step = actions.index(Action(Kind.STEP, None, t, t + 1))
+                    assert all(a.batch <= t for a in actions[:step]), (name, d, m, t)
 
 
 def test_naive_makespan():
@@ -663,6 +694,12 @@ def test_pipemare_delays_span_and_buffers():
         assert [weight_buffers(d, m, i, correction=False) for i in range(d)] == [1] * d
         assert [weight_buffers(d, m, i, correction=True) for i in range(d)] == \
             [1 + 2 * s for s in spans]
+    # m < d: a look-ahead forward of stage i reads the version ceil((d-i-1)/m) steps old
+    # (d - i - 1 at m = 1), so T1's tau_i exceeds 1 on every stage but the last two
+    for d, m in [(4, 1), (4, 2), (5, 2), (8, 3)]:
+        spans = [-(-(d - i - 1) // m) for i in range(d)]
+        assert [correction_span(d, m, i) for i in range(d)] == spans, (d, m)
+        assert [forward_delay(d, m, i) for i in range(d)] == [max(s, 1) for s in spans]
 
 
 def test_pipemare_lr_rescheduling_factor():
@@ -691,6 +728,11 @@ def test_pipemare_flags_are_validated_in_one_line():
                               "2", "--pipemare-lr-warmup-steps", "7"], world_size=2)
     assert PipeMareOptions.from_args(args) == PipeMareOptions(0.3, 7, 2)
     assert PipeMareOptions.from_args(parse_args(mare, world_size=2)) == PipeMareOptions()
+    for schedule in ("pipedream", "pipemare"):
+        below = ["--pipeline-schedule", schedule, "--global-batch-size", "2"]
+        assert parse_args(flags + below, world_size=2).num_microbatches == 1
+    assert parse_args(mare + ["--global-batch-size", "2", "--pipemare-lr-warmup-steps", "3",
+                              "--untie-embeddings-and-output-weights"], world_size=2)
     refused = {("--pipeline-schedule", "pipedream", "--pipemare-sync-iters", "1"):
                "--pipemare-sync-iters: only with --pipeline-schedule pipemare",
                ("--pipemare-lr-warmup-steps", "3"): "--pipemare-lr-warmup-steps: only with",
@@ -699,7 +741,19 @@ def test_pipemare_flags_are_validated_in_one_line():
                ("--pipeline-schedule", "pipemare", "--pipemare-discrepancy-decay", "0"):
                "--pipemare-discrepancy-decay: expected",
                ("--pipeline-schedule", "pipemare", "--pipemare-sync-iters", "-1"):
-               "--pipemare-sync-iters: expected an integer >= 0"}
+               "--pipemare-sync-iters: expected an integer >= 0",
+               # m = 1 < d = 2: pipedream and pipemare run, 2BW does not, nor T2, nor T1 with
+               # tied embeddings (its stages step with different rates)
+               ("--pipeline-schedule", "2bw", "--global-batch-size", "2"):
+               "--global-batch-size: 2bw needs microbatches per batch m = 2 / \\(2 x 1\\) = 1 "
+               ">= pipeline depth 2",
+               ("--pipeline-schedule", "pipemare", "--global-batch-size", "2",
+                "--pipemare-discrepancy-decay", "0.5"):
+               "--pipemare-discrepancy-decay: PipeMare's discrepancy correction \\(T2\\) runs "
+               "with m >= d",
+               ("--pipeline-schedule", "pipemare", "--global-batch-size", "2",
+                "--pipemare-lr-warmup-steps", "3"):
+               "--pipemare-lr-warmup-steps: at m = 1 < pipeline depth 2 T1 gives stages"}
     for extra, message in refused.items():
         with pytest.raises(FlagError, match=message) as error:
             parse_args(flags + list(extra), world_size=2)

@@ -97,16 +97,23 @@ class Case:
     """pipemare: --pipemare-discrepancy-decay (T2), in the run and its reference."""
     sync_iters: int = 0
     """pipemare: --pipemare-sync-iters, in the run and its reference."""
+    lr_warmup_steps: int = 0
+    """pipemare: --pipemare-lr-warmup-steps (T1), in the run and its reference."""
     drains: tuple[int, ...] = ()
     """Iterations after which the run drains (as before an evaluation); the reference has
     none: the schedules' weights do not depend on drains."""
     layers: int = 4
     """Transformer layers (d x V must divide them)."""
+    round_trip: bool = False
+    """At each drain the weight versions are saved as a checkpoint holds them, spoilt in
+    memory and loaded back (tests/schedule_worker.py)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
         return ((("--pipemare-discrepancy-decay", str(self.decay)) if self.decay else ())
-                + (("--pipemare-sync-iters", str(self.sync_iters)) if self.sync_iters else ()))
+                + (("--pipemare-sync-iters", str(self.sync_iters)) if self.sync_iters else ())
+                + (("--pipemare-lr-warmup-steps", str(self.lr_warmup_steps))
+                   if self.lr_warmup_steps else ()))
 
     @property
     def model(self) -> dict:
@@ -140,7 +147,8 @@ class Case:
         if rule != "pipemare":
             return {}
         return {**({"discrepancy_decay": self.decay} if self.decay else {}),
-                **({"sync_iters": self.sync_iters} if self.sync_iters else {})}
+                **({"sync_iters": self.sync_iters} if self.sync_iters else {}),
+                **({"lr_warmup_steps": self.lr_warmup_steps} if self.lr_warmup_steps else {})}
 
     @property
     def rule(self) -> str:
@@ -151,7 +159,8 @@ class Case:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
                 "deferred": self.deferred, "model": self.model,
-                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains)}
+                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains),
+                "round_trip": self.round_trip}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -205,6 +214,10 @@ PIPEDREAM_CASES = [
     Case("pipedream", d=2, m=4, w=2, iters=6, tie=False),
     Case("pipedream", d=4, m=4, w=1, iters=6, recompute=True),
     Case("pipedream", d=4, m=8, w=1, iters=6, deferred=False),
+    # PipeDream's own setting, an update per microbatch: stage i holds d - i versions, the
+    # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before;
+    # at the drain all versions go through a checkpoint's save and load
+    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True),
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
@@ -214,6 +227,8 @@ PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed
     # ... and with the loop's step; two synchronous (flush) iterations first
     Case("pipemare", d=2, m=4, w=1, iters=6, deferred=False, decay=0.5, sync_iters=2),
     Case("pipemare", d=4, m=8, w=1, iters=6),
+    # forward delays up to 3 steps: T1 scales stage i's first steps by 1/tau_i ** (1 - k/K)
+    Case("pipemare", d=4, m=1, w=1, iters=6, tie=False, lr_warmup_steps=4),
 ]
 V_CASES = [  # two chunks per stage in a V (stage s holds layers s and 3 - s), untied embeddings;
     # with TWOBW_CASES' untied d=2 m=4 run in its processes, sharing its references
@@ -262,13 +277,16 @@ def _far_references(case: Case) -> dict[str, tuple[str, float]]:
             far["pipemare without T2"] = (replace(case, decay=None).reference(), 1e-4)
         if case.sync_iters:
             far["pipemare without W"] = (replace(case, sync_iters=0).reference(), 1e-4)
+        if case.lr_warmup_steps:
+            far["pipemare without T1"] = (replace(case, lr_warmup_steps=0).reference(), 1e-4)
     return far
 
 
 def _pipemare_variants(case: Case) -> list[Case]:
     """The case without each of its PipeMare options (their references: `_far_references`)."""
     return ([replace(case, decay=None)] if case.decay else []) + \
-        ([replace(case, sync_iters=0)] if case.sync_iters else [])
+        ([replace(case, sync_iters=0)] if case.sync_iters else []) + \
+        ([replace(case, lr_warmup_steps=0)] if case.lr_warmup_steps else [])
 
 
 def _reference_jobs() -> dict:

@@ -153,3 +153,28 @@ def test_discrepancy_delta_of_bf16_weights_keeps_learning_rate_sized_steps():
     newest = versions.tensors_of(steps)[0]
     assert weight.data.dtype == torch.bfloat16
     assert torch.equal(weight.data, (newest.float() - 2 * correction.delta[0]).to(torch.bfloat16))
+
+
+def test_n_slots_keep_what_pipedream_reads_at_m_1():
+    """PipeDream at m = 1 on stage 0 of d = 4 (an update per microbatch): microbatch k's
+    forward and stashed backward read W(k - 3), and its backward runs before step k + 1, so
+    after step v the store keeps W(v-3..v): 4 slots, each version's weights intact while newer
+    ones are written (W(v) = W(0) + v here). Microbatch 4 forwards with W(1) before step 2 and
+    runs its backward after step 4: it reads W(1) (dx = g W(1))."""
+    layer = _layer()
+    w0 = layer.weight.detach().clone()
+    versions = WeightVersions(layer.parameters(), keep_from=lambda new: max(new - 3, 0))
+    x, g = torch.randn(4, 3, requires_grad=True), torch.randn(4, 2)
+    for v in range(1, 9):
+        if v == 2:
+            versions.use(1)
+            y = layer(x)
+        if v == 5:
+            versions.use(1)
+            y.backward(g)
+            assert torch.allclose(x.grad, g @ (w0 + 1))
+        _step(versions, layer, v, shift=1.0)
+        assert versions.alive == list(range(max(v - 3, 0), v + 1)), v
+        for alive in versions.alive:
+            assert torch.allclose(versions.tensors_of(alive)[0], w0 + alive), (v, alive)
+    assert len([slot for slot in versions.slots if slot is not None]) == 4

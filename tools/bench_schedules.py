@@ -5,7 +5,8 @@
 Every schedule (2bw, flush, gpipe, pipedream, pipemare, zb-h1, naive, and megatron = Megatron's
 own 1F1B) trains the same GPT with PP = d on d single-threaded CPU processes (one stage per
 core, gloo p2p), and so does the same model on ONE process (PP = 1, same global batch) for the
-bubble-free ideal:
+bubble-free ideal (2BW refuses m < d: with --microbatches below --depth its row,
+"2bw (m=d)", runs d microbatches per batch, and PipeDream's memory at m = 1 shows beside it):
 
     ideal time per iteration = single-process time / d
 
@@ -26,8 +27,9 @@ Memory columns, per stage: peak stashed activations (microbatches forwarded and 
 through their backward: B, or I for zb-h1) from the schedule's action lists (Megatron's 1F1B
 has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves
 for backward on that stage (measured with autograd's saved-tensor hooks, parameters excluded;
-the boundary activation alone is s*b*h*4 bytes in fp32); weights = the stage's parameter bytes
-x the weight versions the schedule keeps (2 for 2BW); W = the most bytes zb-h1's pending
+the boundary activation alone is s*b*h*4 bytes in fp32); weights = the most bytes the stage's
+weight versions held at once, measured after every iteration (every alive version's tensors:
+2 versions for 2BW, 1 + ceil((d-1-i)/m) for PipeDream, d - i at m = 1); W = the most bytes zb-h1's pending
 weight-gradient passes keep at once (measured). ``copied`` counts the bytes written by tensor
 copies in one iteration (a dispatch mode on ``copy_``, ``clone`` and ``_to_copy``).
 
@@ -272,6 +274,8 @@ class RankResult:
     copied_bytes: int | None = None
     pending_w_bytes: int = 0
     """The most bytes pending W's kept at once (``_PendingW``)."""
+    weight_bytes: int | None = None
+    """The most bytes the stage's weight versions held at once (``_weight_bytes``)."""
     """Bytes copied in one iteration (a warm-up one; ``_CopiedBytes``)."""
     action_seconds: dict[str, float] = field(default_factory=dict)
     """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
@@ -336,19 +340,31 @@ def _timed_iteration(trainer, waits: _Waits) -> Iteration:
                      collective_seconds=waits.collective, end=time.perf_counter())
 
 
+def _weight_bytes(trainer) -> int:
+    """Bytes of every weight version the stage holds now (the parameters where the schedule
+    keeps one)."""
+    tensors = getattr(trainer.forward_backward, "weight_tensors", lambda: None)()
+    if tensors is None:
+        tensors = [p for chunk in trainer.model for p in chunk.parameters()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _run_iterations(trainer, saved: _SavedBytes, copied: _CopiedBytes, waits: _Waits,
-                    warmup: int, iters: int) -> list[Iteration]:
+                    warmup: int, iters: int, weights: list[int]) -> list[Iteration]:
     """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
-    leaves nothing in flight); saved bytes are counted in warm-up iterations (the first one
-    only where it is the only one), copies in the last warm-up iteration."""
+    leaves nothing in flight; asked for as many calls ahead as the schedule needs); saved bytes
+    are counted in warm-up iterations (the first one only where it is the only one), copies in
+    the last warm-up iteration; ``weights`` gets each iteration's weight-version bytes."""
     runner, total = trainer.forward_backward, warmup + iters + 1
+    notice = getattr(runner, "drain_notice", lambda m: 1)(trainer.args.num_microbatches)
     iterations = []
     for i in range(total):
-        if i == total - 1 and hasattr(runner, "prepare_drain"):
-            runner.prepare_drain()
+        if total - i <= notice and hasattr(runner, "prepare_drain"):
+            runner.prepare_drain(total - i)
         saved.active = 0 < i < warmup or (warmup == 1 and i == 0)
         with copied.counting() if i == warmup - 1 else contextlib.nullcontext():
             iterations.append(_timed_iteration(trainer, waits))
+        weights.append(_weight_bytes(trainer))
     if hasattr(runner, "drain"):
         runner.drain()
     return iterations
@@ -385,7 +401,8 @@ def worker(argv: list[str]) -> int:
     runner, copied, pending_w = trainer.forward_backward, _CopiedBytes(), _PendingW()
     if hasattr(runner, "timeline"):
         runner.timeline = []
-    iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters)
+    weights: list[int] = []
+    iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters, weights)
 
     from megatron.core import parallel_state as ps
 
@@ -400,7 +417,8 @@ def worker(argv: list[str]) -> int:
         param_bytes=sum(p.numel() * p.element_size() for p in trainer.model[0].parameters()),
         saved_bytes_per_microbatch=max(saved.per_microbatch, default=None),
         optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads(),
-        copied_bytes=copied.bytes, pending_w_bytes=pending_w.peak, action_seconds=actions)
+        copied_bytes=copied.bytes, pending_w_bytes=pending_w.peak, action_seconds=actions,
+        weight_bytes=max(weights))
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(asdict(result)))
     if opts.timeline and getattr(runner, "timeline", None):
         from megatron_2bw import trace
@@ -430,6 +448,8 @@ class Config:
     """Independent jobs started at once (the busy-machine reference: copy i reports as stage i)."""
     extra: tuple[str, ...] = ()
     """More training flags."""
+    microbatches: int | None = None
+    """Microbatches per batch when not --microbatches (2BW's row at m < d runs m = d)."""
 
 
 @dataclass
@@ -446,12 +466,22 @@ class Run:
         return sorted(self.ranks, key=lambda r: r.stage)
 
 
-def _model_flags(a: argparse.Namespace) -> list[str]:
+TWOBW_AT_D = "2bw (m=d)"
+"""2BW's row when --microbatches is below --depth (2BW refuses m < d): m = d."""
+
+
+def _microbatches(a: argparse.Namespace, name: str) -> int:
+    """Microbatches per batch of a row."""
+    return a.depth if name == TWOBW_AT_D else a.microbatches
+
+
+def _model_flags(a: argparse.Namespace, microbatches: int | None = None) -> list[str]:
+    m = a.microbatches if microbatches is None else microbatches
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
             "--num-attention-heads", str(a.num_attention_heads),
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
             "--micro-batch-size", str(a.micro_batch_size),
-            "--global-batch-size", str(a.micro_batch_size * a.microbatches),
+            "--global-batch-size", str(a.micro_batch_size * m),
             "--vocab-size", str(a.vocab_size), "--mock-data", "--cpu",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
             "--lr-decay-style", "constant", "--train-iters", str(a.warmup + a.iters + 1),
@@ -459,7 +489,7 @@ def _model_flags(a: argparse.Namespace) -> list[str]:
 
 
 def _training_flags(a: argparse.Namespace, config: Config) -> list[str]:
-    flags = _model_flags(a) + ["--pipeline-schedule", config.schedule,
+    flags = _model_flags(a, config.microbatches) + ["--pipeline-schedule", config.schedule,
                                "--pipeline-model-parallel-size", str(config.processes),
                                "--clip-grad", str(config.clip_grad), *config.extra]
     return flags + ([] if config.tied else ["--untie-embeddings-and-output-weights"])
@@ -538,7 +568,8 @@ def _stash_counts(schedule: str, depth: int, microbatches: int) -> list[int]:
 
     order = "flush" if schedule == "megatron" else schedule  # Megatron's 1F1B = Flush's order
     peaks = []
-    for actions in pipeline_actions(order, depth, microbatches, 3):
+    batches = max(3, 2 * depth)  # at m < d PipeDream's look-ahead spans d - 1 batches
+    for actions in pipeline_actions(order, depth, microbatches, batches):
         held = peak = 0
         for a in actions:
             held += (a.kind is Kind.FORWARD) - (a.kind in SENDS_GRAD)
@@ -626,7 +657,8 @@ def _check_configs(a: argparse.Namespace, schedules: list[str]) -> None:
     rename = {"--pipeline-model-parallel-size": "--depth", "--global-batch-size": "--microbatches",
               "--train-iters": "--iters"}
     for schedule, nproc in [("megatron", 1)] + [(s, a.depth) for s in schedules]:
-        flags = _model_flags(a) + ["--pipeline-schedule", schedule,
+        m = a.depth if schedule == "2bw" and a.microbatches < a.depth else None
+        flags = _model_flags(a, m) + ["--pipeline-schedule", schedule,
                                    "--pipeline-model-parallel-size", str(nproc)]
         check_training_flags(flags, nproc, f"{schedule} on {nproc} process(es)", rename=rename)
 
@@ -637,7 +669,10 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
     clip, tied = a.clip_grad, a.tie_embeddings
     configs = [Config(SINGLE, "megatron", 1, clip, tied, "single"),
                Config(BUSY, "megatron", 1, clip, tied, "single_busy", copies=a.depth)]
-    configs += [Config(s, s, a.depth, clip, tied, s) for s in schedules]
+    below = a.microbatches < a.depth  # 2BW runs m = d there
+    configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
+                if s == "2bw" and below else Config(s, s, a.depth, clip, tied, s)
+                for s in schedules]
     if a.sync_variants:
         configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
                     Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
@@ -706,20 +741,20 @@ HEADER = (f"{'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} {'vs b
 def _row(table: Table, name: str, width: int) -> str:
     """One row: time, throughput, ratios, per-stage waits and memory."""
     a, rounds = table.a, table.runs[name]
-    d, t = a.depth, table.time_of(name)
+    d, t, m = a.depth, table.time_of(name), _microbatches(a, name)
+    scale = m / (a.microbatches * d)  # the ideal: single-process time / d, for the row's m
     first = rounds[0].by_stage()
     if name.startswith("single"):
         stash, versions = [1] * len(first), 1
     else:
-        stash, versions = _stash_counts(name.split()[0], d, a.microbatches), \
-            _versions(name.split()[0])
+        stash, versions = _stash_counts(name.split()[0], d, m), _versions(name.split()[0])
     boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
     saved = [r.saved_bytes_per_microbatch or boundary for r in first]
-    weights = [r.param_bytes * versions for r in first]
+    weights = [r.weight_bytes or r.param_bytes * versions for r in first]
     stages = _stages(rounds)
-    return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * a.microbatches / t:9.2f} "
-            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, 1 / d):8.2f} "
-            f"{table.ratio(name, BUSY, 1 / d):7.2f}  "
+    return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * m / t:9.2f} "
+            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, scale):8.2f} "
+            f"{table.ratio(name, BUSY, scale):7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
             f"{_median_ms(stages, 'collective_seconds'):>9}  "
@@ -735,8 +770,9 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
     a, d = table.a, table.a.depth
     single, busy = table.time_of(SINGLE), table.time_of(BUSY)
     boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
+    first_row = next(name for name in table.runs if not name.startswith("single"))
     saved = "/".join(f"{(r.saved_bytes_per_microbatch or 0) / 2**20:.1f}"
-                     for r in table.runs[schedules[0]][0].by_stage())
+                     for r in table.runs[first_row][0].by_stage())
     optimizers = sorted({r.optimizer for rounds in table.runs.values() for run in rounds
                          for r in run.ranks})
     return [
@@ -745,7 +781,7 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
         "0/1/...), medians over all measured iterations: cpu = main-thread CPU ms, runq = "
         "ms ready but not running (another process had the core), recv = ms blocked in "
         "p2p exchanges, coll = ms in all-reduces; stash = peak stashed microbatches (forwarded, "
-        "input gradient not yet computed); weights = parameters x versions; copied = bytes "
+        "input gradient not yet computed); weights = the most bytes of weight versions held (measured); copied = bytes "
         "written by tensor copies (copy_, clone, _to_copy) in one iteration; W = the most bytes "
         "pending weight-gradient passes keep at once (zb-h1: inputs and output gradients of the "
         "linear layers, from each I to its W)",

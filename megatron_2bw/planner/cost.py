@@ -55,10 +55,11 @@ SCHEDULE_NOTES = {
              "(d - 1)/(m + d - 1)",
     "naive": "no pipelining: one stage busy at a time; exact; stash 1; bubble (d - 1)/d",
     "pipedream": "PipeDream-1F1B with weight stashing: no flush, bubble only when training "
-                 "starts; 2 weight versions at m >= d; each stage updates after its own "
+                 "starts; 1 + ceil((d - 1 - i)/m) weight versions (2 at m >= d, d - i at "
+                 "m = 1); each stage updates after its own "
                  "backwards (stale by up to d - 1 - i microbatches' look-ahead); stash d - i",
     "pipemare": "PipeMare: PipeDream's order and forwards, backwards at the newest weights "
-                "(no stash of versions for the backward); no flush; 2 versions at m >= d; "
+                "(no stash of versions for the backward); no flush; 1 version; "
                 "stash d - i; no recomputation",
     "zb-h1": "ZB-H1: flush's order with the backward split into input (I) and weight (W) "
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
@@ -139,7 +140,7 @@ class Layout:
     def problem(self, num_layers: int, tied: bool = True) -> str | None:
         """Why the training refuses this layout (None: it runs it): the rules of
         megatron_2bw.schedules.requirements, which megatron_2bw.arguments raises as flag
-        errors (schedules with several weight versions need m >= d; those in NO_RECOMPUTE run
+        errors (2BW needs m >= d; those in NO_RECOMPUTE run
         without recomputation; V > 1 needs an interleaving schedule, d >= 2, L a multiple of
         d V and m of d, and 2BW-interleaved m V >= 2(d - 1) + (V - 1)d; the V schedules need
         d >= 2, L a multiple of 2d, untied embeddings (``tied``: the model's) and, for
@@ -360,8 +361,9 @@ class CostModel:
             stages.append(StageMemory(
                 stage=i, parameters=params,
                 weights=params * e,
-                # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total.
-                extra_versions=(spec.max_versions - 1) * params * e,
+                # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total;
+                # PipeDream 1 + ceil((d-1-i)/m): d - i at m = 1 (2BW paper, Section 2).
+                extra_versions=(spec.versions_on(d, m, i) - 1) * params * e,
                 gradients=params * GRAD_BYTES,
                 optimizer=params * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),

@@ -7,7 +7,7 @@ with the reason, the feasible ones ranked by predicted samples/s.
     plan.best.layout, plan.best.samples_per_s, plan.rejected[0].reason
 
 Feasible: t d w = N; t divides the heads; d divides the layers; B = b w m for a microbatch
-size b from the list; what the training accepts (Layout.problem: 2BW and PipeDream need m >= d,
+size b from the list; what the training accepts (Layout.problem: 2BW needs m >= d,
 Section 3.1; zb-h1 runs without recomputation; V > 1 only under megatron); the fullest device
 within memory.
 """

@@ -24,7 +24,7 @@ from .flush import flush
 from .gpipe import gpipe
 from .interleaved import forward_slots, interleaved_flush, interleaved_twobw
 from .naive import naive
-from .pipedream import pipedream, pipedream_version
+from .pipedream import drain_notice, pipedream, pipedream_version, versions_held
 from .pipemare import pipemare, pipemare_backward_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
 from .twobw import twobw, twobw_version
@@ -53,7 +53,8 @@ class ScheduleSpec:
     """(depth, microbatches, stage, microbatch) -> the weight version the (global) microbatch
     reads on that stage."""
     max_versions: int
-    """Weight versions a stage holds at most (the newest and those stashed microbatches read)."""
+    """Weight versions a stage holds at most (the newest and those stashed microbatches read)
+    with m >= d; `versions` gives them per stage for any m."""
     stash: Callable[[int, int, int], int]
     """(depth, microbatches, stage) -> peak stashed activations (microbatches forwarded and not
     yet through their B or I) on that stage."""
@@ -66,6 +67,18 @@ class ScheduleSpec:
     shape: str = "loop"
     """Where its model chunks sit (`Placement`): "v" runs two chunks per stage in a V; "loop"
     one chunk, or V chunks interleaved (`INTERLEAVED`)."""
+    versions: Callable[[int, int, int], int] | None = None
+    """(depth, microbatches, stage) -> weight versions the stage holds at most; None:
+    `max_versions` on every stage."""
+    drain_notice: Callable[[int, int], int] = lambda d, m: 1
+    """(depth, microbatches) -> calls ahead a drain must be known (the look-ahead forwards
+    reach that many batches ahead; 1: the next call's)."""
+
+    def versions_on(self, depth: int, microbatches: int, stage: int) -> int:
+        """Weight versions `stage` holds at most."""
+        if self.versions is None:
+            return self.max_versions
+        return self.versions(depth, microbatches, stage)
 
 
 def _batch_reads(version_of_batch: Callable[[int], int]) -> Callable[[int, int, int, int], int]:
@@ -79,14 +92,16 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "flush": ScheduleSpec("flush", flush, _batch_reads(lambda b: b), 1,
                           lambda d, m, i: min(d - i, m)),
     "gpipe": ScheduleSpec("gpipe", gpipe, _batch_reads(lambda b: b), 1, lambda d, m, i: m),
-    # PipeDream with weight stashing, m >= d: the newest version and the one the look-ahead
-    # forwards of the batch read; the same 1F1B stash as 2BW.
+    # PipeDream with weight stashing: the newest version and those the look-ahead forwards
+    # read, 1 + ceil((d-i-1)/m) (2 at m >= d, d - i at m = 1); the same 1F1B stash as 2BW.
     "pipedream": ScheduleSpec("pipedream", pipedream, pipedream_version, 2,
-                              lambda d, m, i: d - i),
+                              lambda d, m, i: d - i, versions=versions_held,
+                              drain_notice=drain_notice),
     # PipeMare: pipedream's order and forwards, backwards at the newest version: one version
     # (Yang et al. 2021); see pipemare.weight_buffers for T2's delta and copy.
     "pipemare": ScheduleSpec("pipemare", pipemare, pipedream_version, 1, lambda d, m, i: d - i,
-                             backward_version_of=pipemare_backward_version),
+                             backward_version_of=pipemare_backward_version,
+                             drain_notice=drain_notice),
     "naive": ScheduleSpec("naive", naive, _batch_reads(lambda b: b), 1, lambda d, m, i: 1),
     # ZB-H1 (Qi et al., ICLR 2024, Section 2.1): flush's order and stash, W(j-i) after I(j).
     "zb-h1": ScheduleSpec("zb-h1", zbh1, _batch_reads(lambda b: b), 1,
@@ -149,13 +164,16 @@ def _spec(schedule: str, depth: int, microbatches: int) -> ScheduleSpec:
 
 
 def call_actions(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
-                 fill: bool, drain: bool, chunks: int = 1) -> list[Action]:
+                 fill: bool, drain: bool, chunks: int = 1,
+                 drain_at: int | None = None) -> list[Action]:
     """Stage `stage`'s actions in Megatron call `call` (= batch index), ending with its step.
 
     `fill`: the pipeline is empty when the call starts (first call, or first after a drain).
     `drain`: the call leaves it empty (last call, or before evaluation / a checkpoint).
     Only 2BW looks at them; the other schedules fill and drain in every call. `chunks`: model
-    chunks per stage (`INTERLEAVED` schedules; a V schedule runs two whatever it says)."""
+    chunks per stage (`INTERLEAVED` schedules; a V schedule runs two whatever it says).
+    `drain_at`: the batch of the next planned drain (pipedream and pipemare at m < d stop their
+    look-ahead forwards there)."""
     spec = _spec(schedule, depth, microbatches)
     if not 0 <= stage < depth:
         raise ValueError(f"stage {stage} outside 0..{depth - 1}")
@@ -165,6 +183,9 @@ def call_actions(schedule: str, depth: int, microbatches: int, stage: int, call:
                              f"{', '.join(sorted(INTERLEAVED))}")
         return INTERLEAVED[schedule](depth, microbatches, stage, call, chunks, fill=fill,
                                      drain=drain)
+    if spec.versions is not None or spec.backward_version_of is not None:
+        return spec.generate(depth, microbatches, stage, call, fill=fill, drain=drain,
+                             drain_at=drain_at)
     return spec.generate(depth, microbatches, stage, call, fill=fill, drain=drain)
 
 
@@ -177,8 +198,13 @@ def stage_actions(schedule: str, depth: int, microbatches: int, stage: int, num_
     for call in range(num_batches):
         actions += call_actions(schedule, depth, microbatches, stage, call,
                                 fill=call == 0 or call - 1 in drains, drain=call in drains,
-                                chunks=chunks)
+                                chunks=chunks, drain_at=_next_drain(drains, call))
     return actions
+
+
+def _next_drain(drains: set[int], call: int) -> int:
+    """The first drain at or after `call` (the last call always drains)."""
+    return min(t for t in drains if t >= call)
 
 
 def pipeline_actions(schedule: str, depth: int, microbatches: int, num_batches: int, *,
@@ -201,19 +227,20 @@ def validate_schedule(schedule: str, lists: list[list[Action]], microbatches: in
              version_of=lambda stage, k: spec.version_of(depth, microbatches, stage, k),
              backward_version_of=None if backward is None else
              lambda stage, k: backward(depth, microbatches, stage, k),
-             max_versions=spec.max_versions,
+             max_versions=max(spec.versions_on(depth, microbatches, i) for i in range(depth)),
              placement=placement_of(schedule, depth,
                                     1 + max((a.chunk for x in lists for a in x), default=0)))
 
 
 def call_program(schedule: str, depth: int, microbatches: int, stage: int, call: int, *,
-                 fill: bool, drain: bool, chunks: int = 1) -> list[Step]:
+                 fill: bool, drain: bool, chunks: int = 1,
+                 drain_at: int | None = None) -> list[Step]:
     """Stage `stage`'s program in call `call`: `call_actions` with its exchanges (`comm.fuse`).
     Every stage of a pipeline is in the same call with the same `fill` and `drain`, so each
     derives its neighbours' lists and places its sends where they are received."""
     def actions(s: int) -> list[Action]:
         return call_actions(schedule, depth, microbatches, s, call, fill=fill, drain=drain,
-                            chunks=chunks)
+                            chunks=chunks, drain_at=drain_at)
 
     placement = placement_of(schedule, depth, chunks)
     neighbours = {s: actions(s) for s in placement.peers(stage)}
@@ -230,7 +257,8 @@ def pipeline_programs(schedule: str, depth: int, microbatches: int, num_batches:
         for stage in range(depth):
             programs[stage] += call_program(schedule, depth, microbatches, stage, call,
                                             fill=call == 0 or call - 1 in drains,
-                                            drain=call in drains, chunks=chunks)
+                                            drain=call in drains, chunks=chunks,
+                                            drain_at=_next_drain(drains, call))
     validate_schedule(schedule, [actions_of(p) for p in programs], microbatches, num_batches)
     return programs
 

@@ -88,7 +88,8 @@ from megatron_2bw.schedules import (Action, Exchange, Kind, Placement, Step, cal
                                     format_grid, forward_program, keeps_versions, placement_of)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS, SENDS_GRAD
 from megatron_2bw.schedules.p2p import CommError, StageComm
-from megatron_2bw.schedules.pipemare import PipeMareOptions, call_schedule, correction_span
+from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, correction_span,
+                                             forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
 from megatron_2bw.weights import WeightVersions
@@ -148,7 +149,7 @@ class PipelineRunner:
         self.batches_done = 0  # training calls made: the next call runs batch `batches_done`
         self.pipeline_empty = True  # no call yet, or the last one drained: the next one fills
         self.in_flight_m: int | None = None  # m of the call that left microbatches in flight
-        self.drain_next = False
+        self.drain_at: int | None = None  # the batch after which the pipeline is empty
         # (microbatch, chunk) -> (input, output) until its backward
         self.stash: dict[tuple[int, int], tuple] = {}
         # (microbatch, chunk) -> the deferred weight-gradient GEMMs, from I to W
@@ -202,9 +203,35 @@ class PipelineRunner:
         finally:
             self._resolve_timeline()
 
-    def prepare_drain(self) -> None:
-        """The next training call leaves no microbatch in flight."""
-        self.drain_next = True
+    def prepare_drain(self, calls: int = 1) -> None:
+        """The training call ``calls`` calls from now (1: the next) leaves no microbatch in
+        flight; the calls before it run no forward beyond its batch. Under pipedream and
+        pipemare at m < d the look-ahead forwards reach ``drain_notice(m)`` batches ahead, so
+        a drain must be asked for that many calls before (earlier is refused here)."""
+        target = self.batches_done + calls - 1
+        if not self.pipeline_empty and self.in_flight_m is not None:
+            m, depth = self.in_flight_m, self.depth
+            forwarded = (self.batches_done * m - 1 + depth - 1) // m  # the first stage's
+            if self.drain_at is not None:
+                forwarded = min(forwarded, self.drain_at)
+            if keeps_versions(self.schedule) and self.chunks == 1 and forwarded > target:
+                raise RuntimeError(
+                    f"{self.schedule}: a drain after batch {target} was asked for too late: "
+                    f"the look-ahead forwards already reached batch {forwarded} (m={m} < d="
+                    f"{depth}: ask {self.drain_notice(m)} calls ahead)")
+        self.drain_at = target if self.drain_at is None else min(self.drain_at, target)
+
+    def drain_notice(self, num_microbatches: int) -> int:
+        """Calls ahead ``prepare_drain`` must be called (1 unless pipedream or pipemare run
+        at m < d: ``schedules.pipedream.drain_notice``)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_2bw.schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            return 1
+        depth = ps.get_pipeline_model_parallel_world_size()
+        return SCHEDULES[self.schedule].drain_notice(depth, num_microbatches)
 
     def attach_optimizer(self, optimizer, defer: bool = True) -> None:
         """The optimizer the training loop steps after each call. Under 2BW its step is then
@@ -278,8 +305,23 @@ class PipelineRunner:
         """Create the 2BW weight versions of the parameters of ``model`` (a chunk, or the
         stage's list of chunks: one version spans them all); version 0 = current."""
         if keeps_versions(self.schedule) and self.versions is None:
-            self.versions = WeightVersions(p for chunk in _chunks(model)
-                                           for p in chunk.parameters())
+            self.versions = WeightVersions((p for chunk in _chunks(model)
+                                            for p in chunk.parameters()),
+                                           keep_from=self._oldest_read)
+
+    def _oldest_read(self, new_version: int) -> int:
+        """The oldest version this stage reads once ``new_version`` (made after batch
+        ``new_version - 1``) exists: the forward version of the batch's first microbatch,
+        the oldest an in-flight microbatch or a later (refilled) forward reads."""
+        from megatron_2bw.schedules import SCHEDULES
+
+        from megatron.core import parallel_state as ps
+
+        spec = SCHEDULES[self.schedule]
+        m = getattr(self, "current_m", None) or 1
+        depth = ps.get_pipeline_model_parallel_world_size()
+        stage = ps.get_pipeline_model_parallel_rank()
+        return spec.version_of(depth, m, stage, new_version * m)
 
     # ---- training call -------------------------------------------------------------------
     def _train_call(self, call: _Call) -> list:
@@ -294,21 +336,45 @@ class PipelineRunner:
         self._bind_correction(m)
         if self.correction is not None:
             self.correction.track()  # the loop's step (not deferred) wrote the newest version
-        schedule, drain = self.schedule, self.drain_next
+        self.current_m = m
+        schedule, drain = self.schedule, self.drain_at == batch
         if schedule == "pipemare":
             schedule = call_schedule(batch, self.pipemare.sync_iters)
             drain = drain or schedule == "flush"
         program = call_program(schedule, self.depth, m, self.stage, batch,
-                               fill=self.pipeline_empty, drain=drain, chunks=self.chunks)
+                               fill=self.pipeline_empty, drain=drain, chunks=self.chunks,
+                               drain_at=self.drain_at)
         actions = [step for step in program if isinstance(step, Action)]
         call.completing = _completing(actions)
         self._launch_param_gathers(call, actions)
+        if self.deferred is not None and self.schedule in ("pipedream", "pipemare"):
+            # each stage's next forwards read its newest version at once; at m < d a stage's
+            # call may begin with a receive, and a stage blocked there would never launch the
+            # step's collectives that its neighbours' first forwards wait for
+            self._apply_deferred()
         self._execute(program, call, self._run)
+        self._reschedule_lr(m, batch)
         self.batches_done += 1
         self.pipeline_empty = drain
         self.in_flight_m = None if drain else m
-        self.drain_next = False
+        if drain:
+            self.drain_at = None
         return call.losses
+
+    def _reschedule_lr(self, microbatches: int, batch: int) -> None:
+        """PipeMare's T1 (--pipemare-lr-warmup-steps K): the step after batch t (step k = t)
+        runs with the learning rate scaled by 1 / tau_i ** (1 - min(k/K, 1)) on this stage
+        (`pipemare.lr_factor`), tau_i its largest forward delay, > 1 only at m < d. Scaled in
+        the optimizer's groups now, between the call and the loop's ``optimizer.step()``:
+        the step (or the deferred step, which records the rate there) reads it, and the
+        scheduler's next ``step()`` sets every group's rate afresh."""
+        steps = self.pipemare.lr_warmup_steps
+        if self.schedule != "pipemare" or not steps or self.optimizer is None:
+            return
+        factor = lr_factor(batch, steps, forward_delay(self.depth, microbatches, self.stage))
+        if factor != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= factor
 
     def _launch_param_gathers(self, call: _Call, actions: list[Action]) -> None:
         """Virtual stages with --overlap-param-gather and --align-param-gather: launch chunks
@@ -576,22 +642,30 @@ class PipelineRunner:
 
     # ---- checkpoints (2BW keeps its older weight version) --------------------------------
     def checkpoint_extra(self, model: list, sharded: dict) -> None:
-        """Add what a resumed 2BW run needs to continue exactly: the older weight version
-        (batch ``batches_done`` still reads it) and the version numbers; under PipeMare's T2
-        each stage's delta at the newest version (the pipeline is drained and every step
-        tracked; zeros on the last stage, which corrects nothing). Every parameter is
-        saved, whichever kind of sharded entry megatron-core gives it (version_state.py)."""
+        """Add what a resumed 2BW run needs to continue exactly: the older weight versions
+        (the batches after ``batches_done`` still read them: one under 2BW and at m >= d,
+        ceil((d-1)/m) under pipedream and pipemare, `_older_slots`) and the version numbers;
+        under PipeMare's T2 each stage's delta at the newest version (the pipeline is drained
+        and every step tracked; zeros on the last stage, which corrects nothing). Every
+        parameter is saved, whichever kind of sharded entry megatron-core gives it
+        (version_state.py). Every stage saves the same number of older versions (the layers'
+        tensors span the pipeline); a stage that holds fewer (a later stage reads fewer)
+        fills the rest with its newest, which it never reads as an older one. The version
+        numbers are the first stage's (megatron-core saves common state from rank 0)."""
         if not keeps_versions(self.schedule):
             return
         self.bind(model)
-        older = self.versions.older_version()
-        older_version, older_tensors = older if older is not None else (None, self.versions.slots[
-            self.versions.pointed_slot])
-        sharded["twobw_versions"] = {"batches_done": self.batches_done,
-                                     "newest": self.versions.newest, "older": older_version}
-        entries = self._entries(model, older_tensors, _OLDER_PREFIX)
-        entries.check_covered("the older weight version")
-        sharded["twobw_older_weights"] = entries.sharded
+        newest = self.versions.newest
+        alive = [(v, t) for v, t in self.versions.older_versions()]
+        olders = [v for v, _ in alive]
+        sharded["twobw_versions"] = {"batches_done": self.batches_done, "newest": newest,
+                                     "older": olders[0] if olders else None, "olders": olders}
+        fallback = self.versions.tensors_of(newest)
+        for j in range(1, self._older_slots() + 1):
+            tensors = alive[j - 1][1] if j <= len(alive) else fallback
+            entries = self._entries(model, tensors, _older_prefix(j))
+            entries.check_covered("the older weight version")
+            sharded[_older_key(j)] = entries.sharded
         if self._corrects():
             if self.correction is not None:
                 self.correction.track()
@@ -617,17 +691,30 @@ class PipelineRunner:
         if "twobw_versions" not in dist_checkpointing.load_common_state_dict(path):
             return
         saved_keys = set(dist_checkpointing.load_tensors_metadata(path))
-        sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None}
-        older = self._entries(model, self.versions.spare_tensors(), _OLDER_PREFIX)
-        _require(older, saved_keys, path, "the older weight version")
-        sharded["twobw_older_weights"] = older.sharded
-        self.loading["twobw_older_weights"] = older
+        sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None,
+                                     "olders": []}
+        j = 1
+        while j == 1 or any(key.startswith(_older_prefix(j)) for key in saved_keys):
+            older = self._entries(model, self.versions.slot_tensors(j), _older_prefix(j))
+            _require(older, saved_keys, path, "the older weight version")
+            sharded[_older_key(j)] = older.sharded
+            self.loading[_older_key(j)] = older
+            j += 1
         if self._corrects() and any(key.startswith(_DELTA_PREFIX) for key in saved_keys):
             self.loaded_delta = zeros_like_delta(self.versions.tensors_of(self.versions.newest))
             delta = self._entries(model, self.loaded_delta, _DELTA_PREFIX)
             _require(delta, saved_keys, path, "PipeMare's delta")
             sharded["pipemare_delta"] = delta.sharded
             self.loading["pipemare_delta"] = delta
+
+    def _older_slots(self) -> int:
+        """Older versions a checkpoint holds: what the first stage reads besides the newest
+        once the pipeline is drained (1, or ceil((d-1)/m) under pipedream and pipemare)."""
+        from megatron_2bw.schedules import SCHEDULES
+
+        m = getattr(self, "current_m", None) or 1
+        return SCHEDULES[self.schedule].drain_notice(self.depth, m) if hasattr(
+            self, "depth") else 1
 
     def weight_tensors(self) -> list[torch.Tensor] | None:
         """Every alive weight version's tensors (None for a schedule without versions)."""
@@ -657,7 +744,7 @@ class PipelineRunner:
             for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
-        self.versions.loaded(info["newest"], info["older"])
+        self.versions.loaded(info["newest"], info.get("olders") or info["older"])
 
 
 _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
@@ -719,6 +806,16 @@ def _iterators(data_iterator, chunks: int) -> list:
 _OLDER_PREFIX, _DELTA_PREFIX = "twobw_older.", "pipemare_delta."
 """Checkpoint keys of the older weight version and of PipeMare's delta: the parameter's key
 after the prefix."""
+
+
+def _older_prefix(j: int) -> str:
+    """Key prefix of the j-th older version (1: the second newest, 2BW's one)."""
+    return _OLDER_PREFIX if j == 1 else f"twobw_older{j}."
+
+
+def _older_key(j: int) -> str:
+    """The sharded-state entry of the j-th older version."""
+    return "twobw_older_weights" if j == 1 else f"twobw_older_weights{j}"
 
 
 def _require(entries, saved_keys: set[str], path: str, what: str) -> None:

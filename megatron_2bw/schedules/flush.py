@@ -35,20 +35,27 @@ def slot_pass(depth: int, chunks: int, slot: int, *, backward: bool) -> tuple[in
 def one_f_one_b(depth: int, microbatches: int, stage: int, batch: int, *, fill: bool,
                 drain: bool, version_of: Callable[[int], int],
                 backward_version_of: Callable[[int], int] | None = None,
-                chunks: int = 1) -> list[Action]:
+                chunks: int = 1, drain_at: int | None = None) -> list[Action]:
     """The 1F1B order of stage `stage` for the backwards of `batch`, then the step: w_i
     warm-up forward slots, then F(slot s + w_i), B(slot s) (at most w_i + 1 passes stashed),
     each slot a (microbatch, chunk) pass (`slot_pass`; one chunk: the microbatch).
 
-    With `fill` the list starts with the warm-up forwards of the batch (pipeline empty before);
-    without, they ran in the previous call. With `drain` no forward beyond `batch` runs (the
-    cool-down); without, the forwards run w_i slots into the next batch.
+    With `fill` the list starts with the warm-up forwards (pipeline empty before); without,
+    they ran in earlier calls. With `drain` no forward beyond `batch` runs (the cool-down);
+    without, the forwards run w_i slots ahead, and with one chunk and m < w_i that is into
+    the batches after the next (PipeDream at m < d), up to the end of batch `drain_at` (the
+    planned drain; None: none planned). With V > 1 chunks the look-ahead is capped at one
+    batch (megatron-core's interleaved warm-up).
     `version_of(k)` is the weight version (global) microbatch k reads, in its forward and, unless
     `backward_version_of(k)` says otherwise (no weight stashing), in its backward.
     """
     per_batch = microbatches * chunks
-    lag = min(warmup_slots(depth, stage, chunks), per_batch)
+    lag = warmup_slots(depth, stage, chunks)
+    if chunks > 1:
+        lag = min(lag, per_batch)
     first = batch * per_batch
+    last_batch = batch if drain else drain_at
+    end = None if last_batch is None else (last_batch + 1) * per_batch  # no forward slot past
     backward_version_of = backward_version_of or version_of
 
     def action(kind: Kind, slot: int) -> Action:
@@ -56,9 +63,13 @@ def one_f_one_b(depth: int, microbatches: int, stage: int, batch: int, *, fill: 
         rule = version_of if kind is Kind.FORWARD else backward_version_of
         return Action(kind, k, k // microbatches, rule(k), chunk)
 
-    actions = [action(Kind.FORWARD, first + s) for s in range(lag)] if fill else []
+    def runs(slot: int) -> bool:
+        return end is None or slot < end
+
+    actions = [action(Kind.FORWARD, first + s) for s in range(lag)
+               if runs(first + s)] if fill else []
     for s in range(per_batch):
-        if not drain or s + lag < per_batch:
+        if runs(first + s + lag):
             actions.append(action(Kind.FORWARD, first + s + lag))
         actions.append(action(Kind.BACKWARD, first + s))
     return actions + [Action(Kind.STEP, None, batch, batch + 1)]

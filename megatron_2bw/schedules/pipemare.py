@@ -5,8 +5,9 @@ on Megatron's batches; the same 1F1B order and per-stage updates as PipeDream
 A microbatch's forward reads the weights current at its forward and its backward the weights
 current at its backward, so the two differ for the look-ahead microbatches: on stage i,
 
-    microbatch j of batch t: forward reads W_i(max(t-1, 0)) if j < w_i = min(d-i-1, m),
-                             else W_i(t); backward reads W_i(t)
+    microbatch k of batch t: forward reads W_i(max(floor((k - w_i) / m), 0)), w_i = d-i-1
+                             (PipeDream's rule: with m >= d, W_i(t-1) for the first w_i
+                             microbatches of the batch, else W_i(t)); backward reads W_i(t)
     W_i(t+1) = W_i(t) - lr * sum_j grad_i f(forward at its version, backward at W_i(t))
 
 The backward uses the activations its forward saved with the newer weights (autograd unpacks
@@ -15,17 +16,18 @@ version).
 
 Delays (PipeMare's tau_fwd and tau_bkwd), read from the action data (`delays`): the step after
 batch t updates W_i(t), so tau_fwd(j) = t - (version F(j) reads) and tau_bkwd(j) = t - (version
-B(j) reads). With one update per batch and m >= d they are 0 or 1: tau_fwd = 1, tau_bkwd = 0 for the
-look-ahead microbatches of every batch after the first, 0 and 0 otherwise; the last stage
-(w = 0) is synchronous.
+B(j) reads). tau_bkwd = 0 and tau_fwd = t - floor((k - w_i) / m) <= ceil(w_i / m): with m >= d
+0 or 1 (1 for the look-ahead microbatches of every batch after the first), with m < d up to
+ceil(w_i / m) (d - i - 1 at m = 1); the last stage (w = 0) is synchronous.
 
 Options (`PipeMareOptions`, flags --pipemare-*):
 
   T1, learning-rate rescheduling: stage i steps with lr_k / tau_i ** p_k,
       p_k = 1 - min(k / K, 1), tau_i the stage's largest tau_fwd floored at 1 (`lr_factor`).
-      With m >= d (which this schedule requires), tau_i = 1 and the factor is 1 at every
-      step: T1 is the identity here, and the runner leaves the learning rate alone.
-  T2, discrepancy correction: a backward reads
+      With m >= d tau_i = 1 and the factor is 1 at every step; with m < d a stage with
+      tau_i > 1 steps with the smaller rate for the first K steps (the runner scales the
+      optimizer's learning rate around the step on that stage only).
+  T2, discrepancy correction (m >= d only: arguments.py refuses it at m < d): a backward reads
       w_bkwd - (tau_fwd - tau_bkwd) * delta_i, where after each step
       delta_i(t+1) = gamma_i * delta_i(t) + (1 - gamma_i) * (W_i(t+1) - W_i(t)), delta_i(0) = 0,
       gamma_i = D ** (1 / s_i), s_i the stage's largest tau_fwd - tau_bkwd
@@ -49,7 +51,7 @@ from functools import lru_cache
 
 from .actions import Action, Kind
 from .flush import one_f_one_b
-from .pipedream import pipedream_version
+from .pipedream import drain_notice, pipedream_version
 
 __all__ = ["PipeMareOptions", "pipemare", "pipemare_version", "pipemare_backward_version",
            "call_schedule", "delays", "correction_span", "lr_factor", "weight_buffers"]
@@ -90,13 +92,10 @@ def pipemare_backward_version(depth: int, microbatches: int, stage: int, microba
 
 
 def pipemare(depth: int, microbatches: int, stage: int, batch: int, *,
-             fill: bool, drain: bool) -> list[Action]:
-    """Stage `stage`'s actions in call `batch` (see `twobw.twobw` for `fill` and `drain`)."""
-    if microbatches < depth:
-        raise ValueError(f"PipeMare needs at least as many microbatches per batch as pipeline "
-                         f"stages here: m={microbatches} < d={depth}")
+             fill: bool, drain: bool, drain_at: int | None = None) -> list[Action]:
+    """Stage `stage`'s actions in call `batch` (see `pipedream.pipedream`)."""
     return one_f_one_b(
-        depth, microbatches, stage, batch, fill=fill, drain=drain,
+        depth, microbatches, stage, batch, fill=fill, drain=drain, drain_at=drain_at,
         version_of=lambda k: pipedream_version(depth, microbatches, stage, k),
         backward_version_of=lambda k: pipemare_backward_version(depth, microbatches, stage, k))
 
@@ -120,11 +119,14 @@ def delays(actions: list[Action]) -> dict[int, tuple[int, int]]:
 
 @lru_cache(maxsize=64)
 def _steady_delays(depth: int, microbatches: int, stage: int) -> tuple[tuple[int, int], ...]:
-    """The delays of a batch in steady state (the second of three undrained calls)."""
-    actions = [a for t in range(3) for a in pipemare(depth, microbatches, stage, t,
-                                                       fill=t == 0, drain=t == 2)]
+    """The delays of a batch in steady state (batch n = `drain_notice` of n + 2 calls: its
+    look-ahead forwards read versions made after the start)."""
+    steady = drain_notice(depth, microbatches)
+    actions = [a for t in range(steady + 2)
+               for a in pipemare(depth, microbatches, stage, t, fill=t == 0,
+                                 drain=t == steady + 1)]
     found = delays(actions)
-    return tuple(found[microbatches + j] for j in range(microbatches))
+    return tuple(found[steady * microbatches + j] for j in range(microbatches))
 
 
 def correction_span(depth: int, microbatches: int, stage: int) -> int:

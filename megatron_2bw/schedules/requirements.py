@@ -64,11 +64,14 @@ class Batch:
                f"{self.m}"
 
 
-def too_few_microbatches(schedule: str, d: int, batch: Batch, where: str = "") -> Problem | None:
-    """Schedules that keep several weight versions (2BW, PipeDream, PipeMare) need m >= d
-    microbatches per batch (PipeDream-2BW, Section 3.1): the first stage's d - 1 look-ahead
-    forwards stay inside the batch. ``where``: the batches it applies to, for the message."""
-    if not keeps_versions(schedule) or batch.m >= d:
+def too_few_microbatches(schedule: str, d: int, batch: Batch, where: str = "",
+                         ramp: bool = False) -> Problem | None:
+    """2BW needs m >= d microbatches per batch (PipeDream-2BW, Section 3.1): its first stage's
+    d - 1 look-ahead forwards stay inside the batch, so two versions suffice. PipeDream and
+    PipeMare run below m = d (an N-slot store), but not yet while the batch size ramps up
+    (``ramp``). ``where``: the batches it applies to, for the message."""
+    needs = schedule == "2bw" or (ramp and keeps_versions(schedule))
+    if not needs or batch.m >= d:
         return None
     return Problem(batch.flag, f"{schedule} needs m >= d microbatches per batch (pipeline depth "
                                f"{d}){where}: m = {batch.split()}; raise "

@@ -194,12 +194,26 @@ class Trainer:
         if drain is not None:
             drain()
 
-    def _prepare_drain(self) -> None:
-        """Tell a schedule that keeps microbatches in flight (2BW) that the coming call is the
-        last before a pause (evaluation, checkpoint, stop, end of training)."""
+    def _prepare_drain(self, calls: int = 1) -> None:
+        """Tell a schedule that keeps microbatches in flight (2BW) that the call ``calls``
+        calls from now (1: the coming one) is the last before a pause (evaluation,
+        checkpoint, stop, end of training)."""
         prepare = getattr(self.forward_backward, "prepare_drain", None)
         if prepare is not None:
-            prepare()
+            prepare(calls)
+
+    def _drain_notice(self) -> int:
+        """Calls ahead the schedule must know of a pause (1; more under pipedream and pipemare
+        at m < d, whose look-ahead forwards reach past the next batch)."""
+        notice = getattr(self.forward_backward, "drain_notice", None)
+        return 1 if notice is None else notice(self.args.num_microbatches)
+
+    def _announce_pauses(self, upcoming: int, notice: int) -> None:
+        """Ask for a drain at the first pause within ``notice`` iterations from ``upcoming``."""
+        for ahead in range(notice):
+            if self._pauses_after(upcoming + ahead):
+                self._prepare_drain(ahead + 1)
+                return
 
     # ---- one iteration -----------------------------------------------------------------
     def _schedule_kwargs(self, forward_only: bool, num_microbatches: int) -> dict:
@@ -383,6 +397,7 @@ class Trainer:
         last = {"train_loss": None, "valid_loss": None}
         self.timers("interval-time", log_level=0).start()
         stop_signal: str | None = None
+        notice, stop_at = self._drain_notice(), None
         self.logger.print(f" training {a.pipeline_schedule} schedule on {self.info.world_size} "
                           f"{self.info.device} processes: TP={a.tensor_model_parallel_size} "
                           f"PP={a.pipeline_model_parallel_size} DP={a.data_parallel_size}, "
@@ -391,8 +406,13 @@ class Trainer:
                           f"{_virtual_stages_note(len(self.model))}")
         while self.state.iteration < a.train_iters:
             upcoming = self.state.iteration + 1
-            if stop_signal or self._pauses_after(upcoming) or self._batch_grows_after(upcoming):
+            if stop_signal and stop_at is None:  # the first iteration a drain can end
+                stop_at = upcoming + notice - 1
+                self._prepare_drain(notice)
+            if self._pauses_after(upcoming) or self._batch_grows_after(upcoming):
                 self._prepare_drain()
+            elif notice > 1:
+                self._announce_pauses(upcoming, notice)
             loss, grad_norm, num_zeros, succeeded = self.train_step()
             self.housekeeping.after_iteration(self.state.iteration)
             self.housekeeping.check_replicas(self.model, self.state.iteration)
@@ -402,7 +422,8 @@ class Trainer:
             interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
             if self._due(a.log_interval):
                 last["train_loss"] = interval_loss
-            pausing = stop_signal is not None or self._pauses_after(self.state.iteration)
+            pausing = (stop_at is not None and self.state.iteration >= stop_at) \
+                or self._pauses_after(self.state.iteration)
             stop_signal = self._judge(guard.settle() if pausing else guard.verdicts(keep=1),
                                       guard, stop_signal)
             if a.eval_iters and self.data.valid is not None and self._due(a.eval_interval):
