@@ -583,7 +583,8 @@ def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,
         cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(
             "dgx-h100", gpus_per_node=args.nproc)
         cost = CostModel(model, cluster, precision, profile=profile)
-        plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
+        plan = search(PlanRequest(model, cluster, args.global_batch_size, precision,
+                                  iteration_factor=1.0), cost)  # throughput alone
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
     try:
         end_to_end.check_layouts(model, layouts, precision, cpu=on_cpu,

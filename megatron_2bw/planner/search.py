@@ -28,7 +28,7 @@ from .model import ModelSpec
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES",
            "ITERATION_FACTOR"]
 
-ITERATION_FACTOR = 1.0
+ITERATION_FACTOR = 1.25
 """Iterations a stale-weight schedule (2bw, pipedream, pipemare) runs per iteration of an exact
 one (flush) to reach the same validation loss; the ranking divides their samples/s by it.
 docs/convergence.md measures it (flush's iterations to 2BW's loss)."""
