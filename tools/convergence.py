@@ -457,12 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         logs[schedule] = read_log(log_path, a.plot_only)
 
     finals = {s: final_losses(log) for s, log in logs.items()}
-    print(f"{'schedule':<8} {'iteration':>9} {'train loss':>10} {'valid loss':>10} {'wall s':>7}")
+    print(f"{'schedule':<12} {'iteration':>9} {'train loss':>10} {'valid loss':>10} {'wall s':>7}")
     for s, f in finals.items():
         train = "-" if f["train"] is None else f"{f['train']:.4f}"
         valid = "-" if f["valid"] is None else f"{f['valid']:.4f}"
         wall = f"{seconds[s]:.0f}" if s in seconds else "-"
-        print(f"{s:<8} {f['iteration'] or '-':>9} {train:>10} {valid:>10} {wall:>7}")
+        print(f"{s:<12} {f['iteration'] or '-':>9} {train:>10} {valid:>10} {wall:>7}")
     result = {"model": a.model, "finals": finals, "seconds": seconds,
               "flags": _size_flags(a) + MODEL_FLAGS + a.extra}
     if data is not None:
