@@ -306,3 +306,76 @@ def test_megatron_lm_arguments_block_is_parsed():
     assert log.header == RunHeader("megatron", 4, "cuda", 1, 4, 1, 16)  # 32 / (2 x 1)
     assert [r.iteration for r in log.iterations] == [1]
     assert log.iterations[0].samples_per_s == pytest.approx(64.0)  # 32 / 0.5 s
+
+
+# ---- convergence: iterations to match, time to loss, epochs ------------------------------------
+
+def test_iterations_to_reach_interpolates_the_first_crossing():
+    """On the straight segments between a reference's validation points: loss 5.5 lies
+    between (100, 6.0) and (200, 5.0), at 100 + (6.0 - 5.5) / (6.0 - 5.0) x 100 = 150."""
+    convergence = _tool("convergence")
+    curve = [(50, 8.0), (100, 6.0), (200, 5.0), (300, 4.5)]
+    assert convergence.iterations_to_reach(curve, 5.5) == pytest.approx(150.0)
+    assert convergence.iterations_to_reach(curve, 5.0) == pytest.approx(200.0)
+    assert convergence.iterations_to_reach(curve, 4.75) == pytest.approx(250.0)
+    assert convergence.iterations_to_reach(curve, 9.0) == 50.0  # below it from the start
+    assert convergence.iterations_to_reach(curve, 4.4) is None  # never reached
+    # a curve that rises again: its first descent counts, 50 + (8 - 5.2) / (8 - 5) x 50
+    bumpy = [(50, 8.0), (100, 5.0), (200, 5.5), (300, 4.0)]
+    assert convergence.iterations_to_reach(bumpy, 5.2) == pytest.approx(50 + 2.8 / 3 * 50)
+
+
+def test_matches_recover_a_known_iteration_ratio_and_time_to_loss():
+    """A schedule whose loss at t is the reference's at 0.8 t (the paper's 20%) on any falling
+    curve f: the reference needs 0.8 t iterations for it at every checkpoint (t = 250, 500,
+    750, 1000 of 1000), and at 100 ms/iteration against the reference's 150 the reference's
+    time over the schedule's is 0.8 x 150 / 100 = 1.2."""
+    import math
+
+    convergence = _tool("convergence")
+
+    def f(i):
+        return 3.0 + 5.0 * math.exp(-i / 400)
+
+    reference = [(i, f(i)) for i in range(50, 1001, 50)]
+    schedule = [(t, f(0.8 * t)) for t in range(125, 1001, 125)]  # 0.8 t: reference's points
+    matches = convergence.match_losses("2bw", schedule, 100.0, reference, 150.0)
+    assert [m.iteration for m in matches] == [250, 500, 750, 1000]
+    for m in matches:
+        assert m.reference_iterations == pytest.approx(0.8 * m.iteration)
+        assert m.iteration_ratio == pytest.approx(0.8)
+        assert m.seconds == pytest.approx(m.iteration * 0.1)
+        assert m.time_ratio == pytest.approx(1.2)
+        assert not m.reference_bound
+    slower = convergence.match_losses("2bw", [(1000, 2.9)], 100.0, reference, 150.0)
+    assert slower[0].reference_iterations is None and slower[0].time_ratio is None
+    table = convergence.format_matches(matches + slower, "flush", {"2bw": 100.0})
+    assert "not reached" in table and " 0.80 " in table and " 1.20" in table
+
+
+def test_checkpoints_and_median_time_per_iteration():
+    convergence = _tool("convergence")
+    # quarters of 600: the first validations at or after 150, 300, 450, 600
+    assert convergence.checkpoints(list(range(60, 601, 60))) == [180, 300, 480, 600]
+    records = [IterationRecord(10 * k, 50, ms, 5.0) for k, ms in
+               enumerate((900.0, 100.0, 120.0, 110.0, 500.0), 1)]
+    # the first (start-up) and last (drain) intervals are left out: median(100, 120, 110)
+    assert convergence.ms_per_iteration(ParsedLog(iterations=records)) == 110.0
+
+
+def test_epochs_count_the_training_split_as_megatron_core_cuts_it(tmp_path):
+    """20 documents of 10 + k tokens, --split 90,10,0: the training split holds documents
+    0..17 (round(0.9 x 20) = 18), sum(10 + k for k < 18) = 333 tokens; 3 iterations of 4
+    sequences of 37 tokens read 444 of them: 444 / 333 epochs."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    convergence = _tool("convergence")
+    prefix = str(tmp_path / "docs")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for k in range(20):
+        builder.add_document(numpy.arange(10 + k, dtype=numpy.int32), [10 + k])
+    builder.finalize(prefix + ".idx")
+    tokens = convergence.train_split_tokens(prefix, "90,10,0")
+    assert tokens == sum(10 + k for k in range(18)) == 333
+    assert convergence.epochs_covered(3, 4, 37, tokens) == pytest.approx(444 / 333)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sysconfig
 from pathlib import Path
 
 import numpy
@@ -97,6 +98,41 @@ def test_corpus_documents_are_whole_stdlib_files(texts):
         paths = (Path(dirpath, name) for name in filenames if name.endswith(".py"))
         sources.update(p.read_bytes() for p in paths if p.stat().st_size in sizes)
     assert documents <= sources
+
+
+def _documents(path) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def test_a_corpus_larger_than_the_stdlib_goes_on_with_megatron_core(tmp_path):
+    """Past the whole standard library (the stdlib-only corpus, as the default is built) a
+    larger size takes megatron-core's own source files next, the stdlib's documents first and
+    unchanged."""
+    build_corpus(tmp_path / "stdlib.jsonl", max_chars=10**9, root=stdlib_root())
+    stdlib = _documents(tmp_path / "stdlib.jsonl")
+    build_corpus(tmp_path / "larger.jsonl", max_chars=sum(map(len, stdlib)) + 300_000)
+    larger = _documents(tmp_path / "larger.jsonl")
+    assert larger[:len(stdlib)] == stdlib
+    extra = larger[len(stdlib):]
+    assert 0 < sum(map(len, extra)) <= 300_000
+    core = Path(sysconfig.get_paths()["purelib"]) / "megatron" / "core"
+    sources = {p.read_bytes() for p in core.rglob("*.py") if "tests" not in p.parts}
+    assert {text.encode("utf-8") for text in extra} <= sources
+
+
+def test_a_larger_default_corpus_keeps_the_default_tokenizer(tmp_path, monkeypatch):
+    """A corpus larger than the default learns its tokenizer from the default-size corpus (its
+    own prefix): the same vocabulary as the default build's, the default's documents first."""
+    monkeypatch.setattr(default_data, "DEFAULT_MAX_CHARS", 60_000)
+    default = default_data.prepare_default_data(tmp_path, vocab_size=512, max_chars=60_000)
+    larger = default_data.prepare_default_data(tmp_path, vocab_size=512, max_chars=150_000)
+    vocab = [Path(d.tokenizer_model).with_suffix(".vocab").read_text() for d in (default, larger)]
+    assert vocab[0] == vocab[1]
+    documents = [_documents(Path(d.tokenizer_model).with_name("corpus.jsonl"))
+                 for d in (default, larger)]
+    assert len(documents[1]) > len(documents[0])
+    assert documents[1][:len(documents[0])] == documents[0]
 
 
 # ---- tokenizer ----------------------------------------------------------------------------

@@ -329,7 +329,8 @@ def test_slow_network_keeps_tensor_parallelism_inside_a_node():
 def test_2bw_excluded_when_asked():
     cluster = preset("paper", nodes=8)
     allowed = ("flush", "gpipe", "naive", "megatron")
-    with_2bw = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed + ("2bw",)))
+    with_2bw = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed + ("2bw",),
+                                  iteration_factor=1.0))  # throughput alone
     without = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed))
     assert with_2bw.best.layout.schedule == "2bw"
     assert without.ranked and all(c.layout.schedule in allowed for c in without.ranked)
@@ -1005,3 +1006,23 @@ def test_attention_backend_auto_is_flash_on_ampere_and_later_in_16_bit():
     assert not preset("paper").attention_is_flash("auto", "fp16")
     with pytest.raises(ValueError, match="no FlashAttention"):
         preset("paper").attention_is_flash("flash", "fp16")
+
+
+def test_iteration_factor_flips_2bw_to_flush_where_it_passes_their_throughput_ratio():
+    """Stale schedules rank at samples/s / F: 2BW's best layout (throughput s2) stays ahead of
+    flush's best (s1 < s2) exactly while F < s2 / s1."""
+    cluster = preset("paper", nodes=8)
+    base = PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=("flush", "2bw"), simulate_top=0,
+                       iteration_factor=1.0)
+    plan = search(base)
+    best = {s: max(c.samples_per_s for c in plan.ranked if c.layout.schedule == s)
+            for s in ("flush", "2bw")}
+    threshold = best["2bw"] / best["flush"]
+    assert plan.best.layout.schedule == "2bw" and threshold > 1
+    below = search(dataclasses.replace(base, iteration_factor=threshold * 0.99))
+    above = search(dataclasses.replace(base, iteration_factor=threshold * 1.01))
+    assert below.best.layout.schedule == "2bw"
+    assert above.best.layout.schedule == "flush"
+    assert above.best.samples_per_s == pytest.approx(best["flush"])
+    with pytest.raises(ValueError, match="iteration factor"):
+        dataclasses.replace(base, iteration_factor=0.0)

@@ -44,6 +44,7 @@ from megatron_2bw.planner import accuracy, links, measure  # noqa: E402
 from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
 from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
+from megatron_2bw.planner.search import ITERATION_FACTOR  # noqa: E402
 from megatron_2bw.arguments import ATTENTION_BACKENDS  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
 from megatron_2bw.planner.evaluate import (MODEL_FLAGS, Evaluation, evaluate,  # noqa: E402
@@ -188,6 +189,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="default: bf16 on GPUs, fp32 on cpu-local")
     g.add_argument("--schedules", type=_schedules, default=ALL_SCHEDULES,
                    help="allowed schedules (leave out 2bw to forbid the 1-stale update)")
+    g.add_argument("--iteration-factor", type=positive_float, default=ITERATION_FACTOR,
+                   help="iterations 2bw, pipedream and pipemare need per flush iteration to reach "
+                        "the same loss; they rank at samples/s / this (default "
+                        f"{ITERATION_FACTOR:g}, measured in docs/convergence.md)")
     g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
     g.add_argument("--memory-fraction", type=fraction, default=0.9)
@@ -329,7 +334,7 @@ def run_plan(argv) -> int:
         deferred_step=not args.no_deferred_step, max_tensor_parallel=args.max_tensor_parallel,
         simulate_top=0 if args.closed_form else args.simulate_top,
         virtual_stages=args.virtual_stages, selective_recompute=args.selective_recompute,
-        sequence_parallel=args.sequence_parallel)
+        sequence_parallel=args.sequence_parallel, iteration_factor=args.iteration_factor)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      distributed_optimizer=args.use_distributed_optimizer,
                      clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step,
@@ -340,7 +345,8 @@ def run_plan(argv) -> int:
     plan = search(request, cost)
     paths = write_plan(plan, args.out, training=training)
     print(f"{_describe(model, cluster, args.global_batch_size, precision, cost)}, "
-          f"schedules {','.join(args.schedules)}")
+          f"schedules {','.join(args.schedules)}; ranked by samples/s, divided by "
+          f"--iteration-factor {args.iteration_factor:g} for the stale-weight schedules")
     print(f"{plan.considered} layouts considered, {len(plan.ranked)} feasible, "
           f"{len(plan.rejected)} rejected ({paths['rejected']}); search {plan.seconds:.3f} s")
     if args.explain:
@@ -577,7 +583,8 @@ def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,
         cluster = preset("cpu-local", gpus_per_node=args.nproc) if on_cpu else preset(
             "dgx-h100", gpus_per_node=args.nproc)
         cost = CostModel(model, cluster, precision, profile=profile)
-        plan = search(PlanRequest(model, cluster, args.global_batch_size, precision), cost)
+        plan = search(PlanRequest(model, cluster, args.global_batch_size, precision,
+                                  iteration_factor=1.0), cost)  # throughput alone
         layouts = [c.layout for c in plan.ranked[:args.candidates]]
     try:
         end_to_end.check_layouts(model, layouts, precision, cpu=on_cpu,

@@ -1,13 +1,21 @@
-"""The default corpus: the Python standard library's own source code.
+"""The default corpus: the Python standard library's own source code, and for larger sizes
+the installed packages' sources and documentation.
 
 Every machine that runs this package has the standard library, so the demo needs no download.
-`build_corpus` writes one JSON line `{"text": <file contents>}` per `.py` file.
+`build_corpus` writes one JSON line `{"text": <file contents>}` per file.
 
 Invariants:
-- Files are visited in sorted order of their POSIX path relative to the stdlib root, and only
-  their bytes are read, so two builds with the same Python version write identical bytes.
-- Test suites (`test`, `tests`, `idle_test` directories), `site-packages`, `__pycache__`,
-  files over `max_file_bytes` and files that are not UTF-8 are skipped.
+- Sources come in a fixed order (`corpus_files`): the standard library's `.py` files, then
+  megatron-core's (`megatron/core`, pinned by setup.py), then every other `.py`, `.md` and `.rst`
+  file under site-packages. Within each source, files are visited in sorted order of their
+  POSIX path relative to its root, and only their bytes are read.
+- So a corpus of a given `max_chars` is a prefix of every larger one, and two builds write
+  identical bytes on machines with the same Python minor version while `max_chars` stays within
+  the standard library (`DEFAULT_MAX_CHARS` does: about 11M characters of it on Python 3.11)
+  and the same megatron-core as well up to roughly 16M characters; past that the text depends
+  on the packages installed (the build's manifest records a digest of it).
+- Test suites (`test`, `tests`, `idle_test` directories), nested `site-packages`,
+  `__pycache__`, files over `max_file_bytes` and files that are not UTF-8 are skipped.
 - The corpus holds whole files only; it stops before the file that would take the total text
   over `max_chars`.
 """
@@ -15,14 +23,19 @@ Invariants:
 import json
 import os
 import sysconfig
+from itertools import chain
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 DEFAULT_MAX_CHARS = 8_000_000
 DEFAULT_MAX_FILE_BYTES = 256_000
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 )
+_PINNED_PACKAGE = ("megatron", "core")
+"""The site-packages folder taken right after the standard library: megatron-core's sources,
+the same bytes wherever setup.py's pin holds."""
+_DOC_SUFFIXES = (".py", ".md", ".rst")
 
 
 def stdlib_root() -> Path:
@@ -30,21 +43,49 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def iter_source_files(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[Path]:
-    """Yield the `.py` files under `root` that belong in the corpus, in sorted relative order."""
+def site_packages_root() -> Path:
+    """The running interpreter's site-packages (pure-Python packages)."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def iter_source_files(root: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                      suffixes: tuple[str, ...] = (".py",),
+                      skip: Path | None = None) -> Iterator[Path]:
+    """Yield the files under `root` ending in one of `suffixes` that belong in the corpus, in
+    sorted relative order; the folder `skip` (already taken) is left out."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
-        found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+        dirnames[:] = [d for d in dirnames
+                       if d not in _SKIPPED_DIRS and Path(dirpath, d) != skip]
+        found.extend(Path(dirpath, f) for f in filenames if f.endswith(suffixes))
     for path in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
-        if path.stat().st_size <= max_file_bytes:
+        if path.is_file() and path.stat().st_size <= max_file_bytes:
             yield path
 
 
-def iter_documents(root: Path, max_chars: int, max_file_bytes: int) -> Iterator[str]:
-    """Yield the texts of the corpus files, at most `max_chars` characters in all."""
+def corpus_files(max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[Path]:
+    """Every candidate file of the default corpus, in corpus order (see the module's
+    invariants): the standard library, megatron-core, the rest of site-packages."""
+    packages = site_packages_root()
+    pinned = packages.joinpath(*_PINNED_PACKAGE)
+    return chain(iter_source_files(stdlib_root(), max_file_bytes),
+                 iter_source_files(pinned, max_file_bytes) if pinned.is_dir() else (),
+                 iter_source_files(packages, max_file_bytes, _DOC_SUFFIXES, skip=pinned))
+
+
+def iter_documents(root: Path | None, max_chars: int, max_file_bytes: int) -> Iterator[str]:
+    """Yield the texts of the corpus files, at most `max_chars` characters in all: the `.py`
+    files under `root`, or with `root=None` those of `corpus_files`."""
+    files = corpus_files(max_file_bytes) if root is None else iter_source_files(root,
+                                                                                max_file_bytes)
+    yield from _capped_texts(files, max_chars)
+
+
+def _capped_texts(files: Iterable[Path], max_chars: int) -> Iterator[str]:
+    """The non-blank UTF-8 texts of `files`, stopping before the one that would take the total
+    over `max_chars`."""
     total = 0
-    for path in iter_source_files(root, max_file_bytes):
+    for path in files:
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
@@ -65,9 +106,10 @@ def build_corpus(
 ) -> int:
     """Write the corpus to `output_jsonl` and return the number of documents written.
 
-    `root` defaults to the standard library of the running interpreter.
+    `root` (only its `.py` files) defaults to `corpus_files`: the standard library, then the
+    installed packages where `max_chars` asks for more.
     """
-    root = Path(root) if root is not None else stdlib_root()
+    root = Path(root) if root is not None else None
     count = 0
     with open(output_jsonl, "w", encoding="utf-8", newline="\n") as out:
         for text in iter_documents(root, max_chars, max_file_bytes):

@@ -4,10 +4,16 @@
 `{cache_dir}/stdlib-py{X}{Y}-{max_chars}c-v{vocab_size}/`:
 
     corpus.jsonl                         the corpus (megatron_2bw.data.corpus)
-    tokenizer.model / tokenizer.vocab    sentencepiece BPE (megatron_2bw.data.tokenizer)
+    tokenizer.model / tokenizer.vocab    sentencepiece BPE (megatron_2bw.data.tokenizer), trained
+                                         on the first DEFAULT_MAX_CHARS of it at most
     stdlib_text_document.bin/.idx        GPT data: one sequence per file, [EOD] appended
     stdlib_text_sentence.bin/.idx        BERT data: one sequence per sentence or line
-    manifest.json                        parameters and file sizes, written last
+    manifest.json                        parameters, file sizes and the corpus's sha256,
+                                         written last
+
+`max_chars` beyond the default takes more text (the installed packages' sources and docs, see
+megatron_2bw.data.corpus), so that a long run sees each token once; such a corpus keeps the
+default's tokenizer (the same ids for the same text) and starts with the default's documents.
 
 The build happens in a temporary directory that is renamed into place only when complete, and
 under a file lock, so concurrent callers (several ranks) build once and an interrupted build is
@@ -19,6 +25,7 @@ Run `python -m megatron_2bw.data.default` to build and print the flags that use 
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -103,23 +110,40 @@ def _build(target: Path, manifest: dict) -> None:
     try:
         corpus = str(tmp / "corpus.jsonl")
         build_corpus(corpus, max_chars=manifest["max_chars"])
-        model = train_sentencepiece(corpus, str(tmp / "tokenizer"), manifest["vocab_size"])
+        model = train_sentencepiece(_tokenizer_corpus(corpus, manifest["max_chars"], tmp),
+                                    str(tmp / "tokenizer"), manifest["vocab_size"])
+        (tmp / "tokenizer_corpus.jsonl.part").unlink(missing_ok=True)
         prefix = str(tmp / "stdlib")
         preprocess_jsonl(corpus, prefix, GPT_TOKENIZER_TYPE, model, append_eod=True)
         preprocess_jsonl(corpus, prefix, BERT_TOKENIZER_TYPE, model, split_sentences=True)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        (tmp / "manifest.json").write_text(json.dumps({**manifest, "files": files}, indent=1))
+        digest = hashlib.sha256(Path(corpus).read_bytes()).hexdigest()
+        (tmp / "manifest.json").write_text(
+            json.dumps({**manifest, "corpus_sha256": digest, "files": files}, indent=1))
         shutil.rmtree(target, ignore_errors=True)
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _tokenizer_corpus(corpus: str, max_chars: int, tmp: Path) -> str:
+    """The JSONL the tokenizer learns from: `corpus` itself up to the default size, else a
+    sibling file with the default-size corpus (a prefix of `corpus`), so every size shares the
+    default's vocabulary."""
+    if max_chars <= DEFAULT_MAX_CHARS:
+        return corpus
+    prefix = tmp / "tokenizer_corpus.jsonl.part"
+    build_corpus(prefix, max_chars=DEFAULT_MAX_CHARS)
+    return str(prefix)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None, help="see default_cache_dir()")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS)
+    parser.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
+                        help="corpus size in characters; beyond the default the installed "
+                             "packages' sources and docs follow the standard library")
     args = parser.parse_args(argv)
     uses = (("GPT", GPT_TOKENIZER_TYPE, False), ("BERT", BERT_TOKENIZER_TYPE, True))
     for name, tokenizer_type, sentences in uses:
