@@ -27,9 +27,10 @@ The command line is `tools/plan.py`.
 
 from .cluster import GiB, PRESETS, Cluster, Link, preset
 from .cost import CostModel, Layout, MemoryEstimate, StageMemory, TimeEstimate
+from .e2e import E2EProfile
 from .flags import launch_flags, parse_for_validation, write_plan
 from .model import ModelSpec
-from .profile import E2EProfile, Profile
+from .profile import Profile
 from .search import ALL_SCHEDULES, Candidate, Plan, PlanRequest, Rejection, search
 
 __all__ = [
