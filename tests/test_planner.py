@@ -251,7 +251,8 @@ def test_every_planner_schedule_is_accepted_by_the_training_parser():
     plan = search(PlanRequest(model, preset("dgx-a100", nodes=1), 16, micro_batch_sizes=(1, 2),
                               simulate_top=0))
     assert not any(c.layout.schedule == "zb-h1" and c.layout.recompute for c in plan.ranked)
-    assert any(r.schedule == "zb-h1" and r.recompute and "recomputation" in r.reason
+    assert any(r.value("schedule") == "zb-h1" and r.value("recompute")
+               and "recomputation" in r.reason
                for r in plan.rejected)
 
 
@@ -322,7 +323,7 @@ def test_2bw_excluded_when_asked():
     without = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed))
     assert with_2bw.best.layout.schedule == "2bw"
     assert without.ranked and all(c.layout.schedule in allowed for c in without.ranked)
-    assert all(r.schedule != "2bw" for r in without.rejected)
+    assert all(r.value("schedule") != "2bw" for r in without.rejected)
 
 
 def test_2bw_needs_as_many_microbatches_as_stages():
@@ -330,7 +331,7 @@ def test_2bw_needs_as_many_microbatches_as_stages():
     plan = search(PlanRequest(SMALL, cluster, global_batch_size=4, micro_batch_sizes=(1, 2),
                               schedules=("2bw",)))
     # d = 4, w = 2, b = 1: m = 4 / (1 x 2) = 2 < 4.
-    reasons = [r.reason for r in plan.rejected if (r.t, r.d, r.w, r.b) == (1, 4, 2, 1)]
+    reasons = [r.reason for r in plan.rejected if r.values()[:4] == (1, 4, 2, 1)]
     assert reasons and "m >= d" in reasons[0]
     assert all(c.layout.m >= c.layout.d for c in plan.ranked)
 
@@ -343,12 +344,14 @@ def test_infeasible_memory_rejected_with_reason(tmp_path):
     assert plan.best is None
     memory = [r for r in plan.rejected if r.reason.startswith("memory")]
     assert memory
-    t8 = next(r for r in memory if (r.t, r.d, r.b, r.recompute, r.schedule)
-              == (8, 1, 1, True, "megatron"))
+    t8 = next(r for r in memory if (r.layout.t, r.layout.d, r.layout.b, r.layout.recompute,
+                                    r.layout.schedule) == (8, 1, 1, True, "megatron"))
     assert t8.memory_bytes > 174.6e9 * 18 / 8
     assert "> 72.00 GiB" in t8.reason
-    heads = [r for r in plan.rejected if r.d is None]
-    assert all(r.t == 64 or 96 % r.t for r in heads if "heads" in r.reason)
+    # A family refused at t alone: 4 heads do not split 8 ways; its other fields stay open.
+    small = search(PlanRequest(SMALL, cluster, global_batch_size=64, simulate_top=0))
+    heads = [r for r in small.rejected if "attention heads" in r.reason]
+    assert [(r.layout, r.values()) for r in heads] == [(None, (8,) + (None,) * 6)]
     paths = write_plan(plan, tmp_path)
     rows = paths["rejected"].read_text().splitlines()
     assert rows[0].split(",")[:3] == ["t", "d", "w"] and len(rows) == len(plan.rejected) + 1
