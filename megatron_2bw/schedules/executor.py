@@ -84,6 +84,7 @@ import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
+from megatron_2bw.errors import CheckpointRefused
 from megatron_2bw.runtime import device, distributed
 from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Step, call_program, format_grid,
@@ -723,8 +724,6 @@ after the prefix."""
 def _require(entries, saved_keys: set[str], path: str, what: str) -> None:
     """Refuse a checkpoint that lacks some of ``entries``' keys (the slot could not be
     filled)."""
-    from megatron_2bw.training.checkpointing import CheckpointRefused
-
     missing = sorted(entries.keys() - saved_keys)
     if missing:
         raise CheckpointRefused(
