@@ -28,7 +28,7 @@ from .cluster import cpu_name
 from .cost import Layout
 from .flags import entry_script, launch_flags, parse_for_validation
 from .model import ModelSpec
-from .profile import PRECISIONS, JsonFile, check_count, check_nonneg, model_from_json, require
+from .profile import PRECISIONS, JsonFile, check_count, check_nonneg, require
 
 __all__ = ["E2ERun", "E2EProfile", "run_end_to_end", "check_layouts", "relative_command",
            "absolute_command", "REPO"]
@@ -153,13 +153,8 @@ class E2EProfile(JsonFile):
     @classmethod
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None) -> "E2EProfile":
         """The runs in `data`, their relative paths joined to `folder` (the file's)."""
-        data = dict(data)
-        data.pop("format", None)
-        data["model"] = model_from_json(data.get("model"))
-        runs = data.get("runs", [])
-        require(isinstance(runs, list), "runs", f"expected a list, got {runs!r}")
-        data["runs"] = [E2ERun.from_json(r, f"runs[{i}]", folder) for i, r in enumerate(runs)]
-        return cls(**data)
+        return cls(**cls.read_fields(
+            data, "runs", lambda run, where: E2ERun.from_json(run, where, folder)))
 
 
 def _mock_data_supported() -> bool:

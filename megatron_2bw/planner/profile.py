@@ -69,6 +69,18 @@ class JsonFile:
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None):
         raise NotImplementedError
 
+    @staticmethod
+    def read_fields(data: dict, items: str, read) -> dict:
+        """`data` without its "format", its "model" read as a ModelSpec and each entry of its
+        list `items` read by `read(entry, where)` (where: "items[i]", for messages)."""
+        data = dict(data)
+        data.pop("format", None)
+        data["model"] = _model_from_json(data.get("model"))
+        entries = data.get(items, [])
+        require(isinstance(entries, list), items, f"expected a list, got {entries!r}")
+        data[items] = [read(entry, f"{items}[{i}]") for i, entry in enumerate(entries)]
+        return data
+
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +100,7 @@ class JsonFile:
         return cls.from_json(data, Path(path).parent.absolute())
 
 
-def model_from_json(data) -> ModelSpec:
+def _model_from_json(data) -> ModelSpec:
     require(isinstance(data, dict), "model", f"expected an object, got {data!r}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         check_count(data.get(name), f"model.{name}")
@@ -190,12 +202,7 @@ class Profile(JsonFile):
     @classmethod
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None) -> "Profile":
         """The profile in `data`; a field the cost model cannot use raises ValueError."""
-        data = dict(data)
-        data.pop("format", None)
-        data["model"] = model_from_json(data.get("model"))
-        samples = data.get("samples", [])
-        require(isinstance(samples, list), "samples", f"expected a list, got {samples!r}")
-        data["samples"] = [Sample.from_json(s, f"samples[{i}]") for i, s in enumerate(samples)]
+        data = cls.read_fields(data, "samples", Sample.from_json)
         if data.get("intra_node_link"):
             data["intra_node_link"] = Link(**data["intra_node_link"])
             require(data["intra_node_link"].bandwidth > 0, "intra_node_link.bandwidth",
