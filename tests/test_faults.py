@@ -444,6 +444,20 @@ def test_tracker_words():
             latest_iteration(root)
 
 
+def test_a_checkpoint_without_every_version_key_is_refused_by_the_training_class():
+    """The executor raises the error the training's loader catches to stop at this checkpoint
+    (megatron_2bw.errors, also importable from checkpointing), not an older one tried next."""
+    from megatron_2bw.schedules import executor
+    from megatron_2bw.training.checkpointing import CheckpointRefused
+
+    saved = {"twobw_older.layer.weight"}
+    wanted = {"twobw_older.layer.weight": None, "twobw_older.layer.bias": None}
+    with pytest.raises(CheckpointRefused, match=r"only some parameters \(1 key\(s\) missing, "
+                                                r"e\.g\. twobw_older\.layer\.bias\)"):
+        executor._require(wanted, saved, "ckpt/iter_0000002", "the older weight version")
+    executor._require(wanted, saved | {"twobw_older.layer.bias"}, "ckpt", "the older version")
+
+
 def test_no_readable_checkpoint_is_one_line(two_checkpoints, tmp_path):
     import shutil
 

@@ -27,7 +27,8 @@ from megatron_2bw.planner.cost import ALL_SCHEDULES, simulated_iteration, _simul
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.planner.accuracy import compare, format_accuracy
 from megatron_2bw.planner.flags import launch_flags, parse_for_validation
-from megatron_2bw.planner.profile import E2ERun, Sample
+from megatron_2bw.planner.e2e import E2ERun
+from megatron_2bw.planner.profile import Sample
 from megatron_2bw.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,7 +263,8 @@ def test_every_planner_schedule_is_accepted_by_the_training_parser():
     plan = search(PlanRequest(model, preset("dgx-a100", nodes=1), 16, micro_batch_sizes=(1, 2),
                               simulate_top=0))
     assert not any(c.layout.schedule == "zb-h1" and c.layout.recompute for c in plan.ranked)
-    assert any(r.schedule == "zb-h1" and r.recompute and "recomputation" in r.reason
+    assert any(r.value("schedule") == "zb-h1" and r.value("recompute")
+               and "recomputation" in r.reason
                for r in plan.rejected)
 
 
@@ -334,7 +336,7 @@ def test_2bw_excluded_when_asked():
     without = search(PlanRequest(GPT_8B, cluster, 512, "fp16", schedules=allowed))
     assert with_2bw.best.layout.schedule == "2bw"
     assert without.ranked and all(c.layout.schedule in allowed for c in without.ranked)
-    assert all(r.schedule != "2bw" for r in without.rejected)
+    assert all(r.value("schedule") != "2bw" for r in without.rejected)
 
 
 def test_2bw_needs_as_many_microbatches_as_stages():
@@ -342,7 +344,7 @@ def test_2bw_needs_as_many_microbatches_as_stages():
     plan = search(PlanRequest(SMALL, cluster, global_batch_size=4, micro_batch_sizes=(1, 2),
                               schedules=("2bw",)))
     # d = 4, w = 2, b = 1: m = 4 / (1 x 2) = 2 < 4.
-    reasons = [r.reason for r in plan.rejected if (r.t, r.d, r.w, r.b) == (1, 4, 2, 1)]
+    reasons = [r.reason for r in plan.rejected if r.values()[:4] == (1, 4, 2, 1)]
     assert reasons and "m >= d" in reasons[0]
     assert all(c.layout.m >= c.layout.d for c in plan.ranked)
 
@@ -355,12 +357,14 @@ def test_infeasible_memory_rejected_with_reason(tmp_path):
     assert plan.best is None
     memory = [r for r in plan.rejected if r.reason.startswith("memory")]
     assert memory
-    t8 = next(r for r in memory if (r.t, r.d, r.b, r.recompute, r.schedule)
-              == (8, 1, 1, True, "megatron"))
+    t8 = next(r for r in memory if (r.layout.t, r.layout.d, r.layout.b, r.layout.recompute,
+                                    r.layout.schedule) == (8, 1, 1, True, "megatron"))
     assert t8.memory_bytes > 174.6e9 * 18 / 8
     assert "> 72.00 GiB" in t8.reason
-    heads = [r for r in plan.rejected if r.d is None]
-    assert all(r.t == 64 or 96 % r.t for r in heads if "heads" in r.reason)
+    # A family refused at t alone: 4 heads do not split 8 ways; its other fields stay open.
+    small = search(PlanRequest(SMALL, cluster, global_batch_size=64, simulate_top=0))
+    heads = [r for r in small.rejected if "attention heads" in r.reason]
+    assert [(r.layout, r.values()) for r in heads] == [(None, (8,) + (None,) * 6)]
     paths = write_plan(plan, tmp_path)
     rows = paths["rejected"].read_text().splitlines()
     assert rows[0].split(",")[:3] == ["t", "d", "w"] and len(rows) == len(plan.rejected) + 1
@@ -697,7 +701,8 @@ def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
     def fake_run(model, layouts, precision, **kwargs):
         (layout,) = layouts
         assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, devices, 2, 4)
-        run = E2ERun(1, 1, devices, 2, 4, False, "megatron", precision, measured, peak_bytes)
+        run = E2ERun(Layout(1, 1, devices, 2, 4, False, "megatron"), precision, measured,
+                     peak_bytes)
         return E2EProfile(model, "cpu test", [run])
 
     monkeypatch.setattr(accuracy, "run_end_to_end", fake_run)
@@ -719,8 +724,7 @@ def test_accuracy_table_shows_the_relative_error():
     cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=_profile())
     layout = Layout(1, 2, 1, 2, 4, False, "2bw")
     predicted = cost.time(layout, simulate=True).iteration
-    run = E2ERun(1, 2, 1, 2, 4, False, "2bw", "fp32", seconds_per_iteration=predicted / 1.25,
-                 peak_memory_bytes=2**30)
+    run = E2ERun(layout, "fp32", seconds_per_iteration=predicted / 1.25, peak_memory_bytes=2**30)
     rows = compare(E2EProfile(SMALL, "cpu test", [run]), cost)
     assert rows[0].time_error == pytest.approx(0.25)
     assert "+25.0%" in format_accuracy(rows)
@@ -758,8 +762,11 @@ def test_checked_in_profiles_hold_no_absolute_path():
         data = json.loads(path.read_text())
         assert not [s for s in strings(data) if os.path.isabs(s)], path
         kind = E2EProfile if data["format"] == E2EProfile.FORMAT else Profile
-        for run in getattr(kind.load(path), "runs", []):  # the entry script, found again
+        loaded = kind.load(path)
+        for run in getattr(loaded, "runs", []):  # the entry script, found again
             assert Path(next(w for w in run.command if w.endswith(".py"))).is_file()
+        if kind is E2EProfile:  # each run's layout flat in its object, written back the same
+            assert loaded.to_json(path.parent.absolute()) == data
 
 
 def _broken(document: dict, where: str, value) -> dict:
@@ -774,8 +781,8 @@ def _broken(document: dict, where: str, value) -> dict:
 
 
 _LAYER = _profile().to_json()
-_RUNS = E2EProfile(SMALL, "cpu test", [E2ERun(1, 2, 1, 2, 4, False, "2bw", "fp32", 0.5,
-                                              2**30)]).to_json()
+_RUNS = E2EProfile(SMALL, "cpu test", [E2ERun(Layout(1, 2, 1, 2, 4, False, "2bw"), "fp32",
+                                              0.5, 2**30)]).to_json()
 
 
 @pytest.mark.parametrize("flag, document, fragment", [
@@ -927,7 +934,15 @@ def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tm
     assert not any(os.path.isabs(word) for word in stored)
     loaded = E2EProfile.load(saved)
     assert loaded.runs == e2e.runs
-
+    assert [run.layout for run in loaded.runs] == layouts
+    # Fields at their defaults stay out of the file; the others come back.
+    interleaved = [Layout(1, 2, 1, 4, 4, False, "megatron", v=2),
+                   Layout(1, 2, 1, 4, 4, False, "flush", selective=True)]
+    again = E2EProfile(SMALL, "cpu test", [E2ERun(layout, "fp32", 0.5, None)
+                                           for layout in interleaved])
+    assert not {"v", "selective"} & set(json.loads(saved.read_text())["runs"][0])
+    assert [run.layout for run in E2EProfile.load(again.save(tmp_path / "v.json")).runs] == \
+        interleaved
 
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe", "naive"])
 def test_first_and_last_stage_bound_the_middle_ones(schedule):

@@ -126,7 +126,7 @@ def test_search_tries_virtual_stages_megatron_core_can_run():
                               schedules=("megatron",), virtual_stages=(1, 2, 3)))
     assert any(c.layout.v == 2 and c.layout.d == 4 for c in plan.ranked)
     # 8 layers do not split into 4 x 3 chunks; at d = 2 with w = 4, m = 4 is whole groups.
-    assert any(r.d == 4 and "4 x 3" in r.reason for r in plan.rejected)
+    assert any(r.value("d") == 4 and "4 x 3" in r.reason for r in plan.rejected)
     assert all(8 % (c.layout.d * c.layout.v) == 0 for c in plan.ranked)
 
 

@@ -257,8 +257,9 @@ def format_rejections(plan: Plan) -> str:
 
     lines = [f"{'t':>4} {'d':>4} {'w':>5} {'b':>4} {'m':>5} {'rc':>5} {'schedule':<8} reason"]
     for r in plan.rejected:
-        lines.append(f"{show(r.t):>4} {show(r.d):>4} {show(r.w):>5} {show(r.b):>4} "
-                     f"{show(r.m):>5} {show(r.recompute):>5} {show(r.schedule):<8} {r.reason}")
+        t, d, w, b, m, recompute, schedule = map(show, r.values())
+        lines.append(f"{t:>4} {d:>4} {w:>5} {b:>4} {m:>5} {recompute:>5} {schedule:<8} "
+                     f"{r.reason}")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ and schedule to train a model with on a cluster, and the flags to launch it.
 
     model.py    parameters, FLOPs and activation bytes per layer
     cluster.py  devices per node, memory, links; presets
-    profile.py  measured numbers as data: layer profiles and end-to-end runs (JSON files)
+    profile.py  measured numbers as data: layer profiles (JSON files)
     cost.py     memory and time per iteration of a layout
     search.py   enumerate, filter, rank
     flags.py    plan.json, rejected.csv, flags, torchrun and Slurm scripts
@@ -19,7 +19,8 @@ Beside them, the modules that produce the numbers (they import the line, never t
 
     measure.py   time one layer, the embedding, the head, the optimizer step (torch)
     links.py     time all-reduces between two local processes
-    e2e.py       train whole layouts for a few iterations, read their logs
+    e2e.py       train whole layouts for a few iterations, read their logs; each run
+                 holds its Layout (`E2EProfile`, JSON files)
     accuracy.py  predicted vs measured, and the calibration of a layer profile
 
 The command line is `tools/plan.py`.
@@ -27,9 +28,10 @@ The command line is `tools/plan.py`.
 
 from .cluster import GiB, PRESETS, Cluster, Link, preset
 from .cost import CostModel, Layout, MemoryEstimate, StageMemory, TimeEstimate
+from .e2e import E2EProfile
 from .flags import launch_flags, parse_for_validation, write_plan
 from .model import ModelSpec
-from .profile import E2EProfile, Profile
+from .profile import Profile
 from .search import ALL_SCHEDULES, Candidate, Plan, PlanRequest, Rejection, search
 
 __all__ = [

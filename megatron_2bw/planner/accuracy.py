@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 from .cluster import preset
 from .cost import CostModel, Layout
-from .e2e import run_end_to_end
-from .profile import E2EProfile, Profile
+from .e2e import E2EProfile, run_end_to_end
+from .profile import Profile
 
 __all__ = ["Accuracy", "compare", "format_accuracy", "calibrate"]
 
@@ -101,7 +101,7 @@ def compare(e2e: E2EProfile, cost: CostModel, simulate: bool = True) -> list[Acc
     """Predict every run of `e2e` with `cost`."""
     rows = []
     for run in e2e.runs:
-        layout = Layout(run.t, run.d, run.w, run.b, run.m, run.recompute, run.schedule)
+        layout = run.layout
         time_estimate = cost.time(layout, simulate=simulate)
         memory = cost.memory(layout).stages[-1].total
         rows.append(Accuracy(layout, time_estimate.iteration, run.seconds_per_iteration,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,12 +28,133 @@ from .cluster import cpu_name
 from .cost import Layout
 from .flags import entry_script, launch_flags, parse_for_validation
 from .model import ModelSpec
-from .profile import E2EProfile, E2ERun
+from .profile import PRECISIONS, JsonFile, check_count, check_nonneg, require
 
-__all__ = ["run_end_to_end", "check_layouts", "REPO"]
+__all__ = ["E2ERun", "E2EProfile", "run_end_to_end", "check_layouts", "relative_command",
+           "absolute_command", "REPO"]
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout whose entry scripts the runs launch."""
+
+
+# ---- end-to-end profile -------------------------------------------------------------------
+
+PATH_FLAGS = frozenset({"--data-path", "--tokenizer-model", "--data-cache-path", "--vocab-file",
+                        "--merge-file", "--save", "--load"})
+"""Training flags whose values are files or folders."""
+
+
+def _path_positions(command: Sequence[str]) -> list[int]:
+    """Indices of the file paths in a recorded command: the entry script (`*.py`) and the
+    values after each flag of `PATH_FLAGS` (up to the next flag)."""
+    positions, in_path_flag = [], False
+    for i, word in enumerate(command):
+        if word.startswith("--"):
+            in_path_flag = word in PATH_FLAGS
+        elif in_path_flag or word.endswith(".py"):
+            positions.append(i)
+    return positions
+
+
+def relative_command(command: Sequence[str], folder: str | os.PathLike) -> tuple[str, ...]:
+    """`command` with each absolute path made relative to `folder` (for a file saved there)."""
+    out = list(command)
+    for i in _path_positions(out):
+        if os.path.isabs(out[i]):
+            out[i] = os.path.relpath(out[i], folder)
+    return tuple(out)
+
+
+def absolute_command(command: Sequence[str], folder: str | os.PathLike) -> tuple[str, ...]:
+    """The inverse of `relative_command`: each relative path joined to `folder`."""
+    out = list(command)
+    for i in _path_positions(out):
+        if not os.path.isabs(out[i]):
+            out[i] = os.path.normpath(os.path.join(folder, out[i]))
+    return tuple(out)
+
+
+LAYOUT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)}
+"""The layout's fields (dataclasses.MISSING where required), which a run's JSON object holds
+flat beside the measurements: every required one, the others where not at their default."""
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    """One layout trained for a few iterations."""
+
+    layout: Layout
+    precision: str
+    seconds_per_iteration: float | None
+    """Median of the logged intervals after the first (which holds the warm-up)."""
+    peak_memory_bytes: float | None
+    """Largest "peak memory (MiB)" logged: the last rank's (it prints the log)."""
+    intervals: tuple[float, ...] = ()
+    """Each logged interval's time per iteration, the first included."""
+    command: tuple[str, ...] = ()
+    """The launcher's arguments (after the launcher itself), paths absolute in memory."""
+    error: str | None = None
+    fastest_s: float | None = None
+    """Fastest logged interval after the first: on a shared machine the least disturbed one."""
+    load_average: float | None = None
+    """Higher 1-minute load average of the machine at the run's start and end (CPU runs share
+    the cores with whatever else runs)."""
+
+    def to_json(self, folder: str | os.PathLike | None = None) -> dict:
+        """One flat object: the layout's fields (those at their defaults left out), then the
+        measurements; with `folder`, the command's paths relative to it."""
+        layout = {name: value for name, default in LAYOUT_DEFAULTS.items()
+                  if (value := getattr(self.layout, name)) != default}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "layout"}
+        data["intervals"] = list(self.intervals)
+        data["command"] = list(relative_command(self.command, folder) if folder is not None
+                               else self.command)
+        return {**layout, **data}
+
+    @classmethod
+    def from_json(cls, data, where: str, folder: str | os.PathLike | None) -> "E2ERun":
+        require(isinstance(data, dict), where, f"expected an object, got {data!r}")
+        layout = {name: data[name] for name in LAYOUT_DEFAULTS if name in data}
+        for name in ("t", "d", "w", "b", "m", "v"):
+            if name in layout or LAYOUT_DEFAULTS[name] is dataclasses.MISSING:
+                check_count(layout.get(name), f"{where}.{name}")
+        command = tuple(data.get("command", ()))
+        measured = {k: v for k, v in data.items() if k not in LAYOUT_DEFAULTS}
+        run = cls(**{**measured, "layout": Layout(**layout),
+                     "intervals": tuple(data.get("intervals", ())),
+                     "command": absolute_command(command, folder) if folder else command})
+        require(run.precision in PRECISIONS, f"{where}.precision",
+                f"expected one of {', '.join(PRECISIONS)}, got {run.precision!r}")
+        check_nonneg(run.seconds_per_iteration, f"{where}.seconds_per_iteration", True)
+        check_nonneg(run.peak_memory_bytes, f"{where}.peak_memory_bytes", True)
+        check_nonneg(run.fastest_s, f"{where}.fastest_s", True)
+        return run
+
+
+@dataclass
+class E2EProfile(JsonFile):
+    """Layouts of one model trained on one kind of device: what `plan.py --measured` and
+    `plan.py report` read."""
+
+    model: ModelSpec
+    device_name: str
+    runs: list[E2ERun] = field(default_factory=list)
+    created: str = ""
+
+    FORMAT = "megatron-2bw end-to-end profile v1"
+
+    def to_json(self, folder: str | os.PathLike | None = None) -> dict:
+        """With `folder`, each run's paths relative to it."""
+        return {"model": dataclasses.asdict(self.model), "device_name": self.device_name,
+                "runs": [run.to_json(folder) for run in self.runs], "created": self.created,
+                "format": self.FORMAT}
+
+    @classmethod
+    def from_json(cls, data: dict, folder: str | os.PathLike | None = None) -> "E2EProfile":
+        """The runs in `data`, their relative paths joined to `folder` (the file's)."""
+        return cls(**cls.read_fields(
+            data, "runs", lambda run, where: E2ERun.from_json(run, where, folder)))
 
 
 def _mock_data_supported() -> bool:
@@ -133,8 +255,7 @@ def _run_one(layout: Layout, model: ModelSpec, precision: str, data_flags: list[
     if not times and error is None:
         error = f"no iteration logged ({train_iters} iterations, --log-interval {log_interval})"
     steady = times[1:] or times  # the first interval holds the warm-up
-    run = E2ERun(t=layout.t, d=layout.d, w=layout.w, b=layout.b, m=layout.m,
-                 recompute=layout.recompute, schedule=layout.schedule, precision=precision,
+    run = E2ERun(layout=layout, precision=precision,
                  seconds_per_iteration=statistics.median(steady) if steady else None,
                  peak_memory_bytes=max(mems) * 2**20 if mems else None,
                  intervals=tuple(times), command=tuple(command[1:]), error=error,

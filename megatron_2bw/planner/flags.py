@@ -34,7 +34,7 @@ from megatron_2bw.schedules import keeps_versions
 from .cluster import GiB, Cluster
 from .cost import Layout
 from .model import ModelSpec
-from .search import Candidate, Plan
+from .search import Candidate, Plan, Rejection
 
 __all__ = ["launch_flags", "entry_script", "flag_line", "torchrun_script", "sbatch_script",
            "write_plan", "plan_to_json", "parse_for_validation", "add_training_flags",
@@ -361,7 +361,7 @@ def _cluster_json(cluster: Cluster) -> dict:
     return out
 
 
-REJECTED_FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule", "reason", "memory_gib")
+REJECTED_FIELDS = (*Rejection.FIELDS, "reason", "memory_gib")
 
 
 def write_plan(plan: Plan, out_dir: str | Path, top: int = 20,
@@ -376,7 +376,7 @@ def write_plan(plan: Plan, out_dir: str | Path, top: int = 20,
         writer = csv.writer(f)
         writer.writerow(REJECTED_FIELDS)
         for r in plan.rejected:
-            writer.writerow([r.t, r.d, r.w, r.b, r.m, r.recompute, r.schedule, r.reason,
+            writer.writerow([*r.values(), r.reason,
                              "" if r.memory_bytes is None else f"{r.memory_bytes / GiB:.3f}"])
     if plan.best is not None:
         paths["flags"] = out / "flags.txt"

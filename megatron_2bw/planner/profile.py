@@ -4,13 +4,12 @@ JSON files, nothing that measures (this module imports no torch and no training 
     Profile      one transformer layer, the embedding, the head and the optimizer step timed on
                  one device (`measure.measure`), the local link (`links.measure_links`), and
                  the scale to a whole iteration (`accuracy.calibrate`); `plan.py --profile`
-    E2EProfile   whole configurations trained for a few iterations (`e2e.run_end_to_end`);
-                 `plan.py --measured`, `plan.py report`
+
+(`e2e.E2EProfile`, whole layouts trained for a few iterations, is saved through `JsonFile`.)
 
 Profiles are JSON, named after the device (`tools/profiles/<device name>.json`), and load
 anywhere (`Profile.load`), so a profile taken on a GPU node plans on a laptop. Invariant: a
-file holds no path of the machine that wrote it; the paths in an end-to-end run's command are
-stored relative to the JSON file's folder and made absolute again when it is loaded.
+file holds no path of the machine that wrote it.
 
 A file that is not such a profile (another format, a field of the wrong type or out of range)
 raises ValueError or TypeError naming the field; `megatron_2bw.cli.reading` turns that into
@@ -26,39 +25,38 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from .cluster import Link
 from .model import ModelSpec
 
-__all__ = ["Sample", "Profile", "E2ERun", "E2EProfile", "default_profile_path", "device_slug",
-           "PROFILE_DIR", "PARTS", "PRECISIONS"]
+__all__ = ["Sample", "Profile", "JsonFile", "default_profile_path", "device_slug", "PROFILE_DIR",
+           "PARTS", "PRECISIONS"]
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "tools" / "profiles"
 PARTS = ("layer", "embedding", "head")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
-def _require(condition: bool, where: str, message: str) -> None:
+def require(condition: bool, where: str, message: str) -> None:
     """A field of a loaded file that is not what the planner can use: ValueError naming it."""
     if not condition:
         raise ValueError(f"{where}: {message}")
 
 
-def _check_count(value, where: str) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
+def check_count(value, where: str) -> None:
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
              f"expected an integer >= 1, got {value!r}")
 
 
-def _check_nonneg(value, where: str, optional: bool = False) -> None:
+def check_nonneg(value, where: str, optional: bool = False) -> None:
     if optional and value is None:
         return
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+    require(isinstance(value, (int, float)) and not isinstance(value, bool)
              and math.isfinite(value) and value >= 0, where,
              f"expected a finite number >= 0, got {value!r}")
 
 
-class _JsonFile:
+class JsonFile:
     """Saved as indented JSON with a "format" line; a file of another format is refused."""
 
     FORMAT = ""
@@ -70,6 +68,18 @@ class _JsonFile:
     @classmethod
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None):
         raise NotImplementedError
+
+    @staticmethod
+    def read_fields(data: dict, items: str, read) -> dict:
+        """`data` without its "format", its "model" read as a ModelSpec and each entry of its
+        list `items` read by `read(entry, where)` (where: "items[i]", for messages)."""
+        data = dict(data)
+        data.pop("format", None)
+        data["model"] = _model_from_json(data.get("model"))
+        entries = data.get(items, [])
+        require(isinstance(entries, list), items, f"expected a list, got {entries!r}")
+        data[items] = [read(entry, f"{items}[{i}]") for i, entry in enumerate(entries)]
+        return data
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
@@ -91,9 +101,9 @@ class _JsonFile:
 
 
 def _model_from_json(data) -> ModelSpec:
-    _require(isinstance(data, dict), "model", f"expected an object, got {data!r}")
+    require(isinstance(data, dict), "model", f"expected an object, got {data!r}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-        _check_count(data.get(name), f"model.{name}")
+        check_count(data.get(name), f"model.{name}")
     return ModelSpec(**data)
 
 
@@ -119,19 +129,19 @@ class Sample:
 
     @classmethod
     def from_json(cls, data, where: str) -> "Sample":
-        _require(isinstance(data, dict), where, f"expected an object, got {data!r}")
+        require(isinstance(data, dict), where, f"expected an object, got {data!r}")
         sample = cls(**data)
-        _require(sample.part in PARTS, f"{where}.part",
+        require(sample.part in PARTS, f"{where}.part",
                  f"expected one of {', '.join(PARTS)}, got {sample.part!r}")
-        _check_count(sample.tp, f"{where}.tp")
-        _check_count(sample.micro_batch, f"{where}.micro_batch")
+        check_count(sample.tp, f"{where}.tp")
+        check_count(sample.micro_batch, f"{where}.micro_batch")
         for name in ("forward_s", "backward_s", "activation_bytes"):
-            _check_nonneg(getattr(sample, name), f"{where}.{name}")
+            check_nonneg(getattr(sample, name), f"{where}.{name}")
         return sample
 
 
 @dataclass
-class Profile(_JsonFile):
+class Profile(JsonFile):
     """A layer profile: what `plan.py profile` writes and `plan.py --profile` reads."""
 
     device: str
@@ -192,25 +202,20 @@ class Profile(_JsonFile):
     @classmethod
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None) -> "Profile":
         """The profile in `data`; a field the cost model cannot use raises ValueError."""
-        data = dict(data)
-        data.pop("format", None)
-        data["model"] = _model_from_json(data.get("model"))
-        samples = data.get("samples", [])
-        _require(isinstance(samples, list), "samples", f"expected a list, got {samples!r}")
-        data["samples"] = [Sample.from_json(s, f"samples[{i}]") for i, s in enumerate(samples)]
+        data = cls.read_fields(data, "samples", Sample.from_json)
         if data.get("intra_node_link"):
             data["intra_node_link"] = Link(**data["intra_node_link"])
-            _require(data["intra_node_link"].bandwidth > 0, "intra_node_link.bandwidth",
+            require(data["intra_node_link"].bandwidth > 0, "intra_node_link.bandwidth",
                      "must be > 0")
         profile = cls(**data)
-        _require(profile.device in ("cpu", "cuda"), "device",
+        require(profile.device in ("cpu", "cuda"), "device",
                  f"expected 'cpu' or 'cuda', got {profile.device!r}")
-        _require(profile.precision in PRECISIONS, "precision",
+        require(profile.precision in PRECISIONS, "precision",
                  f"expected one of {', '.join(PRECISIONS)}, got {profile.precision!r}")
         for name in ("optimizer_fixed_s", "optimizer_per_param_s", "runtime_overhead_bytes"):
-            _check_nonneg(getattr(profile, name), name)
-        _check_nonneg(profile.compute_scale, "compute_scale")
-        _require(profile.compute_scale > 0, "compute_scale", "must be > 0")
+            check_nonneg(getattr(profile, name), name)
+        check_nonneg(profile.compute_scale, "compute_scale")
+        require(profile.compute_scale > 0, "compute_scale", "must be > 0")
         return profile
 
 
@@ -222,112 +227,3 @@ def device_slug(name: str) -> str:
 def default_profile_path(device_name: str) -> Path:
     """tools/profiles/<device name>.json"""
     return PROFILE_DIR / f"{device_slug(device_name)}.json"
-
-
-# ---- end-to-end profile -------------------------------------------------------------------
-
-PATH_FLAGS = frozenset({"--data-path", "--tokenizer-model", "--data-cache-path", "--vocab-file",
-                        "--merge-file", "--save", "--load"})
-"""Training flags whose values are files or folders."""
-
-
-def _path_positions(command: Sequence[str]) -> list[int]:
-    """Indices of the file paths in a recorded command: the entry script (`*.py`) and the
-    values after each flag of `PATH_FLAGS` (up to the next flag)."""
-    positions, in_path_flag = [], False
-    for i, word in enumerate(command):
-        if word.startswith("--"):
-            in_path_flag = word in PATH_FLAGS
-        elif in_path_flag or word.endswith(".py"):
-            positions.append(i)
-    return positions
-
-
-def relative_command(command: Sequence[str], folder: str | os.PathLike) -> tuple[str, ...]:
-    """`command` with each absolute path made relative to `folder` (for a file saved there)."""
-    out = list(command)
-    for i in _path_positions(out):
-        if os.path.isabs(out[i]):
-            out[i] = os.path.relpath(out[i], folder)
-    return tuple(out)
-
-
-def absolute_command(command: Sequence[str], folder: str | os.PathLike) -> tuple[str, ...]:
-    """The inverse of `relative_command`: each relative path joined to `folder`."""
-    out = list(command)
-    for i in _path_positions(out):
-        if not os.path.isabs(out[i]):
-            out[i] = os.path.normpath(os.path.join(folder, out[i]))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class E2ERun:
-    """One configuration trained for a few iterations."""
-
-    t: int
-    d: int
-    w: int
-    b: int
-    m: int
-    recompute: bool
-    schedule: str
-    precision: str
-    seconds_per_iteration: float | None
-    """Median of the logged intervals after the first (which holds the warm-up)."""
-    peak_memory_bytes: float | None
-    """Largest "peak memory (MiB)" logged: the last rank's (it prints the log)."""
-    intervals: tuple[float, ...] = ()
-    """Each logged interval's time per iteration, the first included."""
-    command: tuple[str, ...] = ()
-    """The launcher's arguments (after the launcher itself), paths absolute in memory."""
-    error: str | None = None
-    fastest_s: float | None = None
-    """Fastest logged interval after the first: on a shared machine the least disturbed one."""
-    load_average: float | None = None
-    """Higher 1-minute load average of the machine at the run's start and end (CPU runs share
-    the cores with whatever else runs)."""
-
-    @classmethod
-    def from_json(cls, data, where: str, folder: str | os.PathLike | None) -> "E2ERun":
-        _require(isinstance(data, dict), where, f"expected an object, got {data!r}")
-        command = tuple(data.get("command", ()))
-        run = cls(**{**data, "intervals": tuple(data.get("intervals", ())),
-                     "command": absolute_command(command, folder) if folder else command})
-        for name in ("t", "d", "w", "b", "m"):
-            _check_count(getattr(run, name), f"{where}.{name}")
-        _require(run.precision in PRECISIONS, f"{where}.precision",
-                 f"expected one of {', '.join(PRECISIONS)}, got {run.precision!r}")
-        _check_nonneg(run.seconds_per_iteration, f"{where}.seconds_per_iteration", True)
-        _check_nonneg(run.peak_memory_bytes, f"{where}.peak_memory_bytes", True)
-        _check_nonneg(run.fastest_s, f"{where}.fastest_s", True)
-        return run
-
-
-@dataclass
-class E2EProfile(_JsonFile):
-    model: ModelSpec
-    device_name: str
-    runs: list[E2ERun] = field(default_factory=list)
-    created: str = ""
-
-    FORMAT = "megatron-2bw end-to-end profile v1"
-
-    def to_json(self, folder: str | os.PathLike | None = None) -> dict:
-        """With `folder`, each run's paths relative to it."""
-        data = super().to_json(folder)
-        if folder is not None:
-            for run in data["runs"]:
-                run["command"] = list(relative_command(run["command"], folder))
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict, folder: str | os.PathLike | None = None) -> "E2EProfile":
-        """The runs in `data`, their relative paths joined to `folder` (the file's)."""
-        data = dict(data)
-        data.pop("format", None)
-        data["model"] = _model_from_json(data.get("model"))
-        runs = data.get("runs", [])
-        _require(isinstance(runs, list), "runs", f"expected a list, got {runs!r}")
-        data["runs"] = [E2ERun.from_json(r, f"runs[{i}]", folder) for i, r in enumerate(runs)]
-        return cls(**data)

@@ -106,17 +106,31 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A layout (or a family of them: unset fields are None) that cannot run, and why."""
+    """A layout that cannot run, or a family of layouts refused before their last fields are
+    chosen, and why."""
 
-    t: int
-    d: int | None
-    w: int | None
-    b: int | None
-    m: int | None
-    recompute: bool | None
-    schedule: str | None
     reason: str
+    layout: Layout | None = None
+    """The refused layout; None for a family (`family`)."""
+    family: tuple[int, ...] = ()
+    """A family's leading fields of FIELDS, the same for all its layouts: (t,), (t, d, w) or
+    (t, d, w, b); empty with a layout."""
     memory_bytes: float | None = None
+    """Peak memory of a layout refused for memory."""
+
+    FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule")
+    """The layout's fields a rejection names (rejected.csv, `plan.py --explain`)."""
+
+    def value(self, name: str):
+        """The layout's field `name` (one of FIELDS); None where the family leaves it open."""
+        if self.layout is not None:
+            return getattr(self.layout, name)
+        i = self.FIELDS.index(name)
+        return self.family[i] if i < len(self.family) else None
+
+    def values(self) -> tuple:
+        """`value` of each of FIELDS."""
+        return tuple(self.value(name) for name in self.FIELDS)
 
 
 @dataclass(frozen=True)
@@ -190,26 +204,23 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
     considered = 0
     for t in _divisors(n):
         if model.num_attention_heads % t:
-            rejected.append(Rejection(t, None, None, None, None, None, None,
-                                      f"{model.num_attention_heads} attention heads are not "
-                                      f"divisible by t={t}"))
+            rejected.append(Rejection(f"{model.num_attention_heads} attention heads are not "
+                                      f"divisible by t={t}", family=(t,)))
             continue
         if request.max_tensor_parallel and t > request.max_tensor_parallel:
-            rejected.append(Rejection(t, None, None, None, None, None, None,
-                                      f"t={t} exceeds --max-tensor-parallel "
-                                      f"{request.max_tensor_parallel}"))
+            rejected.append(Rejection(f"t={t} exceeds --max-tensor-parallel "
+                                      f"{request.max_tensor_parallel}", family=(t,)))
             continue
         for d in _divisors(n // t):
             w = n // (t * d)
             if model.num_layers % d:
-                rejected.append(Rejection(t, d, w, None, None, None, None,
-                                          f"{model.num_layers} layers do not split into d={d} "
-                                          f"equal stages"))
+                rejected.append(Rejection(f"{model.num_layers} layers do not split into d={d} "
+                                          f"equal stages", family=(t, d, w)))
                 continue
             for b in request.micro_batch_sizes:
                 if B % (b * w):
-                    rejected.append(Rejection(t, d, w, b, None, None, None,
-                                              f"B={B} is not a multiple of b x w = {b} x {w}"))
+                    rejected.append(Rejection(f"B={B} is not a multiple of b x w = {b} x {w}",
+                                              family=(t, d, w, b)))
                     continue
                 m = B // (b * w)
                 for rc, selective in _recomputations(request):
@@ -218,16 +229,16 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                         layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
                         problem = layout.problem(model.num_layers, model.tied)
                         if problem:
-                            rejected.append(Rejection(t, d, w, b, m, rc, schedule, problem))
+                            rejected.append(Rejection(problem, layout))
                             continue
                         memory = cost.memory(layout, every_stage=False)
                         if memory.peak > limit:
                             worst = memory.peak_stage
                             rejected.append(Rejection(
-                                t, d, w, b, m, rc, schedule,
                                 f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
                                 f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
-                                f"{cluster.memory_bytes / GiB:.0f} GiB)", memory.peak))
+                                f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
+                                memory_bytes=memory.peak))
                             continue
                         feasible.append(Candidate(layout, memory, cost.time(layout)))
     feasible.sort(key=partial(_rank_key, iteration_factor=request.iteration_factor))

@@ -82,6 +82,7 @@ import torch
 
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
+from megatron_2bw.errors import CheckpointRefused
 from megatron_2bw.runtime import device, distributed
 from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Placement, Step, call_program,
@@ -821,8 +822,6 @@ def _older_key(j: int) -> str:
 def _require(entries, saved_keys: set[str], path: str, what: str) -> None:
     """Refuse a checkpoint that lacks some of ``entries``' keys (the slot could not be
     filled)."""
-    from megatron_2bw.training.checkpointing import CheckpointRefused
-
     missing = sorted(entries.keys() - saved_keys)
     if missing:
         raise CheckpointRefused(

@@ -49,6 +49,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.errors import CheckpointError, CheckpointRefused
+
 __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration", "model_keys",
            "checkpoint_dir", "saved_iterations", "check_paths", "CheckpointError",
            "CheckpointRefused", "RELEASE"]
@@ -56,14 +58,6 @@ __all__ = ["TrainState", "save_checkpoint", "load_checkpoint", "latest_iteration
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # Megatron-LM's tracker word for {root}/release (weights only: iteration 0)
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's generate_state_dict
-
-
-class CheckpointError(ValueError):
-    """A --load/--save problem the user must fix; ``str()`` is the one line they see."""
-
-
-class CheckpointRefused(CheckpointError):
-    """The checkpoint cannot serve this run (not unreadable): no older checkpoint is tried."""
 
 
 class _ScheduleMismatch(CheckpointRefused):
