@@ -31,7 +31,8 @@ def _model_provider(config, pre_process: bool, post_process: bool, *, args, init
 
     gpt = pretrain_gpt_2bw.model_provider(config, pre_process, post_process, args=args,
                                           vocab_size=MODEL.vocab_size)
-    _load_slice(gpt, torch.load(init_path), tie=True, num_layers=args.num_layers)
+    _load_slice(gpt, torch.load(init_path), tie=True, num_layers=args.num_layers,
+                schedule=args.pipeline_schedule)
     return gpt
 
 

@@ -745,8 +745,8 @@ def test_pipemare_flags_are_validated_in_one_line():
                # m = 1 < d = 2: pipedream and pipemare run, 2BW does not, nor T2, nor T1 with
                # tied embeddings (its stages step with different rates)
                ("--pipeline-schedule", "2bw", "--global-batch-size", "2"):
-               "--global-batch-size: 2bw needs microbatches per batch m = 2 / \\(2 x 1\\) = 1 "
-               ">= pipeline depth 2",
+               "--global-batch-size: 2bw needs m >= d microbatches per batch \\(pipeline depth "
+               "2\\): m = 2 / \\(2 x 1\\) = 1",
                ("--pipeline-schedule", "pipemare", "--global-batch-size", "2",
                 "--pipemare-discrepancy-decay", "0.5"):
                "--pipemare-discrepancy-decay: PipeMare's discrepancy correction \\(T2\\) runs "
