@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,20 +128,19 @@ def _run(command: list[str], env: dict[str, str], timeout: float) -> Launch:
 def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
              launcher_args: tuple[str, ...] = (), **env: str) -> Launch:
     """``torchrun --nproc-per-node nproc`` on a free port, from the repository root (forked
-    from the pre-imported process, tests/prefork.py, where nothing but the script's
-    arguments is asked for)."""
+    from the pre-imported process, tests/prefork.py, where no launcher flag and no variable
+    read at a process's start is asked for)."""
     command = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                *launcher_args, *script_args]
-    if not launcher_args and not env and _forkable(script_args):
-        return _forked(command, script_args, nproc, subprocess_env(), timeout)
+    if not launcher_args and set(env) <= set(_READ_AFTER_START) and _forkable(script_args):
+        return _forked(command, script_args, nproc, subprocess_env(**env), timeout)
     return _run(command, subprocess_env(**env), timeout)
 
 
 def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
-    """One plain Python process, from the repository root (forked as in ``torchrun``; a
-    WORLD_SIZE of its own is read after the start, so it may differ)."""
-    if set(env) <= {"WORLD_SIZE"} and _forkable(script_args):
+    """One plain Python process, from the repository root (forked as in ``torchrun``)."""
+    if set(env) <= set(_READ_AFTER_START) and _forkable(script_args):
         return _forked([PYTHON, *script_args], script_args, 0, subprocess_env(**env), timeout)
     return _run([PYTHON, *script_args], subprocess_env(**env), timeout)
 
@@ -149,8 +149,9 @@ def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch
 
 _server: subprocess.Popen | None = None
 _socket_path = ""
-_VOLATILE = ("PYTEST_CURRENT_TEST", "WORLD_SIZE")
-"""Variables read after the start (a process's own WORLD_SIZE: ``python``'s only extra)."""
+_starting = threading.Lock()
+_READ_AFTER_START = ("PYTEST_CURRENT_TEST", "WORLD_SIZE", "WANDB_MODE")
+"""Variables nothing reads before the script runs: a launch may set its own."""
 
 
 def _forkable(script_args: list[str]) -> bool:
@@ -160,7 +161,7 @@ def _forkable(script_args: list[str]) -> bool:
 
 
 def _start_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _VOLATILE}
+    return {k: v for k, v in env.items() if k not in _READ_AFTER_START}
 
 
 _SESSION_ENV = _start_env(subprocess_env())
@@ -172,10 +173,17 @@ def _prefork_server(env: dict[str, str]) -> str | None:
     """The server's socket path, starting it at the first call; None where it is off, cannot
     start, or ``env`` is not the session's (a test's own strict-mode variables, say: read at
     a process's start, so such a launch starts the ordinary way)."""
-    global _server, _socket_path
     if os.environ.get("MEGATRON_2BW_TEST_PREFORK", "1") == "0" \
             or _start_env(env) != _SESSION_ENV:
         return None
+    with _starting:  # launches from threads (test_batch_rampup): one server
+        _start_server()
+    return _socket_path if _server.poll() is None else None
+
+
+def _start_server() -> None:
+    """Start the server with the session's environment (once), and wait until it is ready."""
+    global _server, _socket_path
     if _server is None:
         import atexit
         import tempfile
@@ -184,11 +192,11 @@ def _prefork_server(env: dict[str, str]) -> str | None:
         _socket_path = os.path.join(directory, "socket")
         with open(os.path.join(directory, "server.log"), "w") as log:
             _server = subprocess.Popen([PYTHON, "-m", "tests.prefork", _socket_path], cwd=REPO,
-                                       env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+                                       env=subprocess_env(), stdout=subprocess.PIPE, stderr=log,
+                                       text=True)
         atexit.register(_stop_server, _server)
         if _server.stdout.readline().strip() != "ready":
             _server.kill()
-    return _socket_path if _server.poll() is None else None
 
 
 def _ask(request: dict, timeout: float) -> dict:

@@ -17,16 +17,19 @@ What a forked launch keeps of the launch it replaces:
   * torchrun's reaction to a failed rank: SIGTERM to the others' sessions, SIGKILL 30 s later,
     and exit code 1; a plain launch's exit code is its process's;
   * stdout and stderr of every rank interleaved in one output;
-  * nothing is imported here that a run would not import: megatron_2bw first (its import hook
-    decides megatron-core's fuser at megatron-core's import, as in every entry script).
-Launches that change the interpreter's start (another environment variable, torchrun's own
-flags, ``python -c``) or the strict mode run the ordinary way (``tests/dist.py`` decides).
-Off with ``MEGATRON_2BW_TEST_PREFORK=0``.
+  * only modules the GPT and BERT runs import are imported here, megatron_2bw first (its
+    import hook decides megatron-core's fuser at megatron-core's import, as in every entry
+    script); nothing runs here that a run's own start would do (no process group, no seed).
+Launches that change the interpreter's start (a variable read before the script runs,
+torchrun's own flags, ``python -c``) run the ordinary way (``tests/dist.py`` decides). Off
+with ``MEGATRON_2BW_TEST_PREFORK=0``.
 
     python -m tests.prefork SOCKET    # serves launches, one at a time, until its parent ends
+
 A request: {"argv": [script, ...], "nproc": N (0: a plain process), "env": {...}, "cwd": dir,
-"port": master port, "out": output file, "timeout_s": s}, or for ``spawn`` "call": {"module", "name", "args": pickle
-file, "out_dir"} instead of "argv"; the answer: {"returncode", "exit_codes", "timed_out"}.
+"port": master port, "out": output file, "timeout_s": s}, or for ``spawn`` "call": {"module",
+"name", "args": pickle file, "out_dir"} instead of "argv"; the answer: {"returncode",
+"exit_codes", "timed_out"}.
 """
 
 from __future__ import annotations
