@@ -150,8 +150,13 @@ def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch
 _server: subprocess.Popen | None = None
 _socket_path = ""
 _starting = threading.Lock()
-_READ_AFTER_START = ("PYTEST_CURRENT_TEST", "WORLD_SIZE", "WANDB_MODE")
+_READ_AFTER_START = ("WORLD_SIZE", "WANDB_MODE")
 """Variables nothing reads before the script runs: a launch may set its own."""
+_READ_AT_START = ("PYTHON", "MEGATRON_2BW_", "TORCH", "OMP_", "MKL_", "KMP_", "NVTE_", "CUDA",
+                  "LD_", "GLOO_", "NCCL_")
+"""Prefixes of the variables the interpreter, strict mode's sitecustomize or an import may
+read: a launch whose values differ from the session's starts the ordinary way (a test's
+MEGATRON_2BW_TEST_TAG must be in the process's own environment, for one)."""
 
 
 def _forkable(script_args: list[str]) -> bool:
@@ -161,12 +166,13 @@ def _forkable(script_args: list[str]) -> bool:
 
 
 def _start_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _READ_AFTER_START}
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
 
 
 _SESSION_ENV = _start_env(subprocess_env())
-"""A child's environment as the session set it up (tests/conftest.py runs first): the server
-starts with it, and serves launches whose environment is the same."""
+"""What a child reads at its start, as the session set it up (tests/conftest.py runs first):
+the server starts with it, and serves launches that read the same (in-process tests set
+MASTER_PORT and the like, which a launch's own values replace)."""
 
 
 def _prefork_server(env: dict[str, str]) -> str | None:
