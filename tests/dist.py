@@ -12,6 +12,10 @@ Every launch has a wall-clock limit, so a hung collective fails the test instead
         the same script in one plain process (fast: no launcher, no process group).
     tagged_processes(tag) -> [pid]
         the live processes started with MEGATRON_2BW_TEST_TAG=tag in their environment.
+
+``spawn``, ``torchrun`` and ``python`` fork their processes from tests/prefork.py, which has
+imported torch and megatron-core once per session, unless the launch changes what a process
+reads at its start (see ``_forkable`` and ``_prefork_server``).
 """
 
 from __future__ import annotations
