@@ -262,8 +262,11 @@ def _forked_spawn(fn, world_size: int, args: tuple, out_dir: str, timeout: float
 
 
 def _stop_server(server: subprocess.Popen) -> None:
+    import shutil
+
     server.kill()
     server.wait()
+    shutil.rmtree(os.path.dirname(_socket_path), ignore_errors=True)
 
 
 def tagged_processes(tag: str) -> list[int]:
