@@ -12,6 +12,10 @@ Every launch has a wall-clock limit, so a hung collective fails the test instead
         the same script in one plain process (fast: no launcher, no process group).
     tagged_processes(tag) -> [pid]
         the live processes started with MEGATRON_2BW_TEST_TAG=tag in their environment.
+
+``spawn``, ``torchrun`` and ``python`` fork their processes from tests/prefork.py, which has
+imported torch and megatron-core once per session, unless the launch changes what a process
+reads at its start (see ``_forkable`` and ``_prefork_server``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +79,14 @@ def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple
 
 
 def spawn(fn, world_size: int, *args, out_dir: str | os.PathLike, timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
-    results by rank. An exception on any rank is re-raised here with that rank's traceback;
-    past ``timeout`` seconds all workers are killed and TimeoutError is raised."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (forked from the
+    pre-imported process, tests/prefork.py, where the environment is the one it started
+    with); return the results by rank. An exception on any rank is re-raised here with that
+    rank's traceback; past ``timeout`` seconds all workers are killed and TimeoutError is
+    raised."""
     os.makedirs(out_dir, exist_ok=True)
+    if _prefork_server(subprocess_env()) is not None:
+        return _forked_spawn(fn, world_size, args, str(out_dir), timeout)
     context = mp.start_processes(_worker, args=(fn, world_size, free_port(), str(out_dir), args),
                                  nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
@@ -122,16 +131,142 @@ def _run(command: list[str], env: dict[str, str], timeout: float) -> Launch:
 
 def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
              launcher_args: tuple[str, ...] = (), **env: str) -> Launch:
-    """``torchrun --nproc-per-node nproc`` on a free port, from the repository root."""
+    """``torchrun --nproc-per-node nproc`` on a free port, from the repository root (forked
+    from the pre-imported process, tests/prefork.py, where no launcher flag and no variable
+    read at a process's start is asked for)."""
     command = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                *launcher_args, *script_args]
+    if not launcher_args and set(env) <= set(_READ_AFTER_START) and _forkable(script_args):
+        return _forked(command, script_args, nproc, subprocess_env(**env), timeout)
     return _run(command, subprocess_env(**env), timeout)
 
 
 def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
-    """One plain Python process, from the repository root."""
+    """One plain Python process, from the repository root (forked as in ``torchrun``)."""
+    if set(env) <= set(_READ_AFTER_START) and _forkable(script_args):
+        return _forked([PYTHON, *script_args], script_args, 0, subprocess_env(**env), timeout)
     return _run([PYTHON, *script_args], subprocess_env(**env), timeout)
+
+
+# ---- launches forked from a pre-imported process (tests/prefork.py) --------------------------
+
+_server: subprocess.Popen | None = None
+_socket_path = ""
+_starting = threading.Lock()
+_READ_AFTER_START = ("WORLD_SIZE", "WANDB_MODE")
+"""Variables nothing reads before the script runs: a launch may set its own."""
+_READ_AT_START = ("PYTHON", "MEGATRON_2BW_", "TORCH", "OMP_", "MKL_", "KMP_", "NVTE_", "CUDA",
+                  "LD_", "GLOO_", "NCCL_")
+"""Prefixes of the variables the interpreter, strict mode's sitecustomize or an import may
+read: a launch whose values differ from the session's starts the ordinary way (a test's
+MEGATRON_2BW_TEST_TAG must be in the process's own environment, for one)."""
+
+
+def _forkable(script_args: list[str]) -> bool:
+    """``python SCRIPT.py ...`` (not ``-c``/``-m``), with the prefork server on."""
+    return (os.environ.get("MEGATRON_2BW_TEST_PREFORK", "1") != "0" and bool(script_args)
+            and script_args[0].endswith(".py"))
+
+
+def _start_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+
+
+_SESSION_ENV = _start_env(subprocess_env())
+"""What a child reads at its start, as the session set it up (tests/conftest.py runs first):
+the server starts with it, and serves launches that read the same (in-process tests set
+MASTER_PORT and the like, which a launch's own values replace)."""
+
+
+def _prefork_server(env: dict[str, str]) -> str | None:
+    """The server's socket path, starting it at the first call; None where it is off, cannot
+    start, or ``env`` is not the session's (a test's own strict-mode variables, say: read at
+    a process's start, so such a launch starts the ordinary way)."""
+    if os.environ.get("MEGATRON_2BW_TEST_PREFORK", "1") == "0" \
+            or _start_env(env) != _SESSION_ENV:
+        return None
+    with _starting:  # launches from threads (test_batch_rampup): one server
+        _start_server()
+    return _socket_path if _server.poll() is None else None
+
+
+def _start_server() -> None:
+    """Start the server with the session's environment (once), and wait until it is ready."""
+    global _server, _socket_path
+    if _server is None:
+        import atexit
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="megatron-2bw-prefork-")
+        _socket_path = os.path.join(directory, "socket")
+        with open(os.path.join(directory, "server.log"), "w") as log:
+            _server = subprocess.Popen([PYTHON, "-m", "tests.prefork", _socket_path], cwd=REPO,
+                                       env=subprocess_env(), stdout=subprocess.PIPE, stderr=log,
+                                       text=True)
+        atexit.register(_stop_server, _server)
+        if _server.stdout.readline().strip() != "ready":
+            _server.kill()
+
+
+def _ask(request: dict, timeout: float) -> dict:
+    """Send ``request`` to the server; its answer once the launch ended."""
+    import json
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(_socket_path)
+        connection.settimeout(timeout + 120)
+        connection.sendall((json.dumps(request) + "\n").encode())
+        return json.loads(connection.makefile("r").readline())
+
+
+def _forked(command: list[str], script_args: list[str], nproc: int, env: dict[str, str],
+            timeout: float) -> Launch:
+    """``command``'s launch, forked by the prefork server (ordinary, where it is not up)."""
+    import tempfile
+
+    if _prefork_server(env) is None:
+        return _run(command, env, timeout)
+    with tempfile.NamedTemporaryFile("r", prefix="launch-", suffix=".log") as out:
+        answer = _ask({"argv": script_args, "nproc": nproc, "env": env, "cwd": str(REPO),
+                       "port": free_port(), "out": out.name, "timeout_s": timeout}, timeout)
+        output = open(out.name, errors="replace").read()
+    if answer["timed_out"]:
+        raise TimeoutError(f"{' '.join(command)} ran past {timeout:.0f} s; last output:\n"
+                           + "\n".join(output.splitlines()[-40:]))
+    return Launch(command, answer["returncode"], output)
+
+
+def _forked_spawn(fn, world_size: int, args: tuple, out_dir: str, timeout: float) -> list:
+    """``spawn``'s run, forked by the prefork server."""
+    import pickle
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="megatron-2bw-spawn-")
+    with open(os.path.join(scratch, "args.pickle"), "wb") as f:
+        pickle.dump(args, f)
+    log = os.path.join(scratch, "ranks.log")
+    answer = _ask({"call": {"module": fn.__module__, "name": fn.__qualname__,
+                            "args": f.name, "out_dir": out_dir},
+                   "nproc": world_size, "env": subprocess_env(), "cwd": str(REPO),
+                   "port": free_port(), "out": log, "timeout_s": timeout}, timeout)
+    if answer["timed_out"]:
+        raise TimeoutError(f"{fn.__name__} on {world_size} processes ran past {timeout:.0f} s")
+    if any(answer["exit_codes"]):
+        with open(log, errors="replace") as f:
+            raise RuntimeError(f"{fn.__name__} failed, exit codes {answer['exit_codes']}:\n"
+                               + f.read()[-6000:])
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    import shutil
+
+    server.kill()
+    server.wait()
+    shutil.rmtree(os.path.dirname(_socket_path), ignore_errors=True)
 
 
 def tagged_processes(tag: str) -> list[int]:

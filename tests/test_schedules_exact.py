@@ -64,6 +64,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import dist
 from tests.dist import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -313,8 +314,16 @@ def _env(**extra: str) -> dict:
 
 
 def _run_bounded(command: list[str], timeout_s: float, **env: str) -> tuple[int, str, float]:
-    """Run `command` in its own session; kill the whole session at the deadline."""
+    """Run `command` in its own session; kill the whole session at the deadline. The
+    launcher (`python tests/schedule_worker.py SPEC`, no variables of its own) is forked from
+    the tests' pre-imported process (tests/prefork.py), which has imported what it would."""
     started = time.monotonic()
+    if command[0] == sys.executable and command[1] == str(WORKER) and not env:
+        try:
+            done = dist.python(command[1:], timeout=timeout_s)
+        except TimeoutError as error:
+            pytest.fail(str(error))
+        return done.returncode, done.output, time.monotonic() - started
     proc = subprocess.Popen(command, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

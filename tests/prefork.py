@@ -1,0 +1,234 @@
+"""A process that has imported torch, megatron-core and megatron_2bw once and forks the tests'
+launches of the entry scripts from there (``tests/dist.py``'s ``torchrun`` and ``python``).
+
+Each process of a launch otherwise spends most of its life importing (about 8 s of CPU for
+torch, megatron-core, transformers and TorchDynamo on CI's machine; a 2-rank torchrun launch
+pays it twice plus torchrun's own import of torch). Forked from here, every launch starts with
+those modules in memory and the suite saves that much per launch.
+
+What a forked launch keeps of the launch it replaces:
+  * each rank is its own process in its own session (as torchrun starts them), with
+    torchrun's environment variables, the launch's environment and working directory,
+    ``sys.argv`` and ``sys.path[0]`` of ``python SCRIPT ...``, the script run as ``__main__``,
+    its exit code (an uncaught exception: its traceback and 1; ``sys.exit("text")``: the text
+    and 1), and non-daemon threads and ``atexit`` functions run at its end;
+  * the strict NCCL mode: this process starts with ``tests/strict`` first on its path, so its
+    ``sitecustomize`` installs the wrappers before anything binds ``torch.distributed``;
+  * torchrun's reaction to a failed rank: SIGTERM to the others' sessions, SIGKILL 30 s later,
+    and exit code 1; a plain launch's exit code is its process's;
+  * stdout and stderr of every rank interleaved in one output;
+  * only modules the GPT and BERT runs import are imported here, megatron_2bw first (its
+    import hook decides megatron-core's fuser at megatron-core's import, as in every entry
+    script); nothing runs here that a run's own start would do (no process group, no seed).
+Launches that change the interpreter's start (a variable read before the script runs,
+torchrun's own flags, ``python -c``) run the ordinary way (``tests/dist.py`` decides). Off
+with ``MEGATRON_2BW_TEST_PREFORK=0``.
+
+    python -m tests.prefork SOCKET    # serves launches, one at a time, until its parent ends
+
+A request: {"argv": [script, ...], "nproc": N (0: a plain process), "env": {...}, "cwd": dir,
+"port": master port, "out": output file, "timeout_s": s}, or for ``spawn`` "call": {"module",
+"name", "args": pickle file, "out_dir"} instead of "argv"; the answer: {"returncode",
+"exit_codes", "timed_out"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+__all__ = ["serve"]
+
+GRACE_S = 30.0
+"""torchrun's wait between SIGTERM and SIGKILL for the ranks left after one failed."""
+
+
+def _preload() -> None:
+    import megatron_2bw  # noqa: F401  (first: its import hook picks megatron-core's fuser)
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at the first optimizer)
+    import torch.distributed.checkpoint  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.bert.bert_model  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
+    import megatron_2bw.data.bert  # noqa: F401
+    import megatron_2bw.data.gpt  # noqa: F401
+    import megatron_2bw.data.tokenizer  # noqa: F401  (megatron-core's imports transformers)
+    import megatron_2bw.entry  # noqa: F401
+    import megatron_2bw.training.loop  # noqa: F401
+
+
+def _rank_env(request: dict, rank: int) -> dict[str, str]:
+    """The launch's environment, plus torchrun's variables for ``rank`` (none for a plain
+    process)."""
+    env = dict(request["env"])
+    nproc = request["nproc"]
+    if nproc:
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                   ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(request["port"]), TORCHELASTIC_RESTART_COUNT="0",
+                   TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none")
+    return env
+
+
+def _exit_code(code) -> int:
+    """The interpreter's exit status for ``SystemExit(code)`` (a text is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _call(request: dict, rank: int) -> None:
+    """``tests.dist.spawn``'s worker body: ``fn(rank, world, *args)``, its result saved."""
+    import importlib
+    import pickle
+
+    from tests import dist
+
+    call = request["call"]
+    fn = importlib.import_module(call["module"])
+    for name in call["name"].split("."):
+        fn = getattr(fn, name)
+    with open(call["args"], "rb") as f:
+        args = pickle.load(f)
+    dist._worker(rank, fn, request["nproc"], request["port"], call["out_dir"], args)
+
+
+def _run_rank(request: dict, rank: int, out_fd: int) -> None:
+    """In a forked process: become ``python SCRIPT ARGS`` of ``rank`` (or a spawned worker of
+    ``tests.dist.spawn``); never returns."""
+    import atexit
+    import runpy
+    import threading
+
+    code = 1
+    try:
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        os.environ.clear()
+        os.environ.update(_rank_env(request, rank) if "call" not in request else request["env"])
+        os.chdir(request["cwd"])
+        try:
+            if "call" in request:
+                _call(request, rank)
+            else:
+                script = request["argv"][0]
+                sys.argv = list(request["argv"])
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as stop:
+            code = _exit_code(stop.code)
+        except BaseException:  # noqa: BLE001 -- the interpreter's report of an uncaught one
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        threading._shutdown()  # what the interpreter does at exit: non-daemon threads, atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _alive(pid: int, codes: dict) -> bool:
+    if pid in codes:
+        return False
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        codes[pid] = os.waitstatus_to_exitcode(status)
+    return not done
+
+
+def _signal_sessions(pids: list[int], codes: dict, sig: int) -> None:
+    for pid in pids:
+        if _alive(pid, codes):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _launch(request: dict, *inherited: socket.socket) -> dict:
+    """Fork the launch's processes; wait for them as torchrun (or the plain process's parent)
+    would; kill every session at the deadline."""
+    out_fd = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(max(request["nproc"], 1)):
+        pid = os.fork()
+        if pid == 0:
+            for sock in inherited:
+                sock.close()
+            _run_rank(request, rank, out_fd)
+        pids.append(pid)
+    os.close(out_fd)
+    deadline = time.monotonic() + request["timeout_s"]
+    codes: dict[int, int] = {}
+    kill_at = None
+    while any(_alive(pid, codes) for pid in pids):
+        now = time.monotonic()
+        if now > deadline:
+            _signal_sessions(pids, codes, signal.SIGKILL)
+            for pid in pids:
+                if pid not in codes:
+                    codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            return {"returncode": -9, "exit_codes": [codes[pid] for pid in pids],
+                    "timed_out": True}
+        if request["nproc"] and kill_at is None and any(c != 0 for c in codes.values()):
+            _signal_sessions(pids, codes, signal.SIGTERM)  # torchrun (and spawn) stop the rest
+            kill_at = now + GRACE_S
+        if kill_at is not None and now > kill_at:
+            _signal_sessions(pids, codes, signal.SIGKILL)
+        time.sleep(0.02)
+    exit_codes = [codes[pid] for pid in pids]
+    if not request["nproc"]:
+        return {"returncode": exit_codes[0], "exit_codes": exit_codes, "timed_out": False}
+    return {"returncode": int(any(exit_codes)), "exit_codes": exit_codes, "timed_out": False}
+
+
+def _parent_gone(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def serve(path: str) -> None:
+    """Preload, say "ready" on stdout, then serve one request per connection until the
+    process that started this one ends."""
+    parent = os.getppid()
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(1.0)
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    while not _parent_gone(parent):
+        try:
+            connection, _ = listener.accept()
+        except socket.timeout:
+            continue
+        with connection:
+            connection.settimeout(None)
+            request = json.loads(connection.makefile("r").readline())
+            connection.sendall((json.dumps(_launch(request, listener, connection)) + "\n").encode())
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
