@@ -44,6 +44,10 @@ def assert_one_error_line(result: launch.Launch, flag: str, *fragments: str) -> 
 
 # ---- flag errors: caught by the validator before anything is imported ---------------------
 
+_V_FLAGS = ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
+            "--untie-embeddings-and-output-weights"]
+_DUALPIPEV_FLAGS = ["--pipeline-schedule", "dualpipev"] + _V_FLAGS[2:]
+
 FLAG_CASES = {
     # id: (bad flags, repaired flags, world size, flag named, fragments of the message)
     "layers-not-divisible-by-pipeline": (
@@ -92,21 +96,13 @@ FLAG_CASES = {
         1, "--num-layers", ["'four'"]),
     # the V schedules: 2d chunks of layers, untied embeddings, DualPipeV's m >= 2d
     "v-layers-not-divisible-by-2d": (
-        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
-         "--untie-embeddings-and-output-weights", "--num-layers", "6"],
-        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
-         "--untie-embeddings-and-output-weights", "--num-layers", "8"],
+        _V_FLAGS + ["--num-layers", "6"], _V_FLAGS + ["--num-layers", "8"],
         2, "--num-layers", ["6 layers", "4 model chunks"]),
     "v-tied-embeddings": (
-        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2"],
-        ["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2",
-         "--untie-embeddings-and-output-weights"],
-        2, "--untie-embeddings-and-output-weights", ["zb-v"]),
+        _V_FLAGS[:-1], _V_FLAGS, 2, "--untie-embeddings-and-output-weights", ["zb-v"]),
     "dualpipev-fewer-than-2d-microbatches": (
-        ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
-         "--untie-embeddings-and-output-weights", "--global-batch-size", "6"],
-        ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
-         "--untie-embeddings-and-output-weights", "--global-batch-size", "8"],
+        _DUALPIPEV_FLAGS + ["--global-batch-size", "6"],
+        _DUALPIPEV_FLAGS + ["--global-batch-size", "8"],
         2, "--global-batch-size", ["m >= 2 x pipeline depth = 4", "= 3"]),
 }
 

@@ -23,40 +23,13 @@ import types
 import pytest
 import torch
 
+from megatron_2bw.runtime.copies import CopiedBytes
 from tests import dist as launch
 
 MICRO_BATCH = 2
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
            "mlp.linear_fc2")
 """Each layer's megatron-core linear layers: their weights' GEMMs are deferred to W."""
-
-
-class _Copies:
-    """Bytes written by tensor copies (copy_, clone, _to_copy) while active."""
-
-    def __init__(self):
-        self.bytes = 0
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        ops = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default,
-               torch.ops.aten._to_copy.default}
-        counter = self
-
-        class Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in ops:
-                    counter.bytes += out.numel() * out.element_size()
-                return out
-
-        self.mode = Count()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
 
 
 def _stand_in_fused_kernel():
@@ -92,7 +65,8 @@ def _split_against_fused(fusion: bool) -> dict:
     batch = _batch(MICRO_BATCH)
 
     loss = _token_losses(ddp, batch).mean()
-    with _Copies() as fused_copies:
+    fused_copies = CopiedBytes()
+    with fused_copies.counting():
         loss.backward()
     fused = _main_grads(model)
     ddp.finish_grad_sync()  # the first batch: records each parameter's hook count
@@ -100,10 +74,12 @@ def _split_against_fused(fusion: bool) -> dict:
 
     loss = _token_losses(ddp, batch).mean()
     store = WeightGradStore(model)
-    with _Copies() as input_copies:
+    input_copies = CopiedBytes()
+    with input_copies.counting():
         pending = store.input_pass(loss, torch.ones_like(loss), None)
     after_input = _main_grads(model)
-    with _Copies() as weight_copies:
+    weight_copies = CopiedBytes()
+    with weight_copies.counting():
         WeightGradStore.weight_pass(pending)
     after_weight = _main_grads(model)
     ddp.finish_grad_sync()  # asserts every bucket's reduction was launched by the hooks

@@ -81,6 +81,7 @@ from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # no
                               comma_list, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, writable_dir)
 from megatron_2bw.arguments import SCHEDULES  # noqa: E402
+from megatron_2bw.runtime.copies import CopiedBytes  # noqa: E402
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
 SINGLE = "single (PP=1)"
@@ -135,33 +136,6 @@ class _SavedBytes:
             result = self.forward_step(data_iterator, model)
         self.per_microbatch.append(sum(saved.values()))
         return result
-
-
-class _CopiedBytes:
-    """Bytes the process writes by copying tensors (``copy_``, ``clone``, ``_to_copy``: also
-    ``.contiguous()``, ``.to()``, ``.clone()``), forward, backward and step, counted with a
-    dispatch mode (it slows the process: only in a warm-up iteration)."""
-
-    OPS = ("copy_.default", "clone.default", "_to_copy.default")
-
-    def __init__(self):
-        self.bytes = 0
-
-    def counting(self):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        ops = {getattr(torch.ops.aten, name.split(".")[0]).default for name in self.OPS}
-        counter = self
-
-        class Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in ops:
-                    counter.bytes += out.numel() * out.element_size()
-                return out
-
-        return Count()
 
 
 class _PendingW:
@@ -276,7 +250,7 @@ class RankResult:
     """The most bytes pending W's kept at once (``_PendingW``)."""
     weight_bytes: int | None = None
     """The most bytes the stage's weight versions held at once (``_weight_bytes``)."""
-    """Bytes copied in one iteration (a warm-up one; ``_CopiedBytes``)."""
+    """Bytes copied in one iteration (a warm-up one; ``CopiedBytes``)."""
     action_seconds: dict[str, float] = field(default_factory=dict)
     """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
 
@@ -349,7 +323,7 @@ def _weight_bytes(trainer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _run_iterations(trainer, saved: _SavedBytes, copied: _CopiedBytes, waits: _Waits,
+def _run_iterations(trainer, saved: _SavedBytes, copied: CopiedBytes, waits: _Waits,
                     warmup: int, iters: int, weights: list[int]) -> list[Iteration]:
     """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
     leaves nothing in flight; asked for as many calls ahead as the schedule needs); saved bytes
@@ -398,7 +372,7 @@ def worker(argv: list[str]) -> int:
     megatron_2bw.install(args.pipeline_schedule)
     waits = _Waits()
     trainer, saved = _build_trainer(args, opts)
-    runner, copied, pending_w = trainer.forward_backward, _CopiedBytes(), _PendingW()
+    runner, copied, pending_w = trainer.forward_backward, CopiedBytes(), _PendingW()
     if hasattr(runner, "timeline"):
         runner.timeline = []
     weights: list[int] = []
