@@ -186,8 +186,9 @@ CASES = {
                                "foo"),
     "bench-empty-schedules": (["bench_schedules.py", "--schedules", ","], "--schedules", "list"),
     "bench-nice-out-of-range": (["bench_schedules.py", "--nice", "40"], "--nice", "-20..19"),
-    "bench-2bw-deeper-than-microbatches": (["bench_schedules.py", "--depth", "4"],
-                                           "--microbatches", "pipeline depth 4"),
+    "bench-dualpipev-below-2d-microbatches": (
+        ["bench_schedules.py", "--depth", "4", "--schedules", "2bw,dualpipev"],
+        "--microbatches", "m >= 2 x pipeline depth = 8"),
     "bench-timeline-dir-unwritable": (["bench_schedules.py", "--timeline-dir", "/sys/t"],
                                       "--timeline-dir", "cannot write"),
     "bench-json-is-folder": (["bench_schedules.py", "--json", "{d}"], "--json", "folder"),

@@ -625,16 +625,15 @@ def _niceness(text: str) -> int:
     return value
 
 
-def _check_configs(a: argparse.Namespace, schedules: list[str]) -> None:
-    """Every configuration's training flags pass the training validator before any runs:
-    the pipeline on --depth processes, and the single process (PP=1)."""
+def _check_configs(a: argparse.Namespace, configs: list[Config]) -> None:
+    """Every configuration's training flags, exactly as its run gets them, pass the training
+    validator before any runs."""
     rename = {"--pipeline-model-parallel-size": "--depth", "--global-batch-size": "--microbatches",
               "--train-iters": "--iters"}
-    for schedule, nproc in [("megatron", 1)] + [(s, a.depth) for s in schedules]:
-        m = a.depth if schedule == "2bw" and a.microbatches < a.depth else None
-        flags = _model_flags(a, m) + ["--pipeline-schedule", schedule,
-                                   "--pipeline-model-parallel-size", str(nproc)]
-        check_training_flags(flags, nproc, f"{schedule} on {nproc} process(es)", rename=rename)
+    for config in configs:
+        check_training_flags(_training_flags(a, config), config.processes,
+                             f"{config.schedule} on {config.processes} process(es)",
+                             rename=rename)
 
 
 def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
@@ -851,10 +850,11 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     a.warmup = max(a.warmup, 1)
     schedules = list(dict.fromkeys(a.schedules))
-    _check_configs(a, schedules)
+    configs = _configs(a, schedules)
+    _check_configs(a, configs)
     print(_describe(a), file=sys.stderr)
     load_before = os.getloadavg()[0]
-    runs = _run_rounds(a, _configs(a, schedules))
+    runs = _run_rounds(a, configs)
     load = (load_before, os.getloadavg()[0])
     if a.json:  # written before the table, so a formatting error loses no measurement
         _write_json(a.json, a, runs)
