@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_2bw.schedules import V_SCHEDULES, VIRTUAL_STAGE_SCHEDULES, keeps_versions
+from megatron_2bw.schedules import VIRTUAL_STAGE_SCHEDULES, keeps_versions
 from megatron_2bw.schedules.interleaved import warmup_slots
 
 __all__ = ["Problem", "Batch", "RECOMPUTE_REFUSED", "too_few_microbatches", "recompute_problem",
