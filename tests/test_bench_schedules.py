@@ -84,3 +84,13 @@ def test_bench_rows_and_memory_columns(tmp_path):
     lines = [line for line in run.output.splitlines() if "bubble (d-1)" in line]
     assert [line.split()[0] for line in lines] == ["flush", "zb-h1"], run.output
     assert "T_I" in lines[1] and "T_W" in lines[1] and "measured" in lines[1]
+    # the predicted ratio: Qi et al.'s iterations from the stages' mean action times (d = m = 2)
+    def mean(run_, kind):
+        return sum(r["action_seconds"][kind] for r in run_["ranks"]) / len(run_["ranks"])
+
+    flush_iteration = 3 * (mean(flush, "F") + mean(flush, "B"))
+    f, i, w = (mean(zbh1, kind) for kind in "FIW")
+    zb_iteration = 2 * (f + i + w) + f + i - w
+    predicted = next(line for line in run.output.splitlines() if "predicted zb-h1 / flush" in line)
+    printed = float(predicted.split("predicted zb-h1 / flush ")[1].split("x")[0])
+    assert math.isclose(printed, flush_iteration / zb_iteration, abs_tol=0.006), predicted

