@@ -306,6 +306,34 @@ def test_split_backward_counts_repeat_from_2d_plus_1_microbatches():
                         _held_counts(schedule, d, 2 * d + 1, i)), (schedule, d, m, i)
 
 
+def test_llama_shapes_by_hand_and_through_the_written_flags():
+    """SwiGLU and grouped-query attention: FC1 2f wide (f Megatron-LM's SwiGLU default), QKV
+    a + 2g heads; the planner writes the flags and the training's parser reads the same
+    model back."""
+    model = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4,
+                      seq_length=32, vocab_size=128, untie_embeddings=True, num_query_groups=2,
+                      gated_linear_unit=True)
+    h, f = 64, int(4 * 64 * 2 / 3 / 64) * 64
+    assert (model.ffn, model.qkv_width, model.fc1_width) == (f, (4 + 2 * 2) * 16, 2 * f) \
+        == (128, 128, 256)
+    # QKV h x 2h + 2h, projection h^2, FC1 h x 2f + 2f, FC2 f h; biases h each, 2 LayerNorms.
+    assert model.layer_parameters() == h * 2 * h + 2 * h + h * h + h * 2 * f + 2 * f + f * h \
+        + 6 * h
+    assert model.layer_forward_flops(1) == 2 * 32 * (h * 2 * h + h * h + h * 2 * f + f * h) \
+        + 4 * 32 * 32 * h
+    layout = Layout(1, 2, 1, 1, 4, False, "zb-v")
+    flags = launch_flags(layout, model, "bf16") + ["--mock-data", "--train-iters", "1"]
+    args = parse_for_validation(flags, model, world_size=2)
+    assert (args.swiglu, args.num_query_groups, args.ffn_hidden_size) == (True, 2, f)
+    assert ModelSpec.from_args(args) == dataclasses.replace(  # the data sets the vocabulary
+        model, ffn_hidden_size=f, vocab_size=args.vocab_size)
+    cli = _plan_cli()
+    assert cli._model(cli.plan_parser().parse_args(
+        ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "128", "--untie-embeddings-and-output-weights",
+         "--swiglu", "--group-query-attention", "--num-query-groups", "2"])) == model
+
+
 def test_pipedream_at_one_microbatch_holds_d_minus_i_versions():
     """PipeDream as published (an update per microbatch, m = 1): stage i keeps d - i weight
     versions (2BW paper, Section 2), the memory 2BW was made to avoid; 2BW refuses m < d."""

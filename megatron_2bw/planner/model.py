@@ -42,7 +42,8 @@ class ModelSpec:
     vocab_size: int
     """V before padding (the tokenizer's size, or `--vocab-size`)."""
     ffn_hidden_size: int | None = None
-    """f (`--ffn-hidden-size`); None means 4h."""
+    """f (`--ffn-hidden-size`); None means 4h (with SwiGLU int(4h 2/3 / 64) 64, Megatron-LM's
+    default)."""
     make_vocab_size_divisible_by: int = 128
     untie_embeddings: bool = False
     """GPT: `--untie-embeddings-and-output-weights` (separate output matrix)."""
@@ -64,6 +65,9 @@ class ModelSpec:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
                              f"{self.num_attention_heads} attention heads")
+        if self.ffn < 1:
+            raise ValueError(f"the SwiGLU FFN size int((4 x {self.hidden_size} x 2/3) / 64) x 64 "
+                             f"is 0; give ffn_hidden_size")
         if self.num_attention_heads % self.query_groups:
             raise ValueError(f"{self.num_attention_heads} attention heads do not split into "
                              f"{self.query_groups} query groups")
@@ -92,7 +96,10 @@ class ModelSpec:
     # ---- sizes ----------------------------------------------------------------------------
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        h = self.hidden_size
+        return int((4 * h * 2 / 3) / 64) * 64 if self.gated_linear_unit else 4 * h
 
     @property
     def query_groups(self) -> int:
