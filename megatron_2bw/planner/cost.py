@@ -714,8 +714,8 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     schedule declares it (schedules.SCHEDULES[...].stash). Megatron's interleaved 1F1B with V
     chunks per rank holds (d - i - 1) 2 + (V - 1) d + 1 chunk-microbatches (megatron-core's
     warm-up count plus the one in flight), each 1/V of the stage: d + (d - 1)/V on the first
-    stage (Korthikanti et al. 2022, Section 4.2.3). ZB-H1 adds the microbatches whose weight
-    gradient is pending (schedules.SCHEDULES[...].weight_grads)."""
+    stage (Korthikanti et al. 2022, Section 4.2.3). The split-backward schedules' pending
+    weight gradients are counted with their stash along the action list (`_split_peak`)."""
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
