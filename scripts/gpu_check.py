@@ -106,14 +106,24 @@ def _model(layers: int, hidden: int, heads: int, seq: int, vocab: int, mbs: int,
         "--micro-batch-size", mbs, "--global-batch-size", gbs))
 
 
+def _layer_profile(layers: int, hidden: int, heads: int, seq: int, vocab: int,
+                   micro_batch_sizes: str, tp_sizes: str, repeats: int,
+                   extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`tools/plan.py profile`'s flags for one layer at these sizes (no link profile, no
+    calibration run)."""
+    return tuple(str(x) for x in (
+        "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
+        "--seq-length", seq, "--vocab-size", vocab, "--micro-batch-sizes", micro_batch_sizes,
+        "--tensor-parallel-sizes", tp_sizes, "--no-links", "--no-calibrate", *extra,
+        "--repeats", repeats))
+
+
 GPU = Sizes(
     train=_model(24, 1024, 16, 1024, 50257, 4, 32), train_iters=14, warmup_iters=4,
     resume=_model(8, 1024, 16, 512, 32000, 4, 16), resume_iters=8, resume_at=4,
     harness=_model(4, 1024, 16, 512, 32000, 2, 2), harness_m=4, deferred_iters=4,
     matmul_n=8192, queued_matmuls=20,
-    profile=("--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-             "--seq-length", "2048", "--vocab-size", "51200", "--micro-batch-sizes", "1,2,4",
-             "--tensor-parallel-sizes", "1,2", "--no-links", "--no-calibrate", "--repeats", "5"),
+    profile=_layer_profile(24, 2048, 16, 2048, 51200, "1,2,4", "1,2", repeats=5),
     part_timeout_s={"matmul": 25, "train": 140, "resume": 85, "versions": 45,
                     "deferred": 45, "waits": 25, "profile": 90})
 BUDGET_S = 470
@@ -124,10 +134,7 @@ CPU = Sizes(
     resume=_model(2, 32, 4, 16, 64, 2, 4), resume_iters=4, resume_at=2,
     harness=_model(2, 32, 4, 16, 64, 2, 2), harness_m=2, deferred_iters=3,
     matmul_n=256, queued_matmuls=2,
-    profile=("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-             "--seq-length", "16", "--vocab-size", "64", "--micro-batch-sizes", "1,2",
-             "--tensor-parallel-sizes", "1", "--no-links", "--no-calibrate", "--no-recompute",
-             "--repeats", "2"),
+    profile=_layer_profile(2, 32, 4, 16, 64, "1,2", "1", repeats=2, extra=("--no-recompute",)),
     part_timeout_s={name: 60 for name in PARTS})
 
 COMMON = ("--mock-data", "--transformer-impl", "local", "--hidden-dropout", "0",

@@ -224,6 +224,20 @@ def _stop(output: str, why: str = r"[^)]*") -> tuple[int, int] | None:
     return min(int(i) for i in requested), int(stopped.group(1))
 
 
+def _stopped_in_time(run, why: str, sent: str) -> int:
+    """The iteration `run` stopped at, for the reason `why` (or another rank's stop signal),
+    checked: the stop was requested at or after the signal went out (the note `sent`) and the
+    run stopped within two iterations of it."""
+    stopped = re.search(rf"stopping at iteration (\d+) \(({why}|a stop signal on another "
+                        rf"rank)\)", run.output)
+    assert stopped, run.output[-3000:]
+    iteration = int(stopped.group(1))
+    requested_at, _ = _stop(run.output, why)
+    assert run.notes[sent] <= requested_at <= iteration <= requested_at + 2, \
+        (requested_at, iteration, run.notes)
+    return iteration
+
+
 def _no_rank_traceback(output: str) -> bool:
     return not re.search(r'File ".*(megatron_2bw|pretrain_gpt_2bw)', output)
 
@@ -265,13 +279,7 @@ def test_ranks_end_with_their_launcher(chain):
     _, _, parts = chain
     b = _step(parts, "B")
     assert b.strays == [], (b.strays, b.output[-3000:])
-    stopped = re.search(r"stopping at iteration (\d+) \((SIGTERM: the launcher of this rank "
-                        r"ended|a stop signal on another rank)\)", b.output)
-    assert stopped, b.output[-3000:]
-    iteration = int(stopped.group(1))
-    requested_at, _ = _stop(b.output, "SIGTERM: the launcher of this rank ended")
-    assert b.notes["killed_at"] <= requested_at <= iteration <= requested_at + 2, \
-        (requested_at, iteration, b.notes)
+    iteration = _stopped_in_time(b, "SIGTERM: the launcher of this rank ended", "killed_at")
     assert f"saved checkpoint at iteration {iteration} to " in b.output
     assert b.notes["tracker"] == iteration
     assert b.exit_codes == {0: "0", 1: "0"}, b.exit_codes
@@ -286,13 +294,7 @@ def test_a_signal_to_the_whole_job_saves_and_exits_zero(chain):
     _, _, parts = chain
     c = _step(parts, "C")
     assert c.strays == [], c.strays
-    stopped = re.search(r"stopping at iteration (\d+) \((SIGTERM|a stop signal on another "
-                        r"rank)\)", c.output)
-    assert stopped, c.output[-3000:]
-    iteration = int(stopped.group(1))
-    requested_at, _ = _stop(c.output, "SIGTERM")
-    assert c.notes["signalled_at"] <= requested_at <= iteration <= requested_at + 2, \
-        (requested_at, iteration, c.notes)
+    iteration = _stopped_in_time(c, "SIGTERM", "signalled_at")
     assert c.exit_codes == {0: "0", 1: "0"}, (c.exit_codes, c.output[-3000:])
     assert not re.search(r"^error:", c.output, re.MULTILINE), c.output[-3000:]
     assert _no_rank_traceback(c.output), c.output[-3000:]

@@ -214,8 +214,7 @@ def test_uniform_pipeline_iteration_closed_form_and_simulator(schedule, d, m, ex
 
 def test_new_schedules_memory_by_hand():
     # PipeDream-1F1B with weight stashing: two versions and 2BW's stash d - i; ZB-H1: one
-    # version, and the executor keeps d - i stashed plus i + 1 pending-W graphs, one shared at
-    # the I: d on every stage (m >= d); flush d - i, all with the same bytes per microbatch.
+    # version, flush's stash d - i and up to i + 1 pending W's; flush d - i.
     cost = CostModel(SMALL, preset("dgx-a100", nodes=1), "bf16")
     d, m = 2, 4
     memory = {s: cost.memory(Layout(1, d, 1, 2, m, False, s)).stages
@@ -226,11 +225,113 @@ def test_new_schedules_memory_by_hand():
         assert pipedream.extra_versions == (pipedream.weights if i < d - 1 else 0)
         assert zbh1.extra_versions == flush.extra_versions == 0
         assert (flush.stashed_microbatches, pipedream.stashed_microbatches,
-                zbh1.stashed_microbatches) == (d - i, d - i, d)
+                zbh1.stashed_microbatches, zbh1.pending_weight_grads) == (d - i, d - i, d - i,
+                                                                          i + 1)
         assert pipedream.activations == flush.activations
-        assert zbh1.activations == pytest.approx(flush.activations * d / (d - i))
         assert pipedream.total - flush.total == pytest.approx(
             pipedream.extra_versions + pipedream.gradient_copy)
+    # ZB-H1's activations: a microbatch stashed keeps A bytes, one whose W is pending keeps its
+    # linear layers' inputs and output gradients (schedules/wgrad.py): per layer QKV h + 3h,
+    # projection h + h, FC1 h + f, FC2 f + h = 16 sbh e, and on the last stage the output
+    # layer's h + V (its copy of the tied embedding is a deferred weight), per token.
+    layer = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)  # sbh(34 + 5as/h) = 180,224 bytes
+    mask = 32 * 2 * 64
+    head = 2 * 32 * 2 * 64 * 2 + 4 * 2 * 32 * 128
+    stash = [2 * layer + mask, 2 * layer + head]
+    pending = [2 * 16 * 32 * 2 * 64 * 2, 2 * 16 * 32 * 2 * 64 * 2 + 32 * 2 * (64 + 128) * 2]
+    # Stage 0 runs F0 F1 I0 W0 F2 I1 W1 ...: at most 2 stashed, or 1 and 1 pending; stage 1
+    # F0 I0 F1 I1 W0 ...: 1 stashed and 1 pending, or 2 pending.
+    expected = [max(2 * stash[0], stash[0] + pending[0]),
+                max(stash[1] + pending[1], 2 * pending[1])]
+    assert [s.activations for s in memory["zb-h1"]] == pytest.approx(expected) \
+        == [729_088, 696_320]
+
+
+def test_v_schedules_place_embedding_and_output_layer_on_rank_0_by_hand():
+    """zb-v's V (rank i holds virtual stages i and 2d-1-i): rank 0 holds the embedding
+    (virtual stage 0) and the output layer (virtual stage 2d-1), rank d-1 neither; memory and
+    time per rank follow, worked out by hand for SMALL untied, d = 2, m = 4, b = 2, bf16."""
+    model = dataclasses.replace(SMALL, untie_embeddings=True)
+    cost = CostModel(model, preset("dgx-a100", nodes=1), "bf16")
+    memory = cost.memory(Layout(1, 2, 1, 2, 4, False, "zb-v")).stages
+    # Rank 0: 2 layers, the embedding (V h + s h) and the output layer (2h + V h); rank 1: 2
+    # layers. bf16 weights 2 + fp32 grads 4 + master 4 + Adam 8 bytes per parameter.
+    params = [2 * 49_984 + 10_240 + 128 + 8_192, 2 * 49_984]
+    assert [s.parameters for s in memory] == params == [118_528, 99_968]
+    # A chunk pass keeps one layer, sbh(34 + 5as/h); rank 0's chunk 0 the embedding's dropout
+    # mask (sbh), its chunk 1 the output layer's inputs and fp32 softmax (2sbh e + 4sbV). A
+    # pending W keeps 16 sbh e per layer, and on rank 0's chunk 1 the output layer's input and
+    # logits' gradient sb(h + V) e.
+    layer, mask = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64), 32 * 2 * 64
+    head = 2 * 32 * 2 * 64 * 2 + 4 * 2 * 32 * 128
+    layer_w, head_w = 16 * 32 * 2 * 64 * 2, 32 * 2 * (64 + 128) * 2
+    # Rank 0 runs F0 F1 F2 F0c1 I0c1 W0c1 F1c1 ... F3: at most 3 chunk-0 passes and one
+    # chunk-1 pass stashed (or 4 chunk-0, or 3 and a pending W). Rank 1 runs F0 F0c1 F1 F1c1
+    # I0c1 W0c1 F2 ...: at most 2 + 2 or 3 + 1 passes stashed.
+    rank0 = max(3 * (layer + mask) + layer + head, 4 * (layer + mask),
+                3 * (layer + mask) + layer_w + head_w)
+    rank1 = 4 * layer
+    assert [s.activations for s in memory] == pytest.approx([rank0, rank1]) \
+        == [782_336, 720_896]
+    logits_grad = 4 * 2 * 32 * 128  # fp32, during the output layer's backward: rank 0's
+    assert [s.transient for s in memory] == [logits_grad, 0]
+    assert [s.total for s in memory] == pytest.approx(
+        [params[0] * 18 + rank0 + logits_grad, params[1] * 18 + rank1])
+    # Time: rank 0 computes the embedding and the output layer; at d = 4 the middle ranks send
+    # twice per microbatch and direction (both chunks' neighbours are on other ranks), the ends
+    # once (rank 0's chunk 1 is the model's end, rank 3's chunk 0 hands over locally).
+    deep = dataclasses.replace(model, num_layers=8)
+    cost = CostModel(deep, preset("dgx-a100", nodes=1), "bf16")
+    time = cost.time(Layout(1, 4, 1, 2, 8, False, "zb-v"))
+    send = deep.boundary_bytes(2, 2) / cost.cluster.p2p_link(4, stride=1).bandwidth
+    ends = cost.kernel_time("embedding", 2, 1) + cost.kernel_time("head", 2, 1)
+    for work in (time.forward, time.backward):
+        assert work[1] == work[2]
+        assert work[1] - work[3] == pytest.approx(send)
+    assert time.forward[0] - time.forward[3] == pytest.approx(ends)
+    assert time.backward[0] - time.backward[3] == pytest.approx(2 * ends)
+
+
+def test_split_backward_counts_repeat_from_2d_plus_1_microbatches():
+    """The memory model reads a split-backward schedule's stashed and pending counts at
+    min(m, 2d + 1) microbatches (the search stays fast at m in the hundreds): beyond that the
+    steady state only repeats, checked here against the schedules' own lists."""
+    from megatron_2bw.planner.cost import _held_counts
+
+    for schedule in ("zb-h1", "zb-v", "dualpipev"):
+        for d in (2, 3, 4, 5):
+            for m in range(2 * d + 2, 4 * d + 3):
+                for i in range(d):
+                    assert set(_held_counts(schedule, d, m, i)) == set(
+                        _held_counts(schedule, d, 2 * d + 1, i)), (schedule, d, m, i)
+
+
+def test_llama_shapes_by_hand_and_through_the_written_flags():
+    """SwiGLU and grouped-query attention: FC1 2f wide (f Megatron-LM's SwiGLU default), QKV
+    a + 2g heads; the planner writes the flags and the training's parser reads the same
+    model back."""
+    model = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4,
+                      seq_length=32, vocab_size=128, untie_embeddings=True, num_query_groups=2,
+                      gated_linear_unit=True)
+    h, f = 64, int(4 * 64 * 2 / 3 / 64) * 64
+    assert (model.ffn, model.qkv_width, model.fc1_width) == (f, (4 + 2 * 2) * 16, 2 * f) \
+        == (128, 128, 256)
+    # QKV h x 2h + 2h, projection h^2, FC1 h x 2f + 2f, FC2 f h; biases h each, 2 LayerNorms.
+    assert model.layer_parameters() == h * 2 * h + 2 * h + h * h + h * 2 * f + 2 * f + f * h \
+        + 6 * h
+    assert model.layer_forward_flops(1) == 2 * 32 * (h * 2 * h + h * h + h * 2 * f + f * h) \
+        + 4 * 32 * 32 * h
+    layout = Layout(1, 2, 1, 1, 4, False, "zb-v")
+    flags = launch_flags(layout, model, "bf16") + ["--mock-data", "--train-iters", "1"]
+    args = parse_for_validation(flags, model, world_size=2)
+    assert (args.swiglu, args.num_query_groups, args.ffn_hidden_size) == (True, 2, f)
+    assert ModelSpec.from_args(args) == dataclasses.replace(  # the data sets the vocabulary
+        model, ffn_hidden_size=f, vocab_size=args.vocab_size)
+    cli = _plan_cli()
+    assert cli._model(cli.plan_parser().parse_args(
+        ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "128", "--untie-embeddings-and-output-weights",
+         "--swiglu", "--group-query-attention", "--num-query-groups", "2"])) == model
 
 
 def test_pipedream_at_one_microbatch_holds_d_minus_i_versions():

@@ -66,6 +66,8 @@ CASES = {
     "plan-heads-do-not-divide": (["plan.py", *PLAN, "--num-attention-heads", "3"],
                                  "--hidden-size", "not divisible"),
     "plan-unknown-cluster": (["plan.py", *PLAN, "--cluster", "moon"], "--cluster", "moon"),
+    "plan-query-groups": (["plan.py", *PLAN, "--group-query-attention", "--num-query-groups",
+                           "3"], "--num-query-groups", "do not split into 3 groups"),
     "plan-bad-schedule": (["plan.py", *PLAN, "--schedules", "2bw,1f1b"], "--schedules",
                           "1f1b"),
     "plan-micro-batches": (["plan.py", *PLAN, "--micro-batch-sizes", "1,0"],

@@ -13,11 +13,15 @@ Reference: megatron-core's own fused backward of the same microbatch on the same
     tensor cloned);
   * the same with gradient-accumulation fusion, apex's CUDA kernel replaced by a CPU
     stand-in with its contract (``main_grad += grad_output^T @ input``): each weight gradient
-    is added once.
+    is added once;
+  * the bytes a pending W keeps, measured on the store, equal the planner's formula
+    (``ModelSpec.layer_weight_grad_bytes``, ``head_weight_grad_bytes``) for this model and for
+    a Llama-style one (SwiGLU, grouped-query attention, untied output layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -77,6 +81,7 @@ def _split_against_fused(fusion: bool) -> dict:
     input_copies = CopiedBytes()
     with input_copies.counting():
         pending = store.input_pass(loss, torch.ones_like(loss), None)
+    pending_bytes = pending.nbytes()
     after_input = _main_grads(model)
     weight_copies = CopiedBytes()
     with weight_copies.counting():
@@ -85,14 +90,38 @@ def _split_against_fused(fusion: bool) -> dict:
     ddp.finish_grad_sync()  # asserts every bucket's reduction was launched by the hooks
     deferred = sorted(name for name, p in model.named_parameters() if id(p) in store.deferred)
     return {"fused": fused, "after_input": after_input, "after_weight": after_weight,
-            "deferred": deferred, "copies": (fused_copies.bytes, input_copies.bytes + weight_copies.bytes)}
+            "deferred": deferred,
+            "copies": (fused_copies.bytes, input_copies.bytes + weight_copies.bytes),
+            "pending_bytes": pending_bytes}
+
+
+def _llama_pending_bytes() -> int:
+    """Bytes one microbatch's pending W keeps on a Llama-style GPTModel: SwiGLU, 2 query
+    groups for 4 heads, the output layer untied (its own deferred weight)."""
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_2bw.schedules.wgrad import WeightGradStore
+    from tests.test_cpu_runtime import SEQ, VOCAB, _batch, _config, _token_losses
+
+    torch.manual_seed(0)
+    config = _config(gated_linear_unit=True, activation_func=F.silu, num_query_groups=2)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    loss = _token_losses(ddp, _batch(MICRO_BATCH)).mean()
+    pending = WeightGradStore(model).input_pass(loss, torch.ones_like(loss), None)
+    return pending.nbytes()
 
 
 def wgrad_worker(rank: int, world_size: int) -> dict:
     from tests.test_cpu_runtime import _layout
 
     _layout(1, 1)
-    return {fusion: _split_against_fused(fusion) for fusion in (False, True)}
+    runs = {fusion: _split_against_fused(fusion) for fusion in (False, True)}
+    return runs | {"llama_pending_bytes": _llama_pending_bytes()}
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +147,32 @@ def test_input_then_weight_pass_equals_one_fused_backward(runs, fusion):
         assert torch.equal(run["after_weight"][name], reference), f"{name}: differs after W"
     fused_copies, split_copies = run["copies"]
     assert split_copies <= fused_copies, run["copies"]
+
+
+def test_pending_weight_grad_bytes_match_the_planner(runs):
+    """What the planner charges per pending W (its memory model for zb-h1, zb-v, dualpipev)
+    against the store's bytes after I: per layer QKV, projection, FC1 and FC2 inputs and output
+    gradients; the output layer's where it has its own weight (here untied; the tied one reads
+    the embedding and takes its gradient in I)."""
+    from megatron_2bw.planner import ModelSpec
+    from tests.test_cpu_runtime import HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+
+    gpt = ModelSpec("gpt", num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                    seq_length=SEQ, vocab_size=VOCAB, ffn_hidden_size=2 * HIDDEN,
+                    make_vocab_size_divisible_by=VOCAB)
+    llama = dataclasses.replace(gpt, untie_embeddings=True, num_query_groups=2,
+                                gated_linear_unit=True)
+    fp32 = 4
+    for model, measured in ((gpt, runs[False]["pending_bytes"]),
+                            (llama, runs["llama_pending_bytes"])):
+        layers = LAYERS * model.layer_weight_grad_bytes(MICRO_BATCH, 1, fp32)
+        head = model.head_weight_grad_bytes(MICRO_BATCH, 1, fp32, with_embedding=True)
+        assert layers + head == measured, (model, layers, head, measured)
+    # By hand, per token (h = 32, f = 64), (input + output gradient) of QKV, projection, FC1,
+    # FC2: GPT (h + 3h) + (h + h) + (h + f) + (f + h) = 12h floats; Llama (QKV (4 + 2 x 2)
+    # heads of 8 = 2h, FC1 2f) (h + 2h) + (h + h) + (h + 2f) + (f + h) = 13h, and the output
+    # layer h + V.
+    tokens = SEQ * MICRO_BATCH
+    assert runs[False]["pending_bytes"] == LAYERS * tokens * 12 * HIDDEN * fp32
+    assert runs["llama_pending_bytes"] == (LAYERS * tokens * 13 * HIDDEN
+                                           + tokens * (HIDDEN + VOCAB)) * fp32

@@ -70,6 +70,11 @@ def _add_model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="default: 4 x hidden")
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated FC1 (2 x FFN size); FFN size default int(4h x 2/3 / 64) x 64")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=positive_int, default=None,
+                   help="key/value heads with --group-query-attention")
     g.add_argument("--no-dropout", action="store_true",
                    help="the run uses --hidden-dropout 0 --attention-dropout 0")
 
@@ -79,12 +84,22 @@ def _model(args) -> ModelSpec:
     if args.hidden_size % args.num_attention_heads:
         raise ToolError("--hidden-size", f"{args.hidden_size} is not divisible by "
                                          f"--num-attention-heads {args.num_attention_heads}")
+    groups = (args.num_query_groups or 1) if args.group_query_attention else None
+    if args.num_query_groups and not args.group_query_attention:
+        raise ToolError("--num-query-groups", "needs --group-query-attention")
+    if groups and args.num_attention_heads % groups:
+        raise ToolError("--num-query-groups", f"{args.num_attention_heads} attention heads do "
+                                              f"not split into {groups} groups")
+    if args.swiglu and not args.ffn_hidden_size and int(4 * args.hidden_size * 2 / 3) < 64:
+        raise ToolError("--swiglu", f"the default FFN size int((4 x {args.hidden_size} x 2/3) "
+                                    f"/ 64) x 64 is 0; give --ffn-hidden-size")
     vocab = args.vocab_size or (30592 if args.model == "bert" else 51200)
     return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.seq_length, vocab, ffn_hidden_size=args.ffn_hidden_size,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      untie_embeddings=args.untie_embeddings_and_output_weights,
-                     dropout=not args.no_dropout)
+                     dropout=not args.no_dropout,
+                     num_query_groups=groups, gated_linear_unit=args.swiglu)
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:

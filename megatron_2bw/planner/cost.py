@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_2bw.schedules import PIPELINE_SCHEDULES, V_SCHEDULES
+from megatron_2bw.schedules import PIPELINE_SCHEDULES, V_SCHEDULES, Kind
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
-from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules import call_actions, keeps_versions, placement_of
 from megatron_2bw.schedules.interleaved import warmup_slots
 from megatron_2bw.schedules.requirements import (RECOMPUTE_REFUSED, Batch, recompute_problem,
                                                   too_few_microbatches, v_placement_problem,
@@ -37,8 +37,9 @@ from .model import ModelSpec
 if TYPE_CHECKING:
     from .profile import Profile
 
-__all__ = ["Layout", "StageMemory", "MemoryEstimate", "TimeEstimate", "CostModel",
-           "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES", "ALL_SCHEDULES", "NO_RECOMPUTE",
+__all__ = ["Layout", "RankParts", "rank_parts", "StageMemory", "MemoryEstimate",
+           "TimeEstimate", "CostModel", "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES",
+           "ALL_SCHEDULES", "NO_RECOMPUTE",
            "simulated_iteration", "kernels"]
 
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -63,14 +64,16 @@ SCHEDULE_NOTES = {
                 "stash d - i; no recomputation",
     "zb-h1": "ZB-H1: flush's order with the backward split into input (I) and weight (W) "
              "gradients, W of stage i delayed by i microbatches; exact; 1 version; stash "
-             "d - i plus min(i + 1, m) pending W (counted as whole graphs: min(d, m)); bubble "
+             "d - i plus min(i + 1, m) pending W (each the linear layers' inputs and output "
+             "gradients, 16 sbh e per layer); bubble "
              "(d - 1)(F + I - W) (Qi et al., ICLR 2024, Section 2.1); no recomputation",
-    "zb-v": "ZB-V: two chunks per rank in a V (rank i holds stages i and 2d-1-i), split "
-            "backward; exact; 1 version; stash at most 2d chunk halves = d microbatches on "
-            "every stage; bubble (d - 1) F/2 per rank (Qi et al., ICLR 2024, Section 6); "
-            "untied embeddings, no recomputation",
+    "zb-v": "ZB-V: two chunks per rank in a V (rank i holds stages i and 2d-1-i; rank 0 the "
+            "embedding and the output layer), split backward; exact; 1 version; stash at most "
+            "2d chunk halves = d microbatches, plus the pending W's; bubble (d - 1) F/2 per "
+            "rank (Qi et al., ICLR 2024, Section 6); untied embeddings, no recomputation",
     "dualpipev": "DualPipeV: DualPipe cut in half, two chunks per rank in a V, split backward "
-                 "in the cool-down; exact; 1 version; stash d + 1/2 microbatches; bubble "
+                 "in the cool-down; exact; 1 version; stash d + 1/2 microbatches plus the "
+                 "pending W's; embedding and output layer on rank 0; bubble "
                  "(d - 1)(F&B + B - 3W) of a chunk (DeepSeek-V3, Table 2); m >= 2d, untied "
                  "embeddings, no recomputation",
     "megatron": "megatron-core 1F1B, interleaved over V chunks per rank when V > 1; exact; "
@@ -160,6 +163,51 @@ class Layout:
         return None if found is None else found.message
 
 
+@dataclass(frozen=True)
+class RankParts:
+    """What one pipeline rank holds and sends under its layout's placement."""
+
+    rank: int
+    chunks: tuple[tuple[bool, bool], ...]
+    """Per model chunk: (it holds the embedding, it holds the output layer)."""
+    sends_forward: int
+    """Activations the rank sends per microbatch: one per chunk whose next virtual stage is on
+    another rank."""
+    sends_backward: int
+    """Input gradients it sends per microbatch: one per chunk whose previous virtual stage is
+    on another rank."""
+
+    @property
+    def embedding(self) -> bool:
+        return any(embedding for embedding, _ in self.chunks)
+
+    @property
+    def head(self) -> bool:
+        return any(head for _, head in self.chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_parts(schedule: str, d: int, v: int, rank: int) -> RankParts:
+    placement = placement_of(schedule, d, v if d > 1 else 1)
+
+    def sends(chunk: int, step: int) -> bool:
+        neighbour = placement.neighbour(rank, chunk, step)
+        return neighbour is not None and neighbour[0] != rank
+
+    chunks = range(placement.chunks)
+    return RankParts(rank, tuple((placement.is_first(rank, c), placement.is_last(rank, c))
+                                 for c in chunks),
+                     sum(sends(c, 1) for c in chunks), sum(sends(c, -1) for c in chunks))
+
+
+def rank_parts(layout: Layout, rank: int) -> RankParts:
+    """Where the model's pieces sit, the one map from virtual stages to ranks the memory and
+    time models read (`schedules.placement_of`, as the executor and the training build them):
+    in the loop (plain or interleaved) the embedding is on rank 0 and the output layer on rank
+    d-1; in the V of zb-v and dualpipev both are on rank 0 (chunk 0 is virtual stage 0, chunk
+    1 virtual stage 2d-1), and rank d-1 hands its chunk 0's output to its chunk 1 locally."""
+    return _rank_parts(layout.schedule, layout.d, layout.v, rank)
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -175,9 +223,11 @@ class StageMemory:
     gradients: float
     optimizer: float
     stashed_microbatches: int
-    """Most microbatches forwarded and not yet backwarded at once (the schedule's stash)."""
+    """Most microbatches forwarded and not yet backwarded at once (the schedule's stash; in the
+    V, chunk passes / 2 rounded up)."""
     activations: float
-    """Stashed microbatches x bytes one keeps."""
+    """Stashed microbatches x bytes one keeps; with a split backward the peak of the stash
+    and the pending weight gradients' inputs and output gradients together."""
     transient: float
     """Alive only during a backward: a recomputed layer, the logits' gradient."""
     overhead: float
@@ -185,6 +235,8 @@ class StageMemory:
     gradient_copy: float = 0.0
     """2BW's deferred step holds the optimizer's gradients of one batch while the next
     batch's accumulate (megatron_2bw.deferred)."""
+    pending_weight_grads: int = 0
+    """Most microbatches (chunk passes in the V) whose I ran and whose W has not, at once."""
 
     @property
     def total(self) -> float:
@@ -324,7 +376,9 @@ class CostModel:
 
         `every_stage=False` gives the first and the last stage only, which bound the rest: a
         middle stage holds the same layers as the first without the embedding, and stashes at
-        most as many microbatches (d - i is largest at i = 0)."""
+        most as many microbatches (d - i is largest at i = 0); in the V rank 0 holds the
+        embedding and the output layer, rank d-1 the most stashed and pending chunk passes.
+        Each rank's pieces follow the placement (`rank_parts`)."""
         model, e = self.model, self.element_bytes
         t, d, b, m = layout.t, layout.d, layout.b, layout.m
         spec = _schedule_spec(layout.schedule)
@@ -343,17 +397,27 @@ class CostModel:
         logits_gradient = model.logits_gradient_bytes(b, t)
         stages = []
         for i in (range(d) if every_stage else sorted({0, d - 1})):
-            params = model.stage_parameters(t, d, i)
-            first, last = i == 0, i == d - 1
+            parts = rank_parts(layout, i)
+            first, last = parts.embedding, parts.head
+            params = model.rank_parameters(t, model.num_layers // d, embedding=first, head=last)
             deferred = self._deferred(layout.schedule, d) and (
                 self.clip_grad or (model.tied and (first or last)))
-            # Activations one microbatch leaves on this stage: each layer's (its input only
+            # Activations one microbatch leaves in each chunk: each layer's (its input only
             # with recomputation; Section 4.1), plus the embedding's and the head's.
-            per_microbatch = (model.num_layers // d * layer_kept + first * embedding
-                              + last * head)
+            layers = model.num_layers // d // len(parts.chunks)
+            chunk_bytes = [layers * layer_kept + has_embedding * embedding + has_head * head
+                           for has_embedding, has_head in parts.chunks]
+            per_microbatch = sum(chunk_bytes)
             # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
             stash = _stash(layout, spec, i)
+            activations, pending = stash * per_microbatch, 0
+            if d > 1 and _splits_backward(layout.schedule):
+                # Split backward: the stash and the pending W's at their joint peak.
+                held = _held_counts(layout.schedule, d, min(m, 2 * d + 1), i)
+                pending = max(sum(counts[len(chunk_bytes):]) for counts in held)
+                activations = _split_peak(held, chunk_bytes,
+                                          self._weight_grad_bytes(layout, parts, layers))
             # A recomputed layer (or attention core) exists again during its backward.
             whole_layer = self._layer_options(layer_full, layout, "bytes", selective=False)
             replayed = whole_layer if layout.recompute else whole_layer - layer_kept
@@ -367,11 +431,23 @@ class CostModel:
                 gradients=params * GRAD_BYTES,
                 optimizer=params * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),
-                activations=stash * per_microbatch,
+                activations=activations,
                 transient=transient,
                 overhead=overhead,
-                gradient_copy=deferred * params * GRAD_BYTES))
+                gradient_copy=deferred * params * GRAD_BYTES,
+                pending_weight_grads=pending))
         return MemoryEstimate(tuple(stages))
+
+    def _weight_grad_bytes(self, layout: Layout, parts: RankParts, layers: int) -> list[float]:
+        """Per chunk of the rank: bytes one microbatch's pending W keeps (its layers' and, on
+        the output layer's chunk, that layer's inputs and output gradients;
+        ModelSpec.layer_weight_grad_bytes)."""
+        b, t, e = layout.b, layout.t, self.element_bytes
+        sp = self._sequence_parallel(t)
+        layer = self.model.layer_weight_grad_bytes(b, t, e, sequence_parallel=sp)
+        head = self.model.head_weight_grad_bytes(b, t, e, sequence_parallel=sp,
+                                                 with_embedding=parts.embedding)
+        return [layers * layer + has_head * head for _, has_head in parts.chunks]
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
@@ -418,13 +494,15 @@ class CostModel:
         ef, eb = self._compute("embedding", b, t, False)
         hf, hb = self._compute("head", b, t, False)
         forward, backward, tp_time = [], [], []
-        for i in range(d):
-            first, last = i == 0, i == d - 1
+        ranks = [rank_parts(layout, i) for i in range(d)]
+        for parts in ranks:
+            first, last = parts.embedding, parts.head
             tp_f = layers * 2 * tp_ar + first * tp_ar + last * 3 * tp_small
             tp_b = layers * (2 + 2 * rc) * tp_ar + last * tp_ar
-            sends_f, sends_b = v - last, v - first  # the pipeline's two ends do not send
-            forward.append(layers * lf + first * ef + last * hf + tp_f + sends_f * send)
-            backward.append(layers * lb + first * eb + last * hb + tp_b + sends_b * send)
+            forward.append(layers * lf + first * ef + last * hf + tp_f
+                           + parts.sends_forward * send)
+            backward.append(layers * lb + first * eb + last * hb + tp_b
+                            + parts.sends_backward * send)
             tp_time.append(tp_f + tp_b)
 
         # Step: data-parallel ring all-reduce of each stage's fp32 gradients over its w
@@ -432,10 +510,11 @@ class CostModel:
         # overlapped with the backward: megatron-core's DDP default overlap_grad_reduce=False);
         # the tied embedding's gradient between first and last stage; the optimizer.
         dp_link = cluster.group_link(w, stride=t)
-        stage_params = [model.stage_parameters(t, d, i) for i in range(d)]
+        stage_params = [model.rank_parameters(t, layers, embedding=p.embedding, head=p.head)
+                        for p in ranks]
         data_parallel = max(dp_link.all_reduce(p * GRAD_BYTES, w) for p in stage_params)
         embedding_sync = 0.0
-        if model.tied and d > 1:
+        if model.tied and not ranks[0].head:  # the output layer's copy is on another rank
             embedding = model.padded_vocab(t) // t * model.hidden_size
             embedding_sync = cluster.group_link(2, stride=t * w * (d - 1)).all_reduce(
                 embedding * GRAD_BYTES, 2)
@@ -635,27 +714,58 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     schedule declares it (schedules.SCHEDULES[...].stash). Megatron's interleaved 1F1B with V
     chunks per rank holds (d - i - 1) 2 + (V - 1) d + 1 chunk-microbatches (megatron-core's
     warm-up count plus the one in flight), each 1/V of the stage: d + (d - 1)/V on the first
-    stage (Korthikanti et al. 2022, Section 4.2.3). ZB-H1 adds the microbatches whose weight
-    gradient is pending (schedules.SCHEDULES[...].weight_grads)."""
+    stage (Korthikanti et al. 2022, Section 4.2.3). The split-backward schedules' pending
+    weight gradients are counted with their stash along the action list (`_split_peak`)."""
     d, m, v = layout.d, layout.m, layout.v
     if d == 1:
         return 1
     if layout.schedule in V_SCHEDULES:
-        # Chunk passes, each half a stage's activations: the stash (ZB-V at most 2d, DualPipeV
-        # 2d + 1) and, kept as whole graphs here, the pending W's, one pass shared (as zb-h1).
-        passes = spec.stash(d, m, stage) + spec.weight_grads(d, m, stage) - 1
-        return min(passes, 2 * m) / 2
+        # Chunk passes, each half a stage's activations (ZB-V at most 2d, DualPipeV 2d + 1).
+        return min(spec.stash(d, m, stage), 2 * m) / 2
     if v > 1:
         # Every interleaved order (megatron's, flush's, 2BW-interleaved's) has the same warm-up.
         return min(m * v, warmup_slots(d, stage, v) + 1) / v
-    pending = spec.weight_grads(d, m, stage)
-    if pending:
-        # Split backward (zb-h1): a pending W keeps the linear layers' inputs and output
-        # gradients (schedules/wgrad.py), counted here as a whole microbatch's activations.
-        # The I that makes a W pending ends that microbatch's stash, so the two peaks share one
-        # microbatch: min(d - i, m) + min(i + 1, m) - 1, at most m (min(d, m) for zb-h1).
-        return min(spec.stash(d, m, stage) + pending - 1, m)
     return spec.stash(d, m, stage)
+
+
+@functools.lru_cache(maxsize=None)
+def _splits_backward(schedule: str) -> bool:
+    """Whether `schedule` runs a microbatch's I and W apart (zb-h1, zb-v, dualpipev)."""
+    return schedule in SCHEDULE_SPECS and SCHEDULE_SPECS[schedule].weight_grads(2, 4, 0) > 0
+
+
+def _split_peak(held: tuple[tuple[int, ...], ...], stash_bytes: list[float],
+                pending_bytes: list[float]) -> float:
+    """Peak activation bytes of a split-backward schedule on a rank whose action list passes
+    through the counts `held` (`_held_counts`): per chunk, the passes forwarded and not yet
+    through their I (`stash_bytes` each) and those whose I ran and whose W has not
+    (`pending_bytes` each: the linear layers' inputs and output gradients,
+    schedules/wgrad.py)."""
+    weights = (*stash_bytes, *pending_bytes)
+    return max(sum(n * x for n, x in zip(counts, weights)) for counts in held)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_counts(schedule: str, d: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """The (stashed per chunk, pending W per chunk) counts `rank` passes through in one call of
+    its action list, only those no other count dominates (the peak of any non-negative
+    weighting is at one of them). The I that makes a W pending ends that pass's stash. From
+    m = 2d + 1 on the steady state only repeats: the counts are those of m = 2d + 1
+    (tests/test_planner.py checks it over a grid), which the memory model asks for."""
+    actions = call_actions(schedule, d, m, rank, 0, fill=True, drain=True)
+    chunks = 1 + max(a.chunk for a in actions)
+    held, seen = [0] * (2 * chunks), set()
+    for a in actions:
+        if a.kind is Kind.FORWARD:
+            held[a.chunk] += 1
+        elif a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD):
+            held[a.chunk] -= 1
+            held[chunks + a.chunk] += a.kind is Kind.INPUT_GRAD
+        elif a.kind is Kind.WEIGHT_GRAD:
+            held[chunks + a.chunk] -= 1
+        seen.add(tuple(held))
+    return tuple(c for c in seen
+                 if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in seen))
 
 
 def _schedule_spec(schedule: str):

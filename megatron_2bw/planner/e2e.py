@@ -146,7 +146,7 @@ class E2EProfile(JsonFile):
 
     def to_json(self, folder: str | os.PathLike | None = None) -> dict:
         """With `folder`, each run's paths relative to it."""
-        return {"model": dataclasses.asdict(self.model), "device_name": self.device_name,
+        return {"model": self.model.to_json(), "device_name": self.device_name,
                 "runs": [run.to_json(folder) for run in self.runs], "created": self.created,
                 "format": self.FORMAT}
 

@@ -126,8 +126,13 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         "--micro-batch-size", str(layout.b),
         "--global-batch-size", str(layout.global_batch),
     ]
-    if model.ffn_hidden_size and model.ffn_hidden_size != 4 * model.hidden_size:
+    if model.ffn_hidden_size and (model.gated_linear_unit
+                                  or model.ffn_hidden_size != 4 * model.hidden_size):
         flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
+    if model.gated_linear_unit:
+        flags.append("--swiglu")
+    if model.num_query_groups:
+        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     if model.make_vocab_size_divisible_by != 128:
         flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
     if model.untie_embeddings and model.kind == "gpt":

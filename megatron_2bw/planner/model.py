@@ -15,6 +15,7 @@ given), b microbatch size, t tensor-parallel size, e bytes per activation elemen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -41,12 +42,18 @@ class ModelSpec:
     vocab_size: int
     """V before padding (the tokenizer's size, or `--vocab-size`)."""
     ffn_hidden_size: int | None = None
-    """f (`--ffn-hidden-size`); None means 4h."""
+    """f (`--ffn-hidden-size`); None means 4h (with SwiGLU int(4h 2/3 / 64) 64, Megatron-LM's
+    default)."""
     make_vocab_size_divisible_by: int = 128
     untie_embeddings: bool = False
     """GPT: `--untie-embeddings-and-output-weights` (separate output matrix)."""
     dropout: bool = True
     """Hidden and attention dropout on (Megatron's default 0.1): their masks are stashed."""
+    num_query_groups: int | None = None
+    """g key/value heads (`--group-query-attention --num-query-groups g`); None: a, one per
+    query head."""
+    gated_linear_unit: bool = False
+    """`--swiglu`: FC1 makes the gate and the value, 2f wide, the activation multiplies them."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpt", "bert"):
@@ -58,6 +65,12 @@ class ModelSpec:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
                              f"{self.num_attention_heads} attention heads")
+        if self.ffn < 1:
+            raise ValueError(f"the SwiGLU FFN size int((4 x {self.hidden_size} x 2/3) / 64) x 64 "
+                             f"is 0; give ffn_hidden_size")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"{self.num_attention_heads} attention heads do not split into "
+                             f"{self.query_groups} query groups")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str = "gpt") -> "ModelSpec":
@@ -66,12 +79,44 @@ class ModelSpec:
                    num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                    vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
-                   untie_embeddings=getattr(args, "untie_embeddings_and_output_weights", False))
+                   untie_embeddings=getattr(args, "untie_embeddings_and_output_weights", False),
+                   num_query_groups=(args.num_query_groups
+                                     if getattr(args, "group_query_attention", False) else None),
+                   gated_linear_unit=getattr(args, "swiglu", False))
+
+    def to_json(self) -> dict:
+        """The fields, less grouped-query attention and the gated unit where they are off (a
+        file written before they existed reads back the same)."""
+        data = dataclasses.asdict(self)
+        for name in ("num_query_groups", "gated_linear_unit"):
+            if data[name] == getattr(ModelSpec, name):
+                del data[name]
+        return data
 
     # ---- sizes ----------------------------------------------------------------------------
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        h = self.hidden_size
+        return int((4 * h * 2 / 3) / 64) * 64 if self.gated_linear_unit else 4 * h
+
+    @property
+    def query_groups(self) -> int:
+        """g: key/value heads (a without grouped-query attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_width(self) -> int:
+        """QKV's output features, all ranks: a query heads and g key and g value heads of h/a
+        each, 3h without grouping (megatron-core's ``linear_qkv``)."""
+        h = self.hidden_size
+        return h + 2 * self.query_groups * (h // self.num_attention_heads)
+
+    @property
+    def fc1_width(self) -> int:
+        """FC1's output features, all ranks: f, or 2f with a gated unit (SwiGLU)."""
+        return self.ffn * (2 if self.gated_linear_unit else 1)
 
     def padded_vocab(self, t: int = 1) -> int:
         """V rounded up to a multiple of `make_vocab_size_divisible_by * t` (Megatron-LM's
@@ -91,9 +136,10 @@ class ModelSpec:
         QKV (3h^2 + 3h) and FC1 (hf + f) are column-parallel, the attention projection (h^2)
         and FC2 (fh) row-parallel with replicated biases (h each), two LayerNorms (2h each) are
         replicated: (4h^2 + 2hf + 3h + f)/t + 6h, which is 12h^2 + 13h for t = 1, f = 4h
-        (Megatron-LM SC'21, Section 5.1)."""
-        h, f = self.hidden_size, self.ffn
-        return (4 * h * h + 2 * h * f + 3 * h + f) // t + 6 * h
+        (Megatron-LM SC'21, Section 5.1). Grouped-query attention and SwiGLU widen QKV and FC1
+        to `qkv_width` and `fc1_width`."""
+        h, f, qkv, fc1 = self.hidden_size, self.ffn, self.qkv_width, self.fc1_width
+        return (h * qkv + qkv + h * h + h * fc1 + fc1 + f * h) // t + 6 * h
 
     def embedding_parameters(self, t: int = 1) -> int:
         """First stage: word embedding (V/t rows per rank), learned positions (s x h,
@@ -117,12 +163,20 @@ class ModelSpec:
         return params
 
     def stage_parameters(self, t: int, d: int, stage: int) -> int:
-        """Parameters on one GPU of pipeline stage `stage` of d, tensor-parallel size t."""
-        params = self.num_layers // d * self.layer_parameters(t)
-        if stage == 0:
+        """Parameters on one GPU of pipeline stage `stage` of d, tensor-parallel size t, the
+        embedding on the first stage and the output layer on the last."""
+        return self.rank_parameters(t, self.num_layers // d, embedding=stage == 0,
+                                    head=stage == d - 1)
+
+    def rank_parameters(self, t: int, layers: int, *, embedding: bool, head: bool) -> int:
+        """Parameters on one GPU holding `layers` layers, and the embedding and the output
+        layer where it holds them (the output layer reads the embedding's matrix when tied and
+        on the same rank)."""
+        params = layers * self.layer_parameters(t)
+        if embedding:
             params += self.embedding_parameters(t)
-        if stage == d - 1:
-            params += self.head_parameters(t, separate_stage=d > 1)
+        if head:
+            params += self.head_parameters(t, separate_stage=not embedding)
         return params
 
     def num_parameters(self) -> int:
@@ -134,9 +188,11 @@ class ModelSpec:
         """Forward FLOPs of one layer for b sequences (all tensor-parallel ranks together):
         2bs(4h^2 + 2hf) for the four GEMMs plus 4bs^2h for QK^T and attention x V; with
         f = 4h this is 24bsh^2 + 4bs^2h (Megatron-LM SC'21, Section 5.1, Eq. 3's terms).
-        The backward costs twice the forward (input and weight gradients)."""
+        The backward costs twice the forward (input and weight gradients). GQA and SwiGLU:
+        QKV and FC1 at `qkv_width` and `fc1_width`."""
         h, s, f = self.hidden_size, self.seq_length, self.ffn
-        return 2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h
+        dense = h * self.qkv_width + h * h + h * self.fc1_width + f * h
+        return 2 * b * s * dense + 4 * b * s * s * h
 
     def head_forward_flops(self, b: int, t: int = 1) -> float:
         """Logits on one of t ranks: 2bsh V/t (the output GEMM; Eq. 3's V/(16lh) term), V
@@ -164,7 +220,8 @@ class ModelSpec:
         layer_forward_flops(b) / t."""
         h, f, s, a = self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads
         tokens, head_dim = b * s, h // a
-        dense = [(h, 3 * h // t), (h // t, h), (h, f // t), (f // t, h)]  # (K, N) per GEMM
+        dense = [(h, self.qkv_width // t), (h // t, h), (h, self.fc1_width // t),
+                 (f // t, h)]  # (K, N) per GEMM; GQA and SwiGLU: the widths of QKV and FC1
         gemms = [(2 * tokens * k * n, min(tokens, k, n)) for k, n in dense]
         bmm = 2 * b * a * s * s * head_dim / t
         return gemms + [(bmm, min(s, head_dim)), (bmm, min(s, head_dim))]
@@ -238,9 +295,10 @@ class ModelSpec:
         16-bit activations with dropout, f = 4h. Here per term, e bytes per element:
           replicated on all t ranks: the inputs of the two LayerNorms, of QKV and of FC1
             (4sbh e) and the two hidden-dropout masks (2sbh);
-          split over t: Q, K, V and the projection input (4sbh e), the GeLU input and output
-            (2sbf e), and per head the softmax output, its dropout mask and the dropout output
-            (as^2b (2e + 1)); without dropout only the softmax output (as^2b e).
+          split over t: Q, K, V and the projection input (4sbh e; GQA: sb(qkv_width + h) e),
+            the GeLU input and output (2sbf e; SwiGLU: sb(2f + f) e), and per head the
+            softmax output, its dropout mask and the dropout output (as^2b (2e + 1)); without
+            dropout only the softmax output (as^2b e).
         Sequence parallelism (Section 4.2.2) splits the replicated part over t too: sbh 34/t;
         selective recomputation (Section 5) recomputes the attention core and keeps none of
         its per-head tensors: the 5as/h term goes. FlashAttention keeps of them only the
@@ -256,8 +314,42 @@ class ModelSpec:
             attention = 4 * a * s * b
         if selective_recompute:
             attention = 0
-        split = (s * b * (4 * h + 2 * f) * e + attention) / t
+        split = (s * b * (self.qkv_width + h + self.fc1_width + f) * e + attention) / t
         return replicated + split
+
+    def layer_weight_grad_bytes(self, b: int, t: int, element_bytes: int, *,
+                                sequence_parallel: bool = False) -> float:
+        """Bytes one layer's pending weight gradient keeps from its I to its W, per microbatch
+        of b sequences on one of t ranks: for each megatron-core linear layer, its input as
+        saved for the backward and its output gradient (`schedules/wgrad.py`, the zero-bubble
+        store; Qi et al. 2024, Section 2):
+            QKV   input sbh, output gradient sb qkv_width/t (3sbh/t without GQA)
+            proj  input sbh/t, output gradient sbh
+            FC1   input sbh, output gradient sb fc1_width/t (sbf/t; SwiGLU 2sbf/t)
+            FC2   input sbf/t (the activation's output), output gradient sbh
+        16 sbh e for t = 1, f = 4h. Sequence parallelism splits the sbh terms outside the
+        attention and the MLP over t (the layers keep their local input, gather it again in W,
+        and their row-parallel outputs are reduce-scattered). Norms and biases take their
+        gradients in I."""
+        h, f, e = self.hidden_size, self.ffn, element_bytes
+        replicated = 4 * h  # QKV's and FC1's inputs, proj's and FC2's output gradients
+        if sequence_parallel:
+            replicated /= t
+        split = (self.qkv_width + h + self.fc1_width + f) / t
+        return self.seq_length * b * (replicated + split) * e
+
+    def head_weight_grad_bytes(self, b: int, t: int, element_bytes: int, *,
+                               sequence_parallel: bool = False,
+                               with_embedding: bool = False) -> float:
+        """The output layer's pending weight gradient, as `layer_weight_grad_bytes`: its input
+        sbh (sbh/t under sequence parallelism) and the logits' gradient sbV/t, in the
+        activations' type (the fp32 cross entropy's gradient is cast back at the logits).
+        None where the output layer reads the word embedding on its own rank
+        (`with_embedding`, tied): that weight takes its gradient in I."""
+        if with_embedding and self.tied:
+            return 0.0
+        h = self.hidden_size / (t if sequence_parallel else 1)
+        return self.seq_length * b * (h + self.padded_vocab(t) / t) * element_bytes
 
     def layer_input_bytes(self, b: int, element_bytes: int) -> float:
         """One layer's input, sbh e: all a checkpointed layer keeps (Megatron's full

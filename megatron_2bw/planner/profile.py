@@ -63,7 +63,10 @@ class JsonFile:
 
     def to_json(self, folder: str | os.PathLike | None = None) -> dict:
         """The file's content; `folder` is where the file goes (for relative paths)."""
-        return {**dataclasses.asdict(self), "format": self.FORMAT}
+        data = dataclasses.asdict(self)
+        if isinstance(getattr(self, "model", None), ModelSpec):
+            data["model"] = self.model.to_json()
+        return {**data, "format": self.FORMAT}
 
     @classmethod
     def from_json(cls, data: dict, folder: str | os.PathLike | None = None):
