@@ -17,6 +17,7 @@ once per session and shared between tests.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +255,81 @@ def test_v_schedules_from_a_seed_log_flush_losses(tiny_gpt_data, schedule):
     assert sorted(v.losses) == sorted(flush.losses) == list(range(1, V_ITERS + 1)), v.launch.tail()
     _same(v.losses, flush.losses, range(1, V_ITERS + 1), rtol=V_LOSS_RTOL)
     _same(v.validation, flush.validation, [V_ITERS], rtol=V_LOSS_RTOL)
+
+
+V_WEIGHT_FLAGS = ["--cpu", "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+                  "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+                  "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1",
+                  "--lr", "1e-3", "--seed", "1234", *V_FLAGS[2:]]
+
+
+def _initial_weights_worker(rank: int, world_size: int, tp: int) -> dict:
+    """This rank's initial weights under flush, then under zb-v (the seed set afresh, as a new
+    run's start sets it), from pretrain_gpt_2bw's provider and build.build_model, with CPU
+    initialization (full weights from torch's generator, then split) and with the GPU's
+    (each TP shard drawn inside megatron-core's RNG tracker): for each,
+    {(init, tp rank, global layer index or None, name without the layer prefix): tensor};
+    and whether zb-v's build left the generator and the tracker as they were."""
+    import re
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    import pretrain_gpt_2bw
+    from megatron_2bw.arguments import parse_args
+    from megatron_2bw.runtime import distributed
+    from megatron_2bw.schedules import Placement
+    from megatron_2bw.training import build
+
+    def random_state() -> list:
+        return [torch.get_rng_state(), *get_cuda_rng_tracker().get_states().values()]
+
+    pp = world_size // tp
+    distributed.initialize(tp, pp, seed=1234, force_cpu=True)
+    stage, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    weights, state_kept = {"flush": {}, "zb-v": {}}, []
+    for init, schedule in itertools.product(("cpu", "gpu"), weights):
+        args = parse_args([*V_WEIGHT_FLAGS, "--tensor-model-parallel-size", str(tp),
+                           "--pipeline-model-parallel-size", str(pp), "--pipeline-schedule",
+                           schedule], world_size=world_size)
+        distributed.set_seed(args.seed)
+        before = random_state()
+        config = build.transformer_config(args, "cpu", use_cpu_initialization=init == "cpu")
+        chunks = build.build_model(args, config, partial(pretrain_gpt_2bw.model_provider,
+                                                         args=args, vocab_size=512))
+        if schedule == "zb-v":
+            state_kept.append(all(map(torch.equal, before, random_state())))
+        per_chunk = args.num_layers // (pp * len(chunks))
+        for index, chunk in enumerate(chunks):
+            first_layer = per_chunk * (stage if schedule == "flush" else
+                                       Placement.v(pp).virtual(stage, index))
+            for name, param in chunk.module.named_parameters():
+                layer = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+                key = (first_layer + int(layer[1]), layer[2]) if layer else (None, name)
+                weights[schedule][(init, tp_rank, *key)] = param.detach().clone()
+    distributed.destroy()
+    return {"weights": weights, "state_kept": state_kept}
+
+
+def test_v_chunks_start_from_flush_weights(tmp_path):
+    """The parameters zb-v builds (8 layers, TP = 2 x PP = 2: 4 chunks of 2 layers in a V,
+    each tensor-parallel rank holding its shard) equal flush's, parameter by parameter under
+    global layer numbers, with CPU and with GPU-style initialization: the embedding and
+    position embedding (V stage 0, rank 0), the layers of V stages 1 and 2 (rank 1's, built
+    under flush rank 0's and rank 1's seeding), the final norm and output layer (V stage 3,
+    back on rank 0). Building them leaves each rank's random state as it was."""
+    ranks = launch.spawn(_initial_weights_worker, 4, 2, out_dir=tmp_path, timeout=240)
+    flush, v = ({k: t for rank in ranks for k, t in rank["weights"][schedule].items()}
+                for schedule in ("flush", "zb-v"))
+    assert sorted(v, key=str) == sorted(flush, key=str)
+    assert {layer for _, _, layer, _ in flush} == {None, *range(8)}
+    assert {name for _, _, layer, name in flush if layer is None} >= {
+        "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+        "decoder.final_layernorm.weight", "output_layer.weight"}
+    qkv = "self_attention.linear_qkv.weight"  # GPU-style: another generator, other draws
+    assert not torch.equal(flush[("cpu", 1, 0, qkv)], flush[("gpu", 1, 0, qkv)])
+    differ = {key: float((v[key] - t).abs().max()) for key, t in flush.items()
+              if not torch.equal(v[key], t)}
+    assert not differ, f"{len(differ)} of {len(flush)} tensors differ: {list(differ.items())[:4]}"
+    assert all(all(rank["state_kept"]) for rank in ranks), [r["state_kept"] for r in ranks]

@@ -32,7 +32,8 @@ from megatron_2bw.runtime.device import DeviceChoice, select_device, training_de
 from megatron_2bw.runtime.ports import free_port
 
 __all__ = ["ProcessInfo", "initialize", "timeout", "is_rank_zero", "set_seed", "seeded_as_rank",
-           "destroy", "create_communicators", "warm_up_pairs", "init_kwargs", "DEFAULT_TIMEOUT_MINUTES"]
+           "destroy", "create_communicators", "warm_up_pairs", "init_kwargs",
+           "DEFAULT_TIMEOUT_MINUTES"]
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's --distributed-timeout-minutes default
 
