@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ import torch.distributed as dist
 from megatron_2bw.runtime.device import DeviceChoice, select_device, training_device
 from megatron_2bw.runtime.ports import free_port
 
-__all__ = ["ProcessInfo", "initialize", "timeout", "is_rank_zero", "set_seed", "destroy",
-           "create_communicators", "warm_up_pairs", "init_kwargs", "DEFAULT_TIMEOUT_MINUTES"]
+__all__ = ["ProcessInfo", "initialize", "timeout", "is_rank_zero", "set_seed", "seeded_as_rank",
+           "destroy", "create_communicators", "warm_up_pairs", "init_kwargs",
+           "DEFAULT_TIMEOUT_MINUTES"]
 
 DEFAULT_TIMEOUT_MINUTES = 10.0  # Megatron-LM's --distributed-timeout-minutes default
 
@@ -156,11 +158,43 @@ def set_seed(seed: int) -> None:
     """Megatron-LM's seeding: each pipeline stage gets its own seed (different layers), TP ranks
     share the default generator and differ in the tensor-parallel tracker's state."""
     from megatron.core import parallel_state as ps
+
+    _seed_as_rank(seed, ps.get_pipeline_model_parallel_rank())
+
+
+def _seed_as_rank(seed: int, pp_rank: int) -> None:
+    """What :func:`set_seed` does on pipeline rank ``pp_rank`` (this process's TP rank)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    stage_seed = seed + 100 * pp_rank
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
+
+
+@contextlib.contextmanager
+def seeded_as_rank(seed: int, pp_rank: int):
+    """Within the block, the random state :func:`set_seed` gives pipeline rank ``pp_rank``
+    (at this process's TP rank): torch's default generator, the device's generator on CUDA and
+    megatron-core's RNG tracker (its model-parallel state draws GPU-initialized weights).
+    Afterwards this process's own state, all three, as it was before the block."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    cuda = training_device() if training_device().type == "cuda" else None
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(cuda) if cuda is not None else None
+    tracked = {name: state.clone() if torch.is_tensor(state) else state.clone_state()
+               for name, state in tracker.get_states().items()}  # tensors, or Generators
+    seeds = set(tracker.seeds_)  # megatron-core's check that no seed is added twice
+    try:
+        _seed_as_rank(seed, pp_rank)
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda_state, cuda)
+        tracker.set_states(tracked)
+        tracker.seeds_ = seeds
 
 
 def _bound_every_group(bound: datetime.timedelta) -> None:

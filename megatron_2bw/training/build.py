@@ -151,14 +151,20 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     embedding) and only chunk V-1 of the last rank post-processes (output layer and loss).
     Under zb-v and dualpipev (the V placement, ``schedules.Placement``) both are rank 0's:
     its chunk 0 embeds and its chunk 1 holds the output layer and the loss; megatron-core
-    still numbers chunk 1's layers by the interleaved offset (see arguments.py).
+    still numbers chunk 1's layers by the interleaved offset (see arguments.py). Their chunks
+    start from flush's weights at the same --seed (:func:`_v_chunks_as_flush`).
     Each chunk has its own DDP wrapper; chunks after the first, and all of them with
     --overlap-param-gather-with-optimizer-step, hold one bucket (Megatron-LM's
     ``disable_bucketing``: their communication overlaps with compute anyway).
     """
     from megatron.core.distributed import DistributedDataParallel
 
-    modules = [_model_chunk(args, config, provider, stage) for stage in _chunk_stages(args)]
+    from megatron_2bw.schedules import V_SCHEDULES
+
+    if getattr(args, "pipeline_schedule", "flush") in V_SCHEDULES:
+        modules = _v_chunks_as_flush(args, config, provider)
+    else:
+        modules = [_model_chunk(args, config, provider, stage) for stage in _chunk_stages(args)]
     ddp = ddp_config(args, modules)
     one_bucket = getattr(args, "overlap_param_gather_with_optimizer_step", False)
     chunks = []
@@ -174,6 +180,39 @@ def _chunk_stages(args: argparse.Namespace) -> list[int | None]:
     """The vp_stage of each chunk this rank builds: [None] without virtual stages."""
     V = virtual_stages(args)
     return [None] if V == 1 else list(range(V))
+
+
+def _v_chunks_as_flush(args: argparse.Namespace, config, provider: Callable) -> list:
+    """This rank's two chunks under the V placement (rank i: virtual stages i and 2d-1-i),
+    with the initial weights flush gives those layers at the same --seed and d.
+
+    Flush's rank r holds virtual stages 2r and 2r+1 (the same layers; the embedding on stage
+    0, the final norm and output layer on stage 2d-1) and builds them as one model from its
+    seed (``runtime.distributed.set_seed``): the embedding, the layers in order, the output
+    layer, each drawing from the generators in that order. So stage s is built here under
+    rank r = s // 2's seeding (``distributed.seeded_as_rank``), and for an odd s right after
+    stage 2r, built and dropped when this rank does not hold it (a transient chunk). Every
+    draw, CPU or GPU initialization, TP ranks included, then equals flush's; this rank's own
+    random state (dropout) is left as it was before."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_2bw.runtime import distributed
+    from megatron_2bw.schedules import Placement
+
+    depth, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    placement = Placement.v(depth)
+    chunk_of = {placement.virtual(rank, chunk): chunk for chunk in range(placement.chunks)}
+    built = {}
+    for owner in sorted({stage // 2 for stage in chunk_of}):
+        with distributed.seeded_as_rank(args.seed, owner):
+            for stage in range(2 * owner, max(s for s in chunk_of if s // 2 == owner) + 1):
+                if stage in chunk_of:
+                    built[stage] = _model_chunk(args, config, provider, chunk_of[stage])
+                else:  # flush's rank `owner` draws its weights first: advance as it does
+                    with _model_fits(args):
+                        provider(config, pre_process=stage == 0, post_process=False,
+                                 vp_stage=0)
+    return [built[stage] for stage in sorted(chunk_of, key=chunk_of.get)]
 
 
 def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage: int | None):
