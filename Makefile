@@ -33,7 +33,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests -q
 
 bench: $(VENV)/.installed
-	$(PY) tools/bench_schedules.py --rounds 5 --json runs/bench/schedules.json
+	$(PY) tools/bench_schedules.py --rounds 3 --json runs/bench/schedules.json
 
 compare: $(VENV)/.installed
 	$(PY) tools/compare.py
