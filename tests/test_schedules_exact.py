@@ -108,6 +108,8 @@ class Case:
     round_trip: bool = False
     """At each drain the weight versions are saved as a checkpoint holds them, spoilt in
     memory and loaded back (tests/schedule_worker.py)."""
+    llama: bool = False
+    """Llama-style layers (tests/reference.py ``Model.llama``), in the run and its reference."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -118,7 +120,8 @@ class Case:
 
     @property
     def model(self) -> dict:
-        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers}
+        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers,
+                **({"llama": True} if self.llama else {})}
 
     @property
     def name(self) -> str:
@@ -128,7 +131,7 @@ class Case:
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
 
     @property
     def world(self) -> int:
@@ -141,7 +144,7 @@ class Case:
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(f'-{k}{v}' for k, v in options.items())}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""
@@ -219,6 +222,10 @@ PIPEDREAM_CASES = [
     # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before;
     # at the drain all versions go through a checkpoint's save and load
     Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True),
+    # ... Llama-style (GLU's linear_fc1 goes through a ShardedTensorFactory in the round trip)
+    # with the distributed optimizer (each new version written through its buffer's views)
+    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True, tie=False,
+         llama=True, flags=("--use-distributed-optimizer",)),
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
@@ -235,6 +242,12 @@ V_CASES = [  # two chunks per stage in a V (stage s holds layers s and 3 - s), u
     # with TWOBW_CASES' untied d=2 m=4 run in its processes, sharing its references
     Case("zb-v", d=2, m=4, w=1, iters=6, tie=False),
     Case("dualpipev", d=2, m=4, w=1, iters=6, tie=False),
+    # Llama-style, two replicas, the distributed optimizer (one buffer per chunk); DualPipeV
+    # with both overlaps: each chunk's reductions launched after its last W, its all-gathers
+    # as a call begins
+    Case("zb-v", d=2, m=4, w=2, iters=6, tie=False, llama=True,
+         flags=("--use-distributed-optimizer",)),
+    Case("dualpipev", d=2, m=4, w=2, iters=6, tie=False, llama=True, flags=GATHER),
 ]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
@@ -525,15 +538,22 @@ def test_interleaved_schedules_match_their_references(launch, case):
                  for path in (launch.out / case.name).glob("rank*.pt")}
         assert modes == ({"deferred"} if case.deferred else
                          {"at the loop's optimizer.step() (--no-deferred-step)"}), modes
-    if "--no-align-grad-reduce" in case.flags:  # each chunk's last backward launched its own
+    _check_chunk_overlaps(launch, case)
+    _check_against_reference(launch, case)
+
+
+def _check_chunk_overlaps(launch: Launch, case: Case) -> None:
+    """Runs of several chunks per stage: with --no-align-grad-reduce each chunk's last backward
+    launched its own reductions (from DDP's hooks); with --overlap-param-gather the schedule
+    launched every chunk's all-gathers once per call, none after a pre-hook had."""
+    if "--no-align-grad-reduce" in case.flags:
         assert all(torch.load(path)["hooks_reduced"]
                    for path in (launch.out / case.name).glob("rank*.pt"))
-    if "--overlap-param-gather" in case.flags:  # every chunk's, once per call, none too late
+    if "--overlap-param-gather" in case.flags:
         for path in (launch.out / case.name).glob("rank*.pt"):
             gathers = torch.load(path)["param_gathers"]
             assert gathers == [{"launched": case.iters, "late": 0}] * len(gathers) \
                 and len(gathers) > 1, (path, gathers)
-    _check_against_reference(launch, case)
 
 
 # ---- 2d. V-shape schedules (ZB-V, DualPipeV) ---------------------------------------------------
@@ -546,6 +566,7 @@ def test_v_schedules_match_gradient_accumulation(launch, case):
     launch.finished(f"2bw-world{case.world}")
     shards = [torch.load(path) for path in (launch.out / case.name).glob("rank*.pt")]
     assert {s["pp"] for s in shards if s["losses"]} == {0}
+    _check_chunk_overlaps(launch, case)
     _check_against_reference(launch, case)
 
 
