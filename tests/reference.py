@@ -1,9 +1,10 @@
 """Single-process references for the schedule exactness tests (tests/test_schedules_exact.py).
 
-One full-size GPT (no pipeline, no tensor parallelism, no DDP, no megatron optimizer), trained by a
-plain PyTorch loop with ``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer``
-sets it up on the CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient
-clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it):
+One full-size GPT (GPT-2-style, or Llama-style with ``Model.llama``; no pipeline, no tensor
+parallelism, no DDP, no megatron optimizer), trained by a plain PyTorch loop with
+``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer`` sets it up on the
+CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient clipping by the global
+norm as ``megatron/core/optimizer/clip_grads.py`` does it):
 
     synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
     2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))

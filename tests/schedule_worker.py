@@ -28,7 +28,8 @@ before it forks, and each rank's result holds its syncs per iteration by site ("
 Without "init" the runs keep megatron-core's initial weights (from the seed).
 
 A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
-"model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes the
+"model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
+flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
 exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
 stage s's process at its n-th exchange (faults of this test, not of the product).
 """

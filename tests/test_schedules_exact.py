@@ -6,7 +6,9 @@ the CPU (torch AdamW, weight decay 0.01 except on biases and 1-D parameters, gra
 at 1.0), constant LR 1e-3. Every run starts from the reference's initial weights (each rank loads
 its pipeline-stage and tensor-parallel slice) and reads deterministic random microbatches, each
 data-parallel replica its own. Weights are compared by the norm-based relative error over all
-parameters, ||W - W_ref|| / ||W_ref||.
+parameters, ||W - W_ref|| / ||W_ref||. Cases marked Llama-style build that model instead
+(``Model.llama``: SwiGLU with FFN 4h, RMSNorm, rotary embeddings, grouped-query attention with 2
+groups, no biases), run and reference alike, with untied embeddings.
 
 1. flush, gpipe, naive, zb-h1: after 5 iterations equal to (a) a PP=1 run with gradient
    accumulation over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
@@ -27,8 +29,14 @@ parameters, ||W - W_ref|| / ||W_ref||.
    otherwise; each stage steps after its own backwards), and far from 2BW's result. Grid:
        d=2 m=2 w=1 tied       d=2 m=4 w=2 untied
        d=4 m=4 w=1 recompute  d=4 m=8 w=1 step at the loop
-2c. zb-v and dualpipev (two chunks per stage in a V): d=2 m=4 w=1, untied embeddings, after 6
-   iterations equal to the PP=1 gradient-accumulation reference, losses seen on stage 0.
+   and at m=1 (an update per microbatch, stage i keeps d-i versions), d=4 w=1, 7 iterations,
+   a drain with every version through a checkpoint's save and load after iteration 3: tied
+   GPT-2-style with the plain optimizer, and Llama-style with the distributed optimizer.
+2c. zb-v and dualpipev (two chunks per stage in a V): after 6 iterations equal to the PP=1
+   gradient-accumulation reference, losses seen on stage 0; untied, d=2 m=4, each as
+       GPT-2-style, plain optimizer, w=1
+       Llama-style, distributed optimizer, w=2 (dualpipev with --overlap-grad-reduce and
+       --overlap-param-gather: each chunk's all-gathers launched once per call, none late)
 3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive, zb-h1 each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
@@ -258,6 +266,11 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
 }
 
 
+GROUP_DEADLINE_S = 150
+"""A launch group's deadline (a hang's bound), and at least RUN_DEADLINE_S per run in it."""
+RUN_DEADLINE_S = 10
+
+
 def _groups() -> dict:
     """Launch groups: runs sharing a world size run one after another in one process group."""
     groups: dict = {}
@@ -268,9 +281,10 @@ def _groups() -> dict:
                           + interleaved_2bw + V_CASES)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
-                                      {"world": case.world, "timeout_s": 150, "runs": []})
+                                      {"world": case.world, "runs": []})
             group["runs"].append(case.run())
-    groups["four-stages"] = {"world": 4, "timeout_s": 150,
+            group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    groups["four-stages"] = {"world": 4, "timeout_s": GROUP_DEADLINE_S,
                              "runs": [case.run() for case in FOUR_STAGE_CASES]}
     for group, (case, stage, send) in FAILURES.items():
         # the survivors wait for the failed rank's receives at most 0.2 minutes, as under NCCL
@@ -377,7 +391,7 @@ def launch(tmp_path_factory) -> Launch:
             "reference": _reference_jobs(), "groups": _groups()}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=480)
+                                         timeout_s=600)
     assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
     summary = json.loads((out / "launch.json").read_text())
     assert summary["reference"]["exit_codes"] == [0], \
@@ -562,7 +576,9 @@ def _check_chunk_overlaps(launch: Launch, case: Case) -> None:
 def test_v_schedules_match_gradient_accumulation(launch, case):
     """Stage 0 embeds (chunk 0) and computes the loss (chunk 1); stage 1 turns the V without a
     transfer. Split backwards, W's from a queue (DualPipeV) or by order (ZB-V): the weights
-    are the PP=1 gradient-accumulation reference's, the losses its losses, seen on stage 0."""
+    are the PP=1 gradient-accumulation reference's, the losses its losses, seen on stage 0;
+    with two replicas each chunk's gradients are reduced (reduce-scattered, and its shard's
+    update all-gathered, under the distributed optimizer) once its last I and W are done."""
     launch.finished(f"2bw-world{case.world}")
     shards = [torch.load(path) for path in (launch.out / case.name).glob("rank*.pt")]
     assert {s["pp"] for s in shards if s["losses"]} == {0}
