@@ -1,9 +1,10 @@
 """Single-process references for the schedule exactness tests (tests/test_schedules_exact.py).
 
-One full-size GPT (no pipeline, no tensor parallelism, no DDP, no megatron optimizer), trained by a
-plain PyTorch loop with ``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer``
-sets it up on the CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient
-clipping by the global norm as ``megatron/core/optimizer/clip_grads.py`` does it):
+One full-size GPT (GPT-2-style, or Llama-style with ``Model.llama``; no pipeline, no tensor
+parallelism, no DDP, no megatron optimizer), trained by a plain PyTorch loop with
+``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer`` sets it up on the
+CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient clipping by the global
+norm as ``megatron/core/optimizer/clip_grads.py`` does it):
 
     synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
     2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
@@ -46,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Model", "MODEL", "microbatch", "stream_microbatch", "no_weight_decay",
-           "reference_run", "run_jobs"]
+__all__ = ["Model", "MODEL", "LLAMA_FLAGS", "microbatch", "stream_microbatch",
+           "no_weight_decay", "initial_weights_of", "reference_run", "run_jobs"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,16 @@ class Model:
     adam_eps: float = 1e-8
     seed: int = 1234
     data_seed: int = 4321
+    llama: bool = False
+    """Llama-style layers: SwiGLU (FFN 4h), RMSNorm, rotary position embeddings, grouped-query
+    attention with 2 query groups, no biases (``LLAMA_FLAGS``); else GPT-2 style."""
 
 
 MODEL = Model()
+LLAMA_FLAGS = ("--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear")
+"""Megatron-LM's flags of ``Model.llama`` (with --ffn-hidden-size 4h: --swiglu's default
+differs); the reference sets megatron-core's fields directly (``_config``)."""
 
 
 def microbatch(model: Model, batch: int, replica: int, j: int) -> dict:
@@ -101,25 +109,30 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def _config(model: Model):
+    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    llama = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+                 num_query_groups=2, add_bias_linear=False) if model.llama else {}
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         ffn_hidden_size=4 * model.hidden_size, num_attention_heads=model.num_attention_heads,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.init_method_std,
         params_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, **llama)
 
 
 def _gpt(model: Model, tie: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config=_config(model), transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if model.llama else "LayerNorm")
+    return GPTModel(config=_config(model), transformer_layer_spec=spec,
                     vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=True, post_process=True,
-                    share_embeddings_and_output_weights=tie)
+                    share_embeddings_and_output_weights=tie,
+                    position_embedding_type="rope" if model.llama else "learned_absolute")
 
 
 def _loss(gpt, data: dict) -> torch.Tensor:
@@ -209,6 +222,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     `lr_warmup_steps` K (T1), step t of stage i uses lr_t / tau_i ** (1 - min(t/K, 1)) with
     tau_i = max(ceil((d-i-1)/m), 1), the oldest version a forward of the stage reads in steady
     state (t - floor((t m - w_i)/m))."""
+    init = initial_weights_of(init, model)
     sizes = microbatches if isinstance(microbatches, list) else None
     if sizes is not None and len(sizes) != iterations:
         raise ValueError(f"{len(sizes)} batch sizes for {iterations} iterations")
@@ -316,17 +330,33 @@ def _initial_weights(model: Model) -> dict:
     return {n: p.detach().clone() for n, p in _gpt(model, tie=False).named_parameters()}
 
 
+LLAMA_PREFIX = "llama:"
+"""Where the initial weights file keeps the Llama-style model's weights (``initial_weights_of``)."""
+
+
+def initial_weights_of(init: dict, model: Model) -> dict:
+    """The initial weights of `model`'s style from a file ``run_jobs`` wrote: the GPT-2-style
+    model's under their names, the Llama-style model's under LLAMA_PREFIX + name."""
+    if not model.llama:
+        return init
+    return {n.removeprefix(LLAMA_PREFIX): t for n, t in init.items() if n.startswith(LLAMA_PREFIX)}
+
+
 def run_jobs(init_path: str, out: str, jobs: dict) -> None:
     """In a process whose torch.distributed environment (world size 1) is set: write the initial
     weights to `init_path` and each job's result to `out`/<job>.pt. A job is {rule, replicas,
     microbatches, iterations, tie[, model: {Model field: value}]}. The initial weights are
-    those of the deepest job's model; a shallower one takes its first layers (and the rest)."""
+    those of the deepest job's model; a shallower one takes its first layers (and the rest).
+    Where a job is Llama-style, the file also holds that model's (``initial_weights_of``)."""
     from megatron_2bw.runtime import distributed
 
     distributed.initialize(1, 1, MODEL.seed, force_cpu=True)
     layers = max([MODEL.num_layers] + [job.get("model", {}).get("num_layers", 0)
                                        for job in jobs.values()])
     init = _initial_weights(replace(MODEL, num_layers=layers))
+    if any(job.get("model", {}).get("llama") for job in jobs.values()):
+        llama = _initial_weights(replace(MODEL, num_layers=layers, llama=True))
+        init.update({LLAMA_PREFIX + n: t for n, t in llama.items()})
     torch.save(init, init_path)
     for name, job in jobs.items():
         job = dict(job)

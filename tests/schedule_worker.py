@@ -28,7 +28,8 @@ before it forks, and each rank's result holds its syncs per iteration by site ("
 Without "init" the runs keep megatron-core's initial weights (from the seed).
 
 A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
-"model" overrides fields of tests.reference.MODEL; "fail": {"stage": s, "send": n} makes the
+"model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
+flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
 exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
 stage s's process at its n-th exchange (faults of this test, not of the product).
 """
@@ -51,7 +52,7 @@ import torch
 
 from megatron_2bw.runtime.ports import free_port, free_ports
 
-from tests.reference import MODEL, Model, microbatch
+from tests.reference import LLAMA_FLAGS, MODEL, Model, initial_weights_of, microbatch
 
 
 # ---- one process ----------------------------------------------------------------------------
@@ -81,6 +82,8 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
                   "--recompute-num-layers", 1]
     if not run.get("tie", True):
         flags.append("--untie-embeddings-and-output-weights")
+    if model.llama:
+        flags += [*LLAMA_FLAGS, "--ffn-hidden-size", 4 * model.hidden_size]
     flags += run.get("flags", [])
     return [str(f) for f in flags]
 
@@ -205,7 +208,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
     if init_path:  # else megatron-core's own initialization from the seed
-        _load_slice(model, torch.load(init_path), tie, model_spec.num_layers, run["schedule"])
+        _load_slice(model, initial_weights_of(torch.load(init_path), model_spec), tie,
+                    model_spec.num_layers, run["schedule"])
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)

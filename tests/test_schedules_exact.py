@@ -6,7 +6,9 @@ the CPU (torch AdamW, weight decay 0.01 except on biases and 1-D parameters, gra
 at 1.0), constant LR 1e-3. Every run starts from the reference's initial weights (each rank loads
 its pipeline-stage and tensor-parallel slice) and reads deterministic random microbatches, each
 data-parallel replica its own. Weights are compared by the norm-based relative error over all
-parameters, ||W - W_ref|| / ||W_ref||.
+parameters, ||W - W_ref|| / ||W_ref||. Cases marked Llama-style build that model instead
+(``Model.llama``: SwiGLU with FFN 4h, RMSNorm, rotary embeddings, grouped-query attention with 2
+groups, no biases), run and reference alike, with untied embeddings.
 
 1. flush, gpipe, naive, zb-h1: after 5 iterations equal to (a) a PP=1 run with gradient
    accumulation over the same microbatches and (b) Megatron's own 1F1B (``install("megatron")``).
@@ -27,8 +29,14 @@ parameters, ||W - W_ref|| / ||W_ref||.
    otherwise; each stage steps after its own backwards), and far from 2BW's result. Grid:
        d=2 m=2 w=1 tied       d=2 m=4 w=2 untied
        d=4 m=4 w=1 recompute  d=4 m=8 w=1 step at the loop
-2c. zb-v and dualpipev (two chunks per stage in a V): d=2 m=4 w=1, untied embeddings, after 6
-   iterations equal to the PP=1 gradient-accumulation reference, losses seen on stage 0.
+   and at m=1 (an update per microbatch, stage i keeps d-i versions), d=4 w=1, 7 iterations,
+   a drain with every version through a checkpoint's save and load after iteration 3: tied
+   GPT-2-style with the plain optimizer, and Llama-style with the distributed optimizer.
+2c. zb-v and dualpipev (two chunks per stage in a V): after 6 iterations equal to the PP=1
+   gradient-accumulation reference, losses seen on stage 0; untied, d=2 m=4, each as
+       GPT-2-style, plain optimizer, w=1
+       Llama-style, distributed optimizer, w=2 (dualpipev with --overlap-grad-reduce and
+       --overlap-param-gather: each chunk's all-gathers launched once per call, none late)
 3. d=4 (4 processes), m=4: 2bw, flush, gpipe, naive, zb-h1 each finish 10 iterations within a hard
    deadline with finite losses (and match their references).
 4. A failing send on stage 1 (the 3rd; and on stage 2 in the second call, with 2BW's look-ahead
@@ -108,6 +116,8 @@ class Case:
     round_trip: bool = False
     """At each drain the weight versions are saved as a checkpoint holds them, spoilt in
     memory and loaded back (tests/schedule_worker.py)."""
+    llama: bool = False
+    """Llama-style layers (tests/reference.py ``Model.llama``), in the run and its reference."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -118,7 +128,8 @@ class Case:
 
     @property
     def model(self) -> dict:
-        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers}
+        return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers,
+                **({"llama": True} if self.llama else {})}
 
     @property
     def name(self) -> str:
@@ -128,7 +139,7 @@ class Case:
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
 
     @property
     def world(self) -> int:
@@ -141,7 +152,7 @@ class Case:
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(f'-{k}{v}' for k, v in options.items())}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""
@@ -219,6 +230,10 @@ PIPEDREAM_CASES = [
     # look-ahead forwards reach 3 batches ahead, and a drain must be known 3 calls before;
     # at the drain all versions go through a checkpoint's save and load
     Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True),
+    # ... Llama-style (GLU's linear_fc1 goes through a ShardedTensorFactory in the round trip)
+    # with the distributed optimizer (each new version written through its buffer's views)
+    Case("pipedream", d=4, m=1, w=1, iters=7, drains=(3,), round_trip=True, tie=False,
+         llama=True, flags=("--use-distributed-optimizer",)),
 ]
 PIPEMARE_CASES = [  # each also lies > DISTINCT from the pipedream rule (stashed backwards)
     Case("pipemare", d=2, m=2, w=1, iters=6),
@@ -235,6 +250,12 @@ V_CASES = [  # two chunks per stage in a V (stage s holds layers s and 3 - s), u
     # with TWOBW_CASES' untied d=2 m=4 run in its processes, sharing its references
     Case("zb-v", d=2, m=4, w=1, iters=6, tie=False),
     Case("dualpipev", d=2, m=4, w=1, iters=6, tie=False),
+    # Llama-style, two replicas, the distributed optimizer (one buffer per chunk); DualPipeV
+    # with both overlaps: each chunk's reductions launched after its last W, its all-gathers
+    # as a call begins
+    Case("zb-v", d=2, m=4, w=2, iters=6, tie=False, llama=True,
+         flags=("--use-distributed-optimizer",)),
+    Case("dualpipev", d=2, m=4, w=2, iters=6, tie=False, llama=True, flags=GATHER),
 ]
 PIPEMARE_ONE_STAGE = Case("pipemare", d=1, m=2, w=1, iters=6, decay=0.5, sync_iters=1)
 """Its reference only: with one stage nothing is in flight, so it is the "sync" rule's."""
@@ -243,6 +264,11 @@ FAILURES = {  # group -> (run, stage whose send fails, which send of that proces
     "send-fails": (Case("2bw", d=4, m=4, w=1, iters=3), 1, 3),
     "send-fails-later": (Case("2bw", d=4, m=4, w=1, iters=3), 2, 11),  # in call 1
 }
+
+
+GROUP_DEADLINE_S = 150
+"""A launch group's deadline (a hang's bound), and at least RUN_DEADLINE_S per run in it."""
+RUN_DEADLINE_S = 10
 
 
 def _groups() -> dict:
@@ -255,9 +281,10 @@ def _groups() -> dict:
                           + interleaved_2bw + V_CASES)):
         for case in cases:
             group = groups.setdefault(f"{label}-world{case.world}",
-                                      {"world": case.world, "timeout_s": 150, "runs": []})
+                                      {"world": case.world, "runs": []})
             group["runs"].append(case.run())
-    groups["four-stages"] = {"world": 4, "timeout_s": 150,
+            group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    groups["four-stages"] = {"world": 4, "timeout_s": GROUP_DEADLINE_S,
                              "runs": [case.run() for case in FOUR_STAGE_CASES]}
     for group, (case, stage, send) in FAILURES.items():
         # the survivors wait for the failed rank's receives at most 0.2 minutes, as under NCCL
@@ -364,7 +391,7 @@ def launch(tmp_path_factory) -> Launch:
             "reference": _reference_jobs(), "groups": _groups()}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=480)
+                                         timeout_s=600)
     assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
     summary = json.loads((out / "launch.json").read_text())
     assert summary["reference"]["exit_codes"] == [0], \
@@ -525,15 +552,22 @@ def test_interleaved_schedules_match_their_references(launch, case):
                  for path in (launch.out / case.name).glob("rank*.pt")}
         assert modes == ({"deferred"} if case.deferred else
                          {"at the loop's optimizer.step() (--no-deferred-step)"}), modes
-    if "--no-align-grad-reduce" in case.flags:  # each chunk's last backward launched its own
+    _check_chunk_overlaps(launch, case)
+    _check_against_reference(launch, case)
+
+
+def _check_chunk_overlaps(launch: Launch, case: Case) -> None:
+    """Runs of several chunks per stage: with --no-align-grad-reduce each chunk's last backward
+    launched its own reductions (from DDP's hooks); with --overlap-param-gather the schedule
+    launched every chunk's all-gathers once per call, none after a pre-hook had."""
+    if "--no-align-grad-reduce" in case.flags:
         assert all(torch.load(path)["hooks_reduced"]
                    for path in (launch.out / case.name).glob("rank*.pt"))
-    if "--overlap-param-gather" in case.flags:  # every chunk's, once per call, none too late
+    if "--overlap-param-gather" in case.flags:
         for path in (launch.out / case.name).glob("rank*.pt"):
             gathers = torch.load(path)["param_gathers"]
             assert gathers == [{"launched": case.iters, "late": 0}] * len(gathers) \
                 and len(gathers) > 1, (path, gathers)
-    _check_against_reference(launch, case)
 
 
 # ---- 2d. V-shape schedules (ZB-V, DualPipeV) ---------------------------------------------------
@@ -542,10 +576,13 @@ def test_interleaved_schedules_match_their_references(launch, case):
 def test_v_schedules_match_gradient_accumulation(launch, case):
     """Stage 0 embeds (chunk 0) and computes the loss (chunk 1); stage 1 turns the V without a
     transfer. Split backwards, W's from a queue (DualPipeV) or by order (ZB-V): the weights
-    are the PP=1 gradient-accumulation reference's, the losses its losses, seen on stage 0."""
+    are the PP=1 gradient-accumulation reference's, the losses its losses, seen on stage 0;
+    with two replicas each chunk's gradients are reduced (reduce-scattered, and its shard's
+    update all-gathered, under the distributed optimizer) once its last I and W are done."""
     launch.finished(f"2bw-world{case.world}")
     shards = [torch.load(path) for path in (launch.out / case.name).glob("rank*.pt")]
     assert {s["pp"] for s in shards if s["losses"]} == {0}
+    _check_chunk_overlaps(launch, case)
     _check_against_reference(launch, case)
 
 
