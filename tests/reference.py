@@ -33,7 +33,7 @@ g is the mean over its own m_t microbatches. ``lrs`` gives each step its learnin
 
     python tests/reference.py SPEC.json     # writes SPEC["init"] and SPEC["out"]/<job>.pt
 
-(tests/schedule_worker.py runs the same jobs in a forked process before the pipeline runs.)
+(tests/schedule_worker.py runs the same jobs in a forked process beside the pipeline runs.)
 """
 
 from __future__ import annotations
@@ -327,7 +327,8 @@ def run_jobs(init_path: str, out: str, jobs: dict) -> None:
     layers = max([MODEL.num_layers] + [job.get("model", {}).get("num_layers", 0)
                                        for job in jobs.values()])
     init = _initial_weights(replace(MODEL, num_layers=layers))
-    torch.save(init, init_path)
+    torch.save(init, init_path + ".partial")
+    Path(init_path + ".partial").rename(init_path)  # whole, for a reader that waits for it
     for name, job in jobs.items():
         job = dict(job)
         model = replace(MODEL, **job.pop("model", {}))

@@ -8,7 +8,8 @@ The spec: {"out": dir, "init": path | null, "timeout_minutes": float, "count_hos
            "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
 
 The launcher imports torch and megatron-core once, then forks: first one process for the
-single-process reference jobs (they also write the initial weights), then, per group, `world`
+single-process reference jobs (they also write the initial weights), then, once the initial
+weights are written and while the reference jobs go on beside them, per group, `world`
 processes over gloo. It waits for every process of a group on its own (no process is ended
 because a peer failed; the group's deadline kills, or a group whose live processes are all
 stopped by a signal) and writes each group's exit codes and
@@ -451,11 +452,12 @@ def launch(spec_path: str) -> None:
         host_syncs.install()
     out = Path(spec["out"])
     summary = {}
-    if spec.get("reference"):
-        summary["reference"] = fork_all(1, out / "reference", 600, reference.run_jobs,
-                                         spec["init"], spec["out"], spec["reference"])
-        print("reference:", summary["reference"], flush=True)
-    if summary.get("reference", {}).get("exit_codes", [0]) == [0]:
+    referencing = None
+    if spec.get("reference"):  # runs beside the groups once it wrote the initial weights
+        referencing = _fork(1, out / "reference", free_port(), reference.run_jobs,
+                            spec["init"], spec["out"], spec["reference"])
+        _wait_for_file(spec["init"], referencing[0][0], referencing[1] + 600)
+    if referencing is None or Path(spec["init"]).exists():
         groups = spec.get("groups", {})
         for name, group in groups.items():
             if not group.get("waits"):
@@ -469,7 +471,17 @@ def launch(spec_path: str) -> None:
         for name, forked in waiting.items():
             summary[name] = _wait(*forked, groups[name].get("timeout_s", 300))
             print(f"{name}:", summary[name], flush=True)
+    if referencing is not None:
+        summary = {"reference": _wait(*referencing, 600), **summary}
+        print("reference:", summary["reference"], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))
+
+
+def _wait_for_file(path: str, writer, deadline: float) -> None:
+    """Until ``path`` exists, ``writer`` (a process) ended, or the ``time.perf_counter()``
+    deadline passed."""
+    while not Path(path).exists() and writer.is_alive() and time.perf_counter() < deadline:
+        time.sleep(0.05)
 
 
 def main(argv: list[str]) -> None:
