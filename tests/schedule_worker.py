@@ -454,9 +454,8 @@ def launch(spec_path: str) -> None:
     summary = {}
     referencing = None
     if spec.get("reference"):  # runs beside the groups once it wrote the initial weights
-        referencing = _fork(1, out / "reference", free_port(), reference.run_jobs,
-                            spec["init"], spec["out"], spec["reference"])
-        _wait_for_file(spec["init"], referencing[0][0], referencing[1] + 600)
+        referencing = fork_beside(out / "reference", spec["init"], 600, reference.run_jobs,
+                                  spec["init"], spec["out"], spec["reference"])
     if referencing is None or Path(spec["init"]).exists():
         groups = spec.get("groups", {})
         for name, group in groups.items():
@@ -477,11 +476,15 @@ def launch(spec_path: str) -> None:
     (out / "launch.json").write_text(json.dumps(summary, indent=1))
 
 
-def _wait_for_file(path: str, writer, deadline: float) -> None:
-    """Until ``path`` exists, ``writer`` (a process) ended, or the ``time.perf_counter()``
-    deadline passed."""
-    while not Path(path).exists() and writer.is_alive() and time.perf_counter() < deadline:
+def fork_beside(logs: Path, ready: str, timeout_s: float, target, *target_args) -> tuple:
+    """Fork one process running ``target`` (a reference: it writes the file ``ready`` whole
+    first, then goes on); return it, for ``_wait``, once ``ready`` exists, the process ended
+    or ``timeout_s`` passed."""
+    procs, started = _fork(1, logs, free_port(), target, *target_args)
+    while not Path(ready).exists() and procs[0].is_alive() \
+            and time.perf_counter() < started + timeout_s:
         time.sleep(0.05)
+    return procs, started
 
 
 def main(argv: list[str]) -> None:

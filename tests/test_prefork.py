@@ -23,7 +23,8 @@ def test_a_launch_forks_once_every_test_module_is_imported(tmp_path):
                if session.get(k) != now.get(k)}
     assert (dist._prefork_server(dist.subprocess_env()) is not None) == forks, changed
     script = tmp_path / "preloaded.py"
-    script.write_text("import sys\nprint('preloaded:', 'megatron.core.models.gpt' in sys.modules)\n")
+    script.write_text("import sys\n"
+                      "print('preloaded:', 'megatron.core.models.gpt' in sys.modules)\n")
     done = dist.python([str(script)], timeout=60)
     assert done.returncode == 0, done.tail()
     assert f"preloaded: {forks}" in done.output, done.tail()
