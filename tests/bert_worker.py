@@ -1,5 +1,6 @@
 """Both sides of the BERT exactness tests (tests/test_bert.py): a single-process reference and
-the pipeline runs, forked from one launcher as in tests/schedule_worker.py.
+the pipeline runs, forked from one launcher as in tests/schedule_worker.py (the groups beside
+the reference jobs once the initial weights are written).
 
     python tests/bert_worker.py SPEC.json
 
@@ -48,7 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.reference import MODEL, clip_grads, no_weight_decay
-from tests.schedule_worker import fork_all, train_iterations, training_flags
+from tests.schedule_worker import (_wait, fork_all, fork_beside, train_iterations,
+                                   training_flags)
 
 BERT = replace(MODEL, adam_eps=1e-6)
 SAMPLES_PER_DATASET = 1 << 30
@@ -155,7 +157,8 @@ def run_reference_jobs(init_path: str, out: str, jobs: dict) -> None:
     distributed.initialize(1, 1, BERT.seed, force_cpu=True)
     distributed.set_seed(BERT.seed)
     init = {n: p.detach().clone() for n, p in _bert(binary_head=True).named_parameters()}
-    torch.save(init, init_path)
+    torch.save(init, init_path + ".partial")
+    Path(init_path + ".partial").rename(init_path)  # whole, for the launcher that waits for it
     for name, job in jobs.items():
         torch.save(reference_run(init, **job), Path(out) / f"{name}.pt")
     distributed.destroy()
@@ -266,14 +269,16 @@ def launch(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
-    summary = {"reference": fork_all(1, out / "reference", 300, run_reference_jobs,
-                                      spec["init"], spec["out"], spec["reference"])}
-    print("reference:", summary["reference"], flush=True)
-    if summary["reference"]["exit_codes"] == [0]:
+    referencing = fork_beside(out / "reference", spec["init"], 300, run_reference_jobs,
+                              spec["init"], spec["out"], spec["reference"])
+    summary = {}
+    if Path(spec["init"]).exists():  # the groups run beside the rest of the reference jobs
         for name, group in spec["groups"].items():
             summary[name] = fork_all(group["world"], out / name, group.get("timeout_s", 120),
                                       run_group, spec, name)
             print(f"{name}:", summary[name], flush=True)
+    summary = {"reference": _wait(*referencing, 300), **summary}
+    print("reference:", summary["reference"], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -169,8 +169,15 @@ def _forkable(script_args: list[str]) -> bool:
             and script_args[0].endswith(".py"))
 
 
+_SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
+"""Variables torch's own imports put into ``os.environ`` (torch.distributed.pipelining, which
+tests/test_vshape.py imports at collection, sets inductor's cache directory to its default):
+not a launch's choice, so they do not keep a launch from forking."""
+
+
 def _start_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+    return {k: v for k, v in env.items()
+            if k.startswith(_READ_AT_START) and k not in _SET_BY_IMPORTS}
 
 
 _SESSION_ENV = _start_env(subprocess_env())

@@ -34,7 +34,7 @@ g is the mean over its own m_t microbatches. ``lrs`` gives each step its learnin
 
     python tests/reference.py SPEC.json     # writes SPEC["init"] and SPEC["out"]/<job>.pt
 
-(tests/schedule_worker.py runs the same jobs in a forked process before the pipeline runs.)
+(tests/schedule_worker.py runs the same jobs in a forked process beside the pipeline runs.)
 """
 
 from __future__ import annotations
@@ -357,7 +357,8 @@ def run_jobs(init_path: str, out: str, jobs: dict) -> None:
     if any(job.get("model", {}).get("llama") for job in jobs.values()):
         llama = _initial_weights(replace(MODEL, num_layers=layers, llama=True))
         init.update({LLAMA_PREFIX + n: t for n, t in llama.items()})
-    torch.save(init, init_path)
+    torch.save(init, init_path + ".partial")
+    Path(init_path + ".partial").rename(init_path)  # whole, for a reader that waits for it
     for name, job in jobs.items():
         job = dict(job)
         model = replace(MODEL, **job.pop("model", {}))

@@ -8,7 +8,8 @@ The spec: {"out": dir, "init": path | null, "timeout_minutes": float, "count_hos
            "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
 
 The launcher imports torch and megatron-core once, then forks: first one process for the
-single-process reference jobs (they also write the initial weights), then, per group, `world`
+single-process reference jobs (they also write the initial weights), then, once the initial
+weights are written and while the reference jobs go on beside them, per group, `world`
 processes over gloo. It waits for every process of a group on its own (no process is ended
 because a peer failed; the group's deadline kills, or a group whose live processes are all
 stopped by a signal) and writes each group's exit codes and
@@ -455,11 +456,11 @@ def launch(spec_path: str) -> None:
         host_syncs.install()
     out = Path(spec["out"])
     summary = {}
-    if spec.get("reference"):
-        summary["reference"] = fork_all(1, out / "reference", 600, reference.run_jobs,
-                                         spec["init"], spec["out"], spec["reference"])
-        print("reference:", summary["reference"], flush=True)
-    if summary.get("reference", {}).get("exit_codes", [0]) == [0]:
+    referencing = None
+    if spec.get("reference"):  # runs beside the groups once it wrote the initial weights
+        referencing = fork_beside(out / "reference", spec["init"], 600, reference.run_jobs,
+                                  spec["init"], spec["out"], spec["reference"])
+    if referencing is None or Path(spec["init"]).exists():
         groups = spec.get("groups", {})
         for name, group in groups.items():
             if not group.get("waits"):
@@ -473,7 +474,21 @@ def launch(spec_path: str) -> None:
         for name, forked in waiting.items():
             summary[name] = _wait(*forked, groups[name].get("timeout_s", 300))
             print(f"{name}:", summary[name], flush=True)
+    if referencing is not None:
+        summary = {"reference": _wait(*referencing, 600), **summary}
+        print("reference:", summary["reference"], flush=True)
     (out / "launch.json").write_text(json.dumps(summary, indent=1))
+
+
+def fork_beside(logs: Path, ready: str, timeout_s: float, target, *target_args) -> tuple:
+    """Fork one process running ``target`` (a reference: it writes the file ``ready`` whole
+    first, then goes on); return it, for ``_wait``, once ``ready`` exists, the process ended
+    or ``timeout_s`` passed."""
+    procs, started = _fork(1, logs, free_port(), target, *target_args)
+    while not Path(ready).exists() and procs[0].is_alive() \
+            and time.perf_counter() < started + timeout_s:
+        time.sleep(0.05)
+    return procs, started
 
 
 def main(argv: list[str]) -> None:

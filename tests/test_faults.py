@@ -296,12 +296,14 @@ print("late", late)
 """
 
 
-def test_the_save_result_queue_hands_over_at_once():
+def test_the_save_result_queue_hands_over_at_once(tmp_path):
     """A synchronous torch_dist save puts its writers' results into megatron-core's result
     queue and reads them back at once with ``get_nowait`` in the same process; a queue whose put
     lands later (a ``multiprocessing.Queue``'s feeder thread) failed saves under load with
     "results_queue should not be empty". After binding, 200 put/get_nowait pairs never miss."""
-    result = launch.python(["-c", _SAVE_QUEUE_HANDOVER], timeout=60)
+    script = tmp_path / "handover.py"  # a script: its launch forks (tests/dist.py)
+    script.write_text(_SAVE_QUEUE_HANDOVER)
+    result = launch.python([str(script)], timeout=60)
     assert result.returncode == 0, result.tail()
     assert "late 0" in result.output, result.tail()
 

@@ -107,16 +107,17 @@ def test_torch_floor(version, ok):
         assert "torch>=2.7" in problem and version in problem
 
 
-def test_entry_script_fails_with_one_error_line():
-    code = textwrap.dedent("""
+def test_entry_script_fails_with_one_error_line(tmp_path):
+    script = tmp_path / "entry_without_a_function.py"  # a script: its launch forks (tests/dist.py)
+    script.write_text(textwrap.dedent("""
         import importlib
         import sys
         m = importlib.import_module("megatron.core.distributed.finalize_model_grads")
         del m.reset_model_temporary_tensors
         import pretrain_gpt_2bw
         pretrain_gpt_2bw.main(sys.argv[1:])
-    """)
-    result = launch.python(["-c", code, "--cpu", "--mock-data", "--num-layers", "2",
+    """))
+    result = launch.python([str(script), "--cpu", "--mock-data", "--num-layers", "2",
                             "--hidden-size", "32", "--num-attention-heads", "4",
                             "--seq-length", "16", "--max-position-embeddings", "16",
                             "--micro-batch-size", "2", "--lr", "1e-3",
