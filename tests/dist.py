@@ -67,6 +67,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 # ---- spawned workers ------------------------------------------------------------------------
 
 def _worker(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    from megatron_2bw.runtime import lifetime
+
+    lifetime.bind_to_launcher()  # a killed pytest takes its workers with it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     if _strict(os.environ):  # sitecustomize installed it already where tests/strict is on the path
