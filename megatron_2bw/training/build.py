@@ -90,7 +90,20 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
 
         fields.update(cuda_config_fields(args))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    _number_layers_by_placement(args, config)
+    return config
+
+
+def _number_layers_by_placement(args: argparse.Namespace, config) -> None:
+    """Under zb-v and dualpipev, megatron-core numbers the chunks' layers (and so keys them in
+    checkpoints) by the V placement, not its interleaved one (:mod:`.layer_numbers`)."""
+    from megatron_2bw.schedules import placement_of
+    from megatron_2bw.training.layer_numbers import number_layers_by
+
+    number_layers_by(config, placement_of(getattr(args, "pipeline_schedule", "flush"),
+                                          args.pipeline_model_parallel_size,
+                                          virtual_stages(args)))
 
 
 _noted: set[str] = set()  # notes printed once per process
