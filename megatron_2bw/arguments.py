@@ -579,10 +579,9 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
 
 def _validate_v_placement(args: argparse.Namespace) -> bool:
     """zb-v and dualpipev (``schedules.V_SCHEDULES``): the layout rules of
-    ``requirements.v_placement_problem`` (recomputation: ``RECOMPUTE_REFUSED``), and not yet
-    checkpoints (megatron-core numbers a chunk's layers by the interleaved placement, so chunk 1
-    of rank i would save stage 2d-1-i's layers under stage d+i's numbers). Whether the schedule
-    is one of them."""
+    ``requirements.v_placement_problem`` (recomputation: ``RECOMPUTE_REFUSED``). Whether the
+    schedule is one of them. (Checkpoints key the V's layers by their global numbers:
+    ``training.layer_numbers``.)"""
     name = args.pipeline_schedule
     if name not in schedules.V_SCHEDULES:
         return False
@@ -596,9 +595,6 @@ def _validate_v_placement(args: argparse.Namespace) -> bool:
         batches += [Batch("--rampup-batch-size", args.rampup_batch_size[0], b, dp)]
     _refuse(v_placement_problem(name, pp, args.num_virtual_stages_per_pipeline_rank, layers,
                                 batches, not args.untie_embeddings_and_output_weights))
-    _require(args.save is None and args.load is None, "--save" if args.save else "--load",
-             f"not yet under --pipeline-schedule {name} (megatron-core would number rank i's "
-             f"second chunk as stage {pp}+i, not {2 * pp - 1}-i)")
     args.virtual_pipeline_model_parallel_size = 2
     return True
 

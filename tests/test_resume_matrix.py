@@ -11,7 +11,16 @@ rope, grouped-query attention, no biases, untied output layer) is the case that 
 when only ShardedTensor entries carried the older version.
 
 The cases cover each schedule with each model style (pipedream GPT-2-style at m = 1 < d), and V = 2 virtual stages (2bw, flush), the
-distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style.
+distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style,
+and the V schedules (zb-v; dualpipev with the distributed optimizer: rank i holds stages i and
+2d-1-i, the loss on rank 0).
+A checkpoint keys each layer by its global number whatever the placement: flush with V = 2
+(rank 0 holds layers 0 and 2, rank 1 layers 1 and 3) resumes zb-v's checkpoint (rank 0 holds
+layers 0 and 3, rank 1 layers 1 and 2) with zb-v's losses, and zb-v resumes flush's with
+flush's (CROSS). Numbered by megatron-core's interleaved offsets (rank i's second chunk as
+stage d+i, not 2d-1-i), the V's second chunks saved and loaded each other's layers: the V's own
+resumes still matched, but across schedules iteration 3 logged 6.893468 against zb-v's
+6.893581 and 6.909646 against flush's 6.910532.
 (2bw GPT-2-style resumes in test_training, pipemare GPT-2-style with T2's delta read back in
 test_training, megatron's own schedules there and in test_interleaved.) All cases run one after
 another on the same two spawned processes (tests/test_interleaved's in-process trainer).
@@ -45,29 +54,51 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
                        "--num-virtual-stages-per-pipeline-rank", "2"],
     "flush-gpt-distopt-DP2": ["--pipeline-schedule", "flush", *PP1,
                               "--use-distributed-optimizer"],
+    "zb-v-llama": ["--pipeline-schedule", "zb-v", *LLAMA],
+    "dualpipev-gpt-distopt": ["--pipeline-schedule", "dualpipev",
+                              "--untie-embeddings-and-output-weights",
+                              "--use-distributed-optimizer"],
+}
+CROSS = {  # name -> (the case whose SAVED_AT checkpoint is loaded, the case whose flags resume it)
+    "flush-V2-resumes-zb-v": ("zb-v-llama", "flush-llama-V2"),
+    "zb-v-resumes-flush-V2": ("flush-llama-V2", "zb-v-llama"),
 }
 
 
 def _matrix_worker(rank: int, world: int, out: str) -> dict:
     """Every case: the uninterrupted run (saving at SAVED_AT and at the end), then the run
-    resumed from the SAVED_AT checkpoint alone. A case that fails (on every rank: the
-    trainer agrees on a non-finite loss) is recorded as its error's line, and the next runs."""
+    resumed from the SAVED_AT checkpoint alone; then CROSS's resumed runs. A case that fails
+    (on every rank: the trainer agrees on a non-finite loss) is recorded as its error's line,
+    and the next runs."""
     import torch.distributed as dist
 
-    out, runs = Path(out), {}
+    out, runs, uninterrupted = Path(out), {}, {}
     for name, flags in CASES.items():
         saved, start = out / name / "saved", out / name / "start"
         full = _train([*flags, "--save", str(saved), "--save-interval", str(SAVED_AT)])
         if rank == 0:
             _resume_dir(saved, SAVED_AT, start)
         dist.barrier()
-        try:
-            runs[name] = (full, _train([*flags, "--load", str(start)]))
-        except Exception as error:  # noqa: BLE001 -- reported by the case's test
-            runs[name] = f"the resumed run failed: {type(error).__name__}: {error}"
-            _tear_down()
+        uninterrupted[name] = full
+        runs[name] = _with(full, _resumed(flags, start))
+    for name, (saved, resumer) in CROSS.items():
+        runs[name] = _with(uninterrupted[saved], _resumed(CASES[resumer], out / saved / "start"))
     runs["release"] = _from_release(rank, out / RELEASE_CASE / "saved", out / "release")
     return runs
+
+
+def _resumed(flags: list[str], start: Path):
+    """The run of ``flags`` resumed from ``start``, or its error's line if it raised."""
+    try:
+        return _train([*flags, "--load", str(start)])
+    except Exception as error:  # noqa: BLE001 -- reported by the case's test
+        _tear_down()
+        return f"the resumed run failed: {type(error).__name__}: {error}"
+
+
+def _with(full: tuple, resumed: tuple | str) -> tuple | str:
+    """(the uninterrupted run, the resumed run), or the resumed run's failure."""
+    return resumed if isinstance(resumed, str) else (full, resumed)
 
 
 def _from_release(rank: int, saved: Path, into: Path):
@@ -103,12 +134,26 @@ RELEASE_CASE = "flush-gpt-distopt-DP2"
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume_matrix")
-    # rank 1 holds the losses in every case (the last pipeline stage, or a replica)
-    return launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results",
-                        timeout=300)[1]
+    ranks = launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results", timeout=400)
+    return {name: _of_the_loss_ranks([rank[name] for rank in ranks], name) for name in ranks[0]}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _of_the_loss_ranks(results: list, name: str):
+    """One entry of the matrix from the two ranks' results: each run's (losses, validation
+    loss) from the rank that holds them (the last pipeline stage or a replica: rank 1; rank 0
+    under the V schedules), or the failure both ranks recorded."""
+    if isinstance(results[1], str):
+        return results[1]
+    if name == "release":
+        return _loss_rank_run(results)
+    return tuple(_loss_rank_run(runs) for runs in zip(*results))
+
+
+def _loss_rank_run(runs) -> tuple:
+    return next((run for run in runs if run[1] is not None), runs[1])
+
+
+@pytest.mark.parametrize("case", [*CASES, *CROSS])
 def test_a_resumed_run_logs_the_uninterrupted_losses(matrix, case):
     assert not isinstance(matrix[case], str), matrix[case]
     (full, full_valid), (resumed, resumed_valid) = matrix[case]

@@ -90,7 +90,20 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
 
         fields.update(cuda_config_fields(args))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    _number_layers_by_placement(args, config)
+    return config
+
+
+def _number_layers_by_placement(args: argparse.Namespace, config) -> None:
+    """Under zb-v and dualpipev, megatron-core numbers the chunks' layers (and so keys them in
+    checkpoints) by the V placement, not its interleaved one (:mod:`.layer_numbers`)."""
+    from megatron_2bw.schedules import placement_of
+    from megatron_2bw.training.layer_numbers import number_layers_by
+
+    number_layers_by(config, placement_of(getattr(args, "pipeline_schedule", "flush"),
+                                          args.pipeline_model_parallel_size,
+                                          virtual_stages(args)))
 
 
 _noted: set[str] = set()  # notes printed once per process
@@ -150,8 +163,8 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
     ``get_transformer_layer_offset``; only chunk 0 of the first rank pre-processes (the
     embedding) and only chunk V-1 of the last rank post-processes (output layer and loss).
     Under zb-v and dualpipev (the V placement, ``schedules.Placement``) both are rank 0's:
-    its chunk 0 embeds and its chunk 1 holds the output layer and the loss; megatron-core
-    still numbers chunk 1's layers by the interleaved offset (see arguments.py). Their chunks
+    its chunk 0 embeds and its chunk 1 holds the output layer and the loss; chunk 1's layers
+    are numbered as stage 2d-1-i's (``transformer_config``: ``layer_numbers``). Their chunks
     start from flush's weights at the same --seed (:func:`_v_chunks_as_flush`).
     Each chunk has its own DDP wrapper; chunks after the first, and all of them with
     --overlap-param-gather-with-optimizer-step, hold one bucket (Megatron-LM's
