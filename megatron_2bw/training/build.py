@@ -228,6 +228,22 @@ def _v_chunks_as_flush(args: argparse.Namespace, config, provider: Callable) -> 
     return [built[stage] for stage in sorted(chunk_of, key=chunk_of.get)]
 
 
+def _cast_by_placement(wrapper, first: bool, last: bool) -> None:
+    """megatron-core's ``Float16Module`` casts the inputs of the loop placement's first chunk
+    to half precision and the outputs of its last (rank d-1's last chunk) to fp32. Under the V
+    the last stage is rank 0's second chunk and rank d-1's second chunk is mid-pipeline (its
+    output goes on, in half precision): this chunk's casts follow the placement instead."""
+    from megatron.core.transformer.module import float16_to_fp32, fp32_to_float16
+
+    def forward(*inputs, fp32_output=True, **kwargs):
+        if first:
+            inputs = fp32_to_float16(inputs, wrapper.float16_convertor)
+        outputs = wrapper.module(*inputs, **kwargs)
+        return float16_to_fp32(outputs) if last and fp32_output else outputs
+
+    wrapper.forward = forward
+
+
 def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage: int | None):
     """One bare chunk (in a Float16Module with fp16/bf16) on the training device; with virtual
     stages it carries Megatron-LM's ``vp_stage`` attribute."""
@@ -254,6 +270,9 @@ def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+        if vp_stage is not None and placement.shape == "v":
+            _cast_by_placement(model, placement.is_first(stage, vp_stage),
+                               placement.is_last(stage, vp_stage))
     device = training_device()
     if device.type == "cuda":
         model.cuda(device)
