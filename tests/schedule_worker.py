@@ -284,6 +284,9 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
+
+    bind_helpers_to_this_process()  # as training's saves: no Manager server to outlive the rank
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
