@@ -94,6 +94,12 @@ MEGATRON_CORE: tuple[Expected, ...] = (
     Expected("megatron.core.jit", "noop_decorator", ("func",), user="runtime/cpu.py"),
     Expected("megatron.core.jit", "jit_fuser", user="runtime/cpu.py (replaced)"),
     Expected("megatron.core.datasets.indexed_dataset", "_INDEX_HEADER", user="data/indexed.py"),
+    Expected("megatron.core.dist_checkpointing.utils", "_clean_metadata_for_serialization",
+             ("metadata",), user="training/checkpointing.py"),
+    Expected("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset",
+             ("config", "vp_stage", "pp_rank"), user="training/layer_numbers.py (wrapped)"),
+    Expected("megatron.core.transformer.module", "float16_to_fp32", user="training/build.py"),
+    Expected("megatron.core.transformer.module", "fp32_to_float16", user="training/build.py"),
 )
 
 
