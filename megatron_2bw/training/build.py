@@ -253,26 +253,23 @@ def _model_chunk(args: argparse.Namespace, config, provider: Callable, vp_stage:
 
     from megatron_2bw.schedules import placement_of
 
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    placement = placement_of(getattr(args, "pipeline_schedule", "flush"),
+                             ps.get_pipeline_model_parallel_world_size(), virtual_stages(args))
+    stage = ps.get_pipeline_model_parallel_rank()
+    first, last = ((ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()) if vp_stage is None
+                   else (placement.is_first(stage, vp_stage), placement.is_last(stage, vp_stage)))
     with _model_fits(args):
         if vp_stage is None:
             model = provider(config, pre_process=first, post_process=last)
         else:
-            placement = placement_of(getattr(args, "pipeline_schedule", "flush"),
-                                     ps.get_pipeline_model_parallel_world_size(),
-                                     virtual_stages(args))
-            stage = ps.get_pipeline_model_parallel_rank()
-            model = provider(config, pre_process=placement.is_first(stage, vp_stage),
-                             post_process=placement.is_last(stage, vp_stage),
-                             vp_stage=vp_stage)
+            model = provider(config, pre_process=first, post_process=last, vp_stage=vp_stage)
             model.vp_stage = vp_stage
     if config.params_dtype != torch.float32 or config.fp16 or config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-        if vp_stage is not None and placement.shape == "v":
-            _cast_by_placement(model, placement.is_first(stage, vp_stage),
-                               placement.is_last(stage, vp_stage))
+        if placement.shape == "v":
+            _cast_by_placement(model, first, last)
     device = training_device()
     if device.type == "cuda":
         model.cuda(device)
