@@ -15,12 +15,13 @@ from typing import Sequence
 from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
+from megatron_2bw.corrections import RULES
 from megatron_2bw.flag_types import FlagError, int_at_least, number_in
 from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
                                                   v_placement_problem, virtual_stage_problem)
 
 __all__ = ["FlagError", "SCHEDULES", "build_parser", "parse_args", "validate_args",
-           "int_at_least", "number_in"]
+           "int_at_least", "number_in", "have_emerging_optimizers"]
 
 MAX_TRAIN_SAMPLES = 2 ** 40
 """More training samples than this (beyond any real run) are refused: the dataset indices
@@ -170,6 +171,16 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipemare-sync-iters", type=_NONNEG, default=0, metavar="N",
                    help="pipemare: run the first N iterations synchronously (flush's order "
                         "and weights, the pipeline drained each iteration), then PipeMare's")
+    g.add_argument("--stale-weight-correction", choices=RULES, default="none",
+                   help="2bw: correct the one-step-stale update (megatron_2bw/corrections.py, "
+                        "docs/convergence.md): predict, forward and backward at the weights "
+                        "extrapolated one step ahead (PipeOptim; one more weight copy); dc, "
+                        "DC-ASGD's delay-compensated gradient (one more copy); ef, the "
+                        "error-feedback correction of the update (one more copy); none, the "
+                        "paper's update")
+    g.add_argument("--stale-weight-correction-coeff", type=number_in(0, low_open=True),
+                   default=None, metavar="C",
+                   help="predict's look-ahead s, dc's lambda, ef's beta (default 1)")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "
@@ -196,7 +207,11 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="iterations to train (exclusive with --train-samples; one is required)")
     g.add_argument("--train-samples", type=_COUNT, default=None,
                    help="samples to train (exclusive with --train-iters; one is required)")
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd", "muon", "dist_muon"), default="adam",
+                   help="muon: Muon for the hidden layers' matrices, Adam for embeddings, "
+                        "output layer, norms and biases (megatron-core's split; "
+                        "docs/megatron_lm_compatibility.md says which Muon runs)")
+    _add_muon_args(g)
     g.add_argument("--lr", type=_POSITIVE, default=None, help="required")
     g.add_argument("--min-lr", type=number_in(0), default=0.0)
     g.add_argument("--decoupled-lr", type=_POSITIVE, default=None,
@@ -245,6 +260,23 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=_COUNT, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     _add_runtime_args(p)
+
+
+def _add_muon_args(g) -> None:
+    """Megatron-LM's --muon-* flags (its "regularization" group at core_v0.16.1), with its
+    defaults."""
+    g.add_argument("--muon-momentum", type=_PROBABILITY, default=0.9)
+    g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+                   help="orthogonalize the fused QKV weight whole, not per Q, K and V")
+    g.add_argument("--muon-use-nesterov", action="store_true")
+    g.add_argument("--muon-scale-mode", choices=("spectral", "unit_rms_norm", "shape_scaling"),
+                   default="spectral")
+    g.add_argument("--muon-fp32-matmul-prec", choices=("low", "medium", "high"),
+                   default="medium", help="matmul precision of Newton-Schulz on CUDA")
+    g.add_argument("--muon-num-ns-steps", type=_COUNT, default=5)
+    g.add_argument("--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"),
+                   default="blockwise")
+    g.add_argument("--muon-extra-scale-factor", type=_POSITIVE, default=1.0)
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -726,6 +758,8 @@ def _validate_training(args: argparse.Namespace) -> None:
     if args.recompute_granularity is not None:
         _refuse(recompute_problem(args.pipeline_schedule))
     _validate_pipemare(args)
+    _validate_muon(args)
+    _validate_stale_correction(args)
     from megatron_2bw.runtime.device import device_kind
 
     _validate_low_precision_weights(args, on_cuda=device_kind(args.cpu) == "cuda")
@@ -768,6 +802,63 @@ def _validate_pipemare(args: argparse.Namespace) -> None:
     for flag in given:
         _require(args.pipeline_schedule == "pipemare", flag,
                  f"only with --pipeline-schedule pipemare, not {args.pipeline_schedule}")
+
+
+_MUON_DEFAULTS = {"muon_momentum": 0.9, "muon_split_qkv": True, "muon_use_nesterov": False,
+                  "muon_scale_mode": "spectral", "muon_fp32_matmul_prec": "medium",
+                  "muon_num_ns_steps": 5, "muon_tp_mode": "blockwise",
+                  "muon_extra_scale_factor": 1.0}
+
+
+def have_emerging_optimizers() -> bool:
+    """Whether NVIDIA's emerging-optimizers imports (megatron-core's TensorParallelMuon needs
+    it; it requires Python >= 3.12)."""
+    import importlib.util
+
+    return importlib.util.find_spec("emerging_optimizers") is not None
+
+
+def _validate_muon(args: argparse.Namespace) -> None:
+    """--optimizer muon as megatron-core builds it (``get_megatron_muon_optimizer``): not with
+    fp16 or the distributed optimizer; without emerging-optimizers, blockwise tensor
+    parallelism only. The --muon-* flags need it."""
+    _require(args.optimizer != "dist_muon", "--optimizer",
+             "dist_muon (Muon with a layer-wise distributed optimizer) is not supported; use "
+             "--optimizer muon")
+    if args.optimizer != "muon":
+        for dest, default in _MUON_DEFAULTS.items():
+            flag = "--muon-no-split-qkv" if dest == "muon_split_qkv" else \
+                "--" + dest.replace("_", "-")
+            _require(getattr(args, dest) == default, flag,
+                     f"only with --optimizer muon, not {args.optimizer}")
+        return
+    _require(not args.fp16, "--fp16", "not with --optimizer muon (megatron-core's Muon runs "
+             "fp32 or bf16 only); use --bf16")
+    _require(args.muon_tp_mode == "blockwise" or have_emerging_optimizers(), "--muon-tp-mode",
+             f"{args.muon_tp_mode} needs NVIDIA's emerging-optimizers package (Python >= 3.12); "
+             "without it each tensor-parallel rank orthogonalizes its shard (blockwise)")
+
+
+def _validate_stale_correction(args: argparse.Namespace) -> None:
+    """--stale-weight-correction: 2bw's one-step delay, on fp32 weights, whole new versions
+    right after the step."""
+    rule = args.stale_weight_correction
+    if rule == "none":
+        _require(args.stale_weight_correction_coeff is None, "--stale-weight-correction-coeff",
+                 "only with --stale-weight-correction predict, dc or ef")
+        return
+    flag = "--stale-weight-correction"
+    _require(args.pipeline_schedule == "2bw", flag,
+             f"only with --pipeline-schedule 2bw, not {args.pipeline_schedule}: its corrections "
+             "assume 2BW's delay of one step on every stage (pipedream and pipemare delay "
+             "some microbatches of a batch on some stages)")
+    _require(not (args.bf16 or args.fp16), flag,
+             f"{rule} works on the fp32 weights the version store holds; with --bf16/--fp16 "
+             "the difference of two versions is lost to their rounding: train in fp32")
+    if rule in ("predict", "ef"):
+        _require(not args.overlap_param_gather, flag,
+                 f"{rule} reads the whole new version right after the step; with "
+                 "--overlap-param-gather the all-gather runs later: drop it")
 
 
 # Megatron-LM's entry scripts' `args_defaults` (core_v0.16.1): pretrain_gpt.py and

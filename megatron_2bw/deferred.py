@@ -94,10 +94,16 @@ exists, and the optimizer reads only the copy; the step writes the slot ``fork``
 no microbatch in flight reads; the result equals the synchronous step bit for bit in fp32
 (same reductions on the same values, in the same order per tensor).
 
+A ChainedOptimizer (Muon for the hidden matrices and Adam for the rest, built by
+``training/build.py``) is stepped as megatron-core's ``ChainedOptimizer.step`` steps it: every
+member prepares its gradients, one norm over all members' gradients (their grad-stats group
+is one group), each member clipped by it and stepped in order. Without clipping no norm is
+taken, so the chain's per-step grad-norm all-reduce over the pipeline is gone too.
+
 Not deferred (the step stays where the loop calls it): fp16 loss scaling (the scale of batch
 t+1's backward depends on step t's inf check), DDP's overlapped gradient reduction, per-token
 loss normalisation, position embeddings shared across stages, a custom
-``finalize_model_grads_func``, and a ChainedOptimizer of more than one optimizer.
+``finalize_model_grads_func``, and a chain whose members have different grad-stats groups.
 """
 
 from __future__ import annotations
@@ -109,31 +115,30 @@ import torch
 __all__ = ["DeferredStep", "why_not_deferred"]
 
 
-def _inner(optimizer):
-    """The optimizer that owns the parameter groups (a one-member ChainedOptimizer's member)."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None and len(chained) == 1:
-        return chained[0]
-    return optimizer
+def members(optimizer) -> list:
+    """The megatron-core optimizers that own the parameter groups, in step order: a
+    ChainedOptimizer's members, or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def why_not_deferred(optimizer, config, chunks: list) -> str | None:
     """Why the step of this stage cannot be deferred, or None when it can (and is worth it:
-    its step holds a collective that spans the pipeline; a ChainedOptimizer's always does, as
-    it all-reduces the grad norm also without clipping, which the deferred step skips).
-    ``chunks``: the stage's model chunks (several with virtual stages)."""
+    its step holds a collective that spans the pipeline; a chain of several optimizers' always
+    does, as it all-reduces the grad norm also without clipping, which the deferred step
+    skips). ``chunks``: the stage's model chunks (several with virtual stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
-    inner = _inner(optimizer)
-    if getattr(optimizer, "chained_optimizers", None) is not None and inner is optimizer:
-        return "a ChainedOptimizer of several optimizers"
-    if not all(hasattr(inner, name) for name in ("prepare_grads", "step_with_ready_grads",
-                                                 "get_main_grads_for_grad_norm")):
-        return f"{type(inner).__name__} is not a megatron-core optimizer"
+    chain = members(optimizer)
+    for inner in chain:
+        if not all(hasattr(inner, name) for name in ("prepare_grads", "step_with_ready_grads",
+                                                     "get_main_grads_for_grad_norm")):
+            return f"{type(inner).__name__} is not a megatron-core optimizer"
+    if len({id(inner.get_grad_stats_parallel_group()) for inner in chain}) > 1:
+        return "optimizers whose gradient norms span different groups"
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return "one pipeline stage (nothing to wait for)"
-    if getattr(inner, "grad_scaler", None) is not None:
+    if any(getattr(inner, "grad_scaler", None) is not None for inner in chain):
         return "fp16 loss scaling (the next batch's loss scale depends on this step)"
     if any(getattr(chunk, "ddp_config", None) is not None
            and chunk.ddp_config.overlap_grad_reduce for chunk in chunks):
@@ -148,8 +153,7 @@ def why_not_deferred(optimizer, config, chunks: list) -> str | None:
     if pos_group is not None and torch.distributed.get_world_size(pos_group) > 1 \
             and torch.distributed.get_rank() in torch.distributed.get_process_group_ranks(pos_group):
         return "position embeddings shared across stages"
-    chained = getattr(optimizer, "chained_optimizers", None) is not None
-    if inner.config.clip_grad <= 0 and _tied_embedding(chunks) is None and not chained:
+    if chain[0].config.clip_grad <= 0 and _tied_embedding(chunks) is None and len(chain) == 1:
         return "no clipping and no tied embeddings (the step is stage-local already)"
     return None
 
@@ -183,20 +187,21 @@ optimizer's fp32 master copies, the distributed optimizer's shards of its fp32 m
 and of fp32 parameters (views of megatron-core's parameter buffer)."""
 
 
-def _main_param(optimizer, param):
-    """The parameter the optimizer steps for the model parameter ``param``: its fp32 master
-    copy under bf16, this rank's shard with the distributed optimizer, itself otherwise.
+def _main_param(chain: list, param):
+    """The parameter the chain's optimizers step for the model parameter ``param``: its fp32
+    master copy under bf16, this rank's shard with the distributed optimizer, itself otherwise.
 
     With the distributed optimizer a shared word embedding has a DDP bucket of its own on both
     stages (megatron-core's ``_does_param_require_new_bucket``), so each data-parallel rank owns
     the same range of it on the first and the last stage, and the embedding group's all-reduce
     of the two shards' gradients is that of the full gradients, restricted to the range."""
-    for model_name, main_name in _MAIN_GROUPS:
-        for model_group, main_group in zip(getattr(optimizer, model_name, ()),
-                                           getattr(optimizer, main_name, ())):
-            for model_param, main_param in zip(model_group, main_group):
-                if model_param is param:
-                    return main_param
+    for optimizer in chain:
+        for model_name, main_name in _MAIN_GROUPS:
+            for model_group, main_group in zip(getattr(optimizer, model_name, ()),
+                                               getattr(optimizer, main_name, ())):
+                for model_param, main_param in zip(model_group, main_group):
+                    if model_param is param:
+                        return main_param
     return param
 
 
@@ -224,14 +229,14 @@ class DeferredStep:
         from megatron_2bw.runtime import distributed
 
         self.optimizer = optimizer
-        self.inner = _inner(optimizer)
+        self.members = members(optimizer)
         self.config = config
         self.chunks = list(chunks)
         self.timeout = timeout if timeout is not None else distributed.timeout()
-        self.params = self.inner.get_parameters()
+        self.params = [p for inner in self.members for p in inner.get_parameters()]
         self.copies: list[torch.Tensor | None] | None = None
         embedding = _tied_embedding(self.chunks)
-        main = None if embedding is None else _main_param(self.inner, embedding)
+        main = None if embedding is None else _main_param(self.members, embedding)
         self.embedding_index = next((i for i, p in enumerate(self.params) if p is main), None)
         self.embedding_group = ps.get_embedding_group(check_initialized=False)
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -275,7 +280,7 @@ class DeferredStep:
         if self.pending_version is not None:
             raise RuntimeError(f"step {self.pending_version} still pending at step {new_version}")
         self._finalize_locally()
-        if self.inner.prepare_grads():
+        if any([inner.prepare_grads() for inner in self.members]):
             raise RuntimeError("inf/nan check in a deferred step (fp16 is not deferred)")
         if self.copies is None:
             self.copies = [None if p.grad is None else torch.empty_like(p.grad)
@@ -284,7 +289,8 @@ class DeferredStep:
             if copy is not None:
                 copy.copy_(p.grad)
                 p.grad = copy
-        grads_for_norm = self.inner.get_main_grads_for_grad_norm()
+        grads_for_norm = [g for inner in self.members
+                          for g in inner.get_main_grads_for_grad_norm()]
         for p in self.params:  # a backward of batch t+1 would accumulate into a .grad left set
             p.grad = None
         embedding_grad = (None if self.embedding_index is None
@@ -296,7 +302,7 @@ class DeferredStep:
                                 "the word-embedding gradient all-reduce")
             if any(grad is embedding_grad for grad in grads_for_norm):
                 self._gate = work  # the norm reads the all-reduced embedding gradient
-        if self.inner.config.clip_grad > 0:
+        if self._clip > 0:
             # get_grad_norm_fp32's groups: FSDP's data-parallel one (DTensor grads), then the
             # grad-stats one
             data_parallel_group = None
@@ -308,7 +314,7 @@ class DeferredStep:
             if data_parallel_group:
                 self._chain.append((data_parallel_group,
                                     "the grad-norm all-reduce over FSDP's data-parallel group"))
-            self._chain.append((self.inner.get_grad_stats_parallel_group(),
+            self._chain.append((self.members[0].get_grad_stats_parallel_group(),
                                 "the grad-norm all-reduce over the grad-stats group"))
             self._advance(block=False)
 
@@ -325,8 +331,7 @@ class DeferredStep:
         returned is the last applied step's, one iteration behind."""
         if self.pending_version is None:
             return self._original_step()
-        self.hyper = [(group["lr"], group.get("weight_decay"))
-                      for group in self.inner.param_groups]
+        self.hyper = [(group["lr"], group.get("weight_decay")) for group in self._groups()]
         return True, self.last_grad_norm, None
 
     def apply(self, versions) -> None:
@@ -341,13 +346,13 @@ class DeferredStep:
         versions.fork(self.pending_version)
         for p, copy in zip(self.params, self.copies):
             p.grad = copy
-        clip = self.inner.config.clip_grad
-        if clip > 0:
-            clip_grad_by_total_norm_fp32(self.params, clip, self._norm)
-        now = [(group["lr"], group.get("weight_decay")) for group in self.inner.param_groups]
+        if self._clip > 0:
+            clip_grad_by_total_norm_fp32(self.params, self._clip, self._norm)
+        now = [(group["lr"], group.get("weight_decay")) for group in self._groups()]
         self._set_hyper(self.hyper)
         try:
-            self.inner.step_with_ready_grads()
+            for inner in self.members:
+                inner.step_with_ready_grads()
         finally:
             self._set_hyper(now)
         for p in self.params:
@@ -426,8 +431,17 @@ class DeferredStep:
         return (f"the deferred optimizer step {self.pending_version}: {what} with ranks "
                 f"{_group_ranks(group)} failed{bound}: {error}")
 
+    @property
+    def _clip(self) -> float:
+        """--clip-grad (every member's config holds it)."""
+        return self.members[0].config.clip_grad
+
+    def _groups(self) -> list[dict]:
+        """Every member's parameter groups, in step order."""
+        return [group for inner in self.members for group in inner.param_groups]
+
     def _set_hyper(self, values: list[tuple]) -> None:
-        for group, (lr, weight_decay) in zip(self.inner.param_groups, values):
+        for group, (lr, weight_decay) in zip(self._groups(), values):
             group["lr"] = lr
             if weight_decay is not None:
                 group["weight_decay"] = weight_decay

@@ -90,8 +90,8 @@ CATEGORIES = {
     "hybrid": _C("refused", "Mamba/hybrid and heterogeneous models are not supported by "
                  "megatron-2bw"),
     "offload": _C("refused", "CPU offloading and FSDP are not supported by megatron-2bw"),
-    "optimizer": _C("refused", "an optimizer option megatron-2bw does not implement (Adam and "
-                    "SGD through megatron-core's OptimizerConfig)"),
+    "optimizer": _C("refused", "an optimizer option megatron-2bw does not implement (Adam, "
+                    "Muon and SGD through megatron-core's OptimizerConfig)"),
     "schedule": _C("refused", "a learning-rate or weight-decay schedule option megatron-2bw "
                    "does not implement"),
     "checkpoint": _C("refused", "a checkpoint option megatron-2bw's torch_dist checkpoints do "
@@ -146,7 +146,7 @@ _BY_FLAG = [
      r"overlap-cpu-optimizer|no-pin-cpu|init-model-with-meta|data-parallel-sharding|"
      r"outer-dp-sharding|fsdp-|suggested-communication-unit|enable-full-sharding|"
      r"torch-fsdp2|no-strict-fsdp)", "offload"),
-    (r"--(sgd-momentum|muon-|use-precision-aware|main-grads-dtype|main-params-dtype|"
+    (r"--(sgd-momentum|use-precision-aware|main-grads-dtype|main-params-dtype|"
      r"exp-avg|dump-param-to-param-group|apply-wd-to-qk|no-weight-decay-cond)", "optimizer"),
     (r"--(lr-warmup-init|start-weight-decay|end-weight-decay|weight-decay-incr)",
      "schedule"),

@@ -74,6 +74,10 @@ class WeightVersions:
             raise KeyError(f"weight version {version} is not alive (alive: {self.alive})")
         self._point(self.slot_of[version])
 
+    def use_trained(self) -> None:
+        """Point the parameters at the newest weights the optimizer made (evaluation)."""
+        self.use(self.newest)
+
     def tensors_of(self, version: int) -> list[torch.Tensor]:
         """The tensors holding ``version`` (alive)."""
         if version not in self.slot_of:

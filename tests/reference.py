@@ -75,6 +75,15 @@ class Model:
     llama: bool = False
     """Llama-style layers: SwiGLU (FFN 4h), RMSNorm, rotary position embeddings, grouped-query
     attention with 2 query groups, no biases (``LLAMA_FLAGS``); else GPT-2 style."""
+    optimizer: str = "adam"
+    """"muon": Muon for the hidden layers' 2-D weights (``muon_step``), AdamW for the rest."""
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    tensor_parallel: int = 1
+    """Muon orthogonalizes each tensor-parallel rank's block of a weight on its own."""
+    correction: str = "none"
+    """2bw's stale-weight correction ("predict", "dc", "ef"; ``reference_run``)."""
+    correction_coeff: float = 1.0
 
 
 MODEL = Model()
@@ -168,6 +177,79 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
     return {n: p.grad.detach().clone() for n, p in params.items()}, losses
 
 
+# ---- Muon (Jordan, 2024), written out for the references ---------------------------------------
+
+def newton_schulz5(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Five quintic iterations X <- a X + (b A + c A^2) X, A = X X^T, from X = x / ||x||_F,
+    along the smaller side (Jordan's coefficients a, b, c = 3.4445, -4.7750, 2.0315)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = x.shape[0] > x.shape[1]
+    X = x.t() if tall else x
+    X = X / max(float(X.norm()), 1e-7)
+    for _ in range(steps):
+        A = X @ X.t()
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.t() if tall else X
+
+
+def _muon_blocks(name: str, shape: tuple, model: "Model") -> list[tuple[slice, slice]]:
+    """The blocks of a 2-D weight that are orthogonalized apart: one per tensor-parallel rank
+    (column-parallel QKV and FC1 split on rows, row-parallel projections on columns; position
+    embeddings whole), and in the QKV weight of each rank, its query groups' Q, K and V rows
+    apart."""
+    rows, cols = shape
+    tp = model.tensor_parallel
+    column = name.endswith(("linear_qkv.weight", "linear_fc1.weight"))
+    row = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+    ranks = [(slice(r * rows // tp, (r + 1) * rows // tp), slice(None)) if column else
+             (slice(None), slice(r * cols // tp, (r + 1) * cols // tp)) if row else
+             (slice(None), slice(None)) for r in range(tp if column or row else 1)]
+    if not name.endswith("linear_qkv.weight"):
+        return ranks
+    kv = model.hidden_size // model.num_attention_heads
+    groups = 2 if model.llama else model.num_attention_heads
+    q = model.num_attention_heads // groups * kv
+    per_group, blocks = q + 2 * kv, []
+    for rank_rows, _ in ranks:
+        for start, size in ((0, q), (q, kv), (q + kv, kv)):  # Q, K, V of the rank's groups
+            rows_of = [g * per_group + start + i
+                       for g in range(rank_rows.start // per_group, rank_rows.stop // per_group)
+                       for i in range(size)]
+            blocks.append((torch.tensor(rows_of), slice(None)))
+    return blocks
+
+
+@torch.no_grad()
+def muon_step(named: dict, grads: dict, state: dict, model: "Model", lr: float) -> None:
+    """One Muon step of megatron-core's TensorParallelMuon (blockwise): decoupled weight decay,
+    an exponential moving average of the gradient (Nesterov: (1 - mu) g + mu M), each block
+    orthogonalized and scaled by sqrt(max(rows, cols)) (the "spectral" scale)."""
+    mu = model.muon_momentum
+    for name, p in named.items():
+        g = grads[name]
+        m = state.setdefault(name, torch.zeros_like(g))
+        p.mul_(1.0 - lr * model.weight_decay)
+        m.mul_(mu).add_(g, alpha=1.0 - mu)
+        u = (1.0 - mu) * g + mu * m if model.muon_nesterov else m.clone()
+        update = torch.zeros_like(u)
+        for rows, cols in _muon_blocks(name, tuple(p.shape), model):
+            block = u[rows][:, cols] if isinstance(rows, torch.Tensor) else u[rows, cols]
+            o = newton_schulz5(block) * max(block.shape) ** 0.5
+            if isinstance(rows, torch.Tensor):
+                update[rows] = o
+            else:
+                update[rows, cols] = o
+        p.sub_(update, alpha=lr)
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """megatron-core's Muon split: 2-D weights but the word embeddings and the output layer
+    (the parameters it flags ``is_embedding_or_output_parameter``; learned position
+    embeddings are not flagged, so Muon steps them)."""
+    return param.dim() == 2 and name not in ("embedding.word_embeddings.weight",
+                                             "output_layer.weight")
+
+
 def clip_grads(grads: dict, max_norm: float) -> float:
     """megatron-core's clip_grad_norm_fp32: total norm in Python floats, scale when above."""
     total = math.sqrt(sum(float(torch.norm(g)) ** 2 for g in grads.values()))
@@ -239,13 +321,17 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     stages = range(depth) if per_stage else [None]
     stage_of = (lambda n: _stage_of(n, depth, model.num_layers)) if per_stage else \
         (lambda n: None)
+    muon = {n: p for n, p in params.items() if model.optimizer == "muon" and uses_muon(n, p)}
+    adam = {n: p for n, p in params.items() if n not in muon}
     groups = [group for stage in stages for group in (
-        {"params": [p for n, p in params.items()
+        {"params": [p for n, p in adam.items()
                     if not no_weight_decay(n, p) and stage_of(n) == stage],
          "weight_decay": model.weight_decay, "stage": stage},
-        {"params": [p for n, p in params.items()
+        {"params": [p for n, p in adam.items()
                     if no_weight_decay(n, p) and stage_of(n) == stage],
          "weight_decay": 0.0, "stage": stage}) if group["params"]]
+    muon_state: dict = {}
+    last_update = None  # ef: U_{t-1}
     optimizer = torch.optim.AdamW(groups, lr=model.lr, betas=(model.adam_beta1, model.adam_beta2),
                                   eps=model.adam_eps)
     snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
@@ -258,7 +344,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     for t in range(iterations):
         current = snapshot()  # W(t)
         history.append(current)
-        read = current if rule == "sync" else previous
+        read = current if rule == "sync" else _read_version(history, max(t - 1, 0), model)
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(read[n])
@@ -299,17 +385,28 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         norms.append(clip_grads(grads, model.clip_grad))
         if split_tie:
             grads["output_layer.weight"] = summed.clone()
+        if model.correction == "dc":  # DC-ASGD: g + lambda g^2 (W(t) - W(t-1))
+            for n in grads:
+                grads[n] += model.correction_coeff * grads[n] ** 2 * (current[n] - previous[n])
         for n, p in params.items():
             p.grad = grads[n]
         warmup = model.lr_warmup_iters
+        lr = model.lr * min(t, warmup) / warmup if warmup else model.lr
+        lr = lrs[t] if lrs is not None else lr
         for group in optimizer.param_groups:
-            group["lr"] = model.lr * min(t, warmup) / warmup if warmup else model.lr
-            if lrs is not None:
-                group["lr"] = lrs[t]
+            group["lr"] = lr
             if rule == "pipemare" and lr_warmup_steps:  # T1
                 tau = max(-(-(depth - group["stage"] - 1) // microbatches), 1)
                 group["lr"] /= tau ** (1.0 - min(t / lr_warmup_steps, 1.0))
         optimizer.step()
+        muon_step(muon, {n: grads[n] for n in muon}, muon_state, model, lr)
+        if model.correction == "ef":  # W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1
+            with torch.no_grad():
+                update = {n: current[n] - p for n, p in params.items()}
+                for n, p in params.items():
+                    if last_update is not None:
+                        p.sub_(update[n] - last_update[n], alpha=model.correction_coeff)
+            last_update = update
         with torch.no_grad():
             for n, d in delta.items():
                 d.copy_(gammas[n] * d + (1 - gammas[n]) * (params[n] - current[n]))
@@ -320,6 +417,15 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         copy = weights.pop("output_layer.weight")
         assert torch.equal(copy, weights["embedding.word_embeddings.weight"]), "tied copies apart"
     return {"weights": weights, "losses": losses, "grad_norms": norms}
+
+
+def _read_version(history: list[dict], version: int, model: Model) -> dict:
+    """What 2BW's microbatches read as ``version``: W(v), or under the "predict" correction
+    R(v) = W(v) + s (W(v) - W(v-1)), R(0) = W(0)."""
+    if model.correction != "predict" or version == 0:
+        return history[version]
+    s = model.correction_coeff
+    return {n: w + s * (w - history[version - 1][n]) for n, w in history[version].items()}
 
 
 def _initial_weights(model: Model) -> dict:

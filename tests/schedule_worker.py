@@ -70,7 +70,7 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
         "--init-method-std", model.init_method_std,
         "--micro-batch-size", model.micro_batch_size,
         "--global-batch-size", model.micro_batch_size * dp * run["m"],
-        "--train-iters", run["iters"], "--optimizer", "adam", "--lr", model.lr,
+        "--train-iters", run["iters"], "--optimizer", model.optimizer, "--lr", model.lr,
         "--lr-decay-style", "constant", "--lr-warmup-iters", model.lr_warmup_iters,
         "--weight-decay", model.weight_decay, "--clip-grad", model.clip_grad,
         "--adam-beta1", model.adam_beta1, "--adam-beta2", model.adam_beta2,
@@ -85,6 +85,12 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if model.llama:
         flags += [*LLAMA_FLAGS, "--ffn-hidden-size", 4 * model.hidden_size]
+    if model.optimizer == "muon":
+        flags += ["--muon-momentum", model.muon_momentum] + (
+            ["--muon-use-nesterov"] if model.muon_nesterov else [])
+    if model.correction != "none":
+        flags += ["--stale-weight-correction", model.correction,
+                  "--stale-weight-correction-coeff", model.correction_coeff]
     flags += run.get("flags", [])
     return [str(f) for f in flags]
 
@@ -293,8 +299,9 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     sharded: dict = {}
     fb.checkpoint_extra(model, sharded)
     dist_checkpointing.save(sharded, str(directory))
+    state = fb.stale.state_tensors() if getattr(fb, "stale", None) is not None else None
     with torch.no_grad():
-        for _, tensors in fb.versions.older_versions():
+        for tensors in [t for _, t in fb.versions.older_versions()] + [state or []]:
             for tensor in tensors:
                 tensor.fill_(float("nan"))
     sharded = {}
@@ -318,7 +325,9 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
     counter = sync_counter.counter() if host_syncs is not None else None
     marks = []
     if hasattr(fb, "attach_optimizer"):
-        fb.attach_optimizer(optimizer, defer=defer)
+        from megatron_2bw.corrections import StaleCorrection
+
+        fb.attach_optimizer(optimizer, defer=defer, correction=StaleCorrection.from_args(args))
     if args.pipeline_schedule == "pipemare":
         from megatron_2bw.schedules.pipemare import PipeMareOptions
 

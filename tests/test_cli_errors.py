@@ -100,6 +100,45 @@ FLAG_CASES = {
         2, "--num-layers", ["6 layers", "4 model chunks"]),
     "v-tied-embeddings": (
         _V_FLAGS[:-1], _V_FLAGS, 2, "--untie-embeddings-and-output-weights", ["zb-v"]),
+    # --optimizer muon as megatron-core builds it; --stale-weight-correction on 2bw's fp32 weights
+    "muon-distributed-optimizer": (
+        ["--optimizer", "muon", "--use-distributed-optimizer"], ["--optimizer", "muon"],
+        1, "--use-distributed-optimizer", ["Adam only", "muon"]),
+    "dist-muon": (["--optimizer", "dist_muon"], ["--optimizer", "muon"], 1, "--optimizer",
+                  ["dist_muon", "--optimizer muon"]),
+    "muon-flag-without-muon": (
+        ["--muon-momentum", "0.95"], ["--optimizer", "muon", "--muon-momentum", "0.95"],
+        1, "--muon-momentum", ["only with --optimizer muon", "adam"]),
+    "muon-fp16": (["--optimizer", "muon", "--fp16"], ["--optimizer", "muon", "--bf16"],
+                  1, "--fp16", ["--optimizer muon", "--bf16"]),
+    "muon-tp-mode-needs-emerging-optimizers": (
+        ["--optimizer", "muon", "--muon-tp-mode", "duplicated"], ["--optimizer", "muon"],
+        1, "--muon-tp-mode", ["emerging-optimizers", "blockwise"]),
+    "correction-under-flush": (
+        ["--pipeline-schedule", "flush", "--stale-weight-correction", "ef"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef"],
+        1, "--stale-weight-correction", ["only with --pipeline-schedule 2bw", "flush"]),
+    "correction-in-bf16": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--bf16"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict"],
+        1, "--stale-weight-correction", ["fp32", "--bf16"]),
+    "correction-with-late-all-gather": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+        1, "--stale-weight-correction", ["--overlap-param-gather"]),
+    "correction-coeff-without-correction": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction-coeff", "2"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+         "--stale-weight-correction-coeff", "2"],
+        1, "--stale-weight-correction-coeff", ["predict, dc or ef"]),
+    "correction-coeff-zero": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+         "--stale-weight-correction-coeff", "0"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+         "--stale-weight-correction-coeff", "2"],
+        1, "--stale-weight-correction-coeff", ["got '0'"]),
     "dualpipev-fewer-than-2d-microbatches": (
         _DUALPIPEV_FLAGS + ["--global-batch-size", "6"],
         _DUALPIPEV_FLAGS + ["--global-batch-size", "8"],

@@ -22,7 +22,7 @@ LAYERS = (
     {"flag_types", "errors", "logparse"},
     {"runtime"},
     {"data", "weights", "deferred", "megatron_lm_flags"},
-    {"discrepancy"},
+    {"discrepancy", "corrections"},
     {"schedules"},
     {"__init__"},
     {"arguments"},

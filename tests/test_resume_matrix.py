@@ -58,7 +58,20 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     "dualpipev-gpt-distopt": ["--pipeline-schedule", "dualpipev",
                               "--untie-embeddings-and-output-weights",
                               "--use-distributed-optimizer"],
+    # Muon (a chain of Muon and Adam, both optimizers' state) and 2bw's stale-weight
+    # corrections (predict's R(newest), ef's last update, dc's W(t-1): the older version)
+    "flush-llama-muon": ["--pipeline-schedule", "flush", *LLAMA, "--optimizer", "muon"],
+    "2bw-gpt-muon": ["--pipeline-schedule", "2bw", "--optimizer", "muon"],
+    "2bw-llama-predict": ["--pipeline-schedule", "2bw", *LLAMA,
+                          "--stale-weight-correction", "predict"],
+    "2bw-gpt-ef-muon": ["--pipeline-schedule", "2bw", "--optimizer", "muon",
+                        "--stale-weight-correction", "ef"],
+    "2bw-gpt-dc-distopt-DP2": ["--pipeline-schedule", "2bw", *PP1, "--use-distributed-optimizer",
+                               "--stale-weight-correction", "dc",
+                               "--stale-weight-correction-coeff", "1000"],
 }
+SWITCHED = ("2bw-gpt-ef-muon", ["--pipeline-schedule", "2bw", "--optimizer", "muon"])
+"""A checkpoint of a corrected run, resumed without its correction: refused in one line."""
 CROSS = {  # name -> (the case whose SAVED_AT checkpoint is loaded, the case whose flags resume it)
     "flush-V2-resumes-zb-v": ("zb-v-llama", "flush-llama-V2"),
     "zb-v-resumes-flush-V2": ("flush-llama-V2", "zb-v-llama"),
@@ -83,6 +96,7 @@ def _matrix_worker(rank: int, world: int, out: str) -> dict:
         runs[name] = _with(full, _resumed(flags, start))
     for name, (saved, resumer) in CROSS.items():
         runs[name] = _with(uninterrupted[saved], _resumed(CASES[resumer], out / saved / "start"))
+    runs["switched"] = _resumed(SWITCHED[1], out / SWITCHED[0] / "start")
     runs["release"] = _from_release(rank, out / RELEASE_CASE / "saved", out / "release")
     return runs
 
@@ -160,6 +174,14 @@ def test_a_resumed_run_logs_the_uninterrupted_losses(matrix, case):
     assert sorted(full) == [1, 2, 3, 4] and full_valid is not None, (full, full_valid)
     _same(resumed, full, [SAVED_AT + 1, 4])
     _same({4: resumed_valid}, {4: full_valid}, [4])
+
+
+def test_a_checkpoint_resumed_without_its_correction_is_refused(matrix):
+    """ef's checkpoint holds its last update; a run without ef would read the older version
+    as 2BW's and go on differently: refused, naming both rules."""
+    assert isinstance(matrix["switched"], str), matrix["switched"]
+    assert "--stale-weight-correction ef" in matrix["switched"], matrix["switched"]
+    assert "not none" in matrix["switched"], matrix["switched"]
 
 
 def test_a_release_checkpoint_gives_the_weights_and_starts_at_iteration_zero(matrix):

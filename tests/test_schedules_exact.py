@@ -118,6 +118,12 @@ class Case:
     memory and loaded back (tests/schedule_worker.py)."""
     llama: bool = False
     """Llama-style layers (tests/reference.py ``Model.llama``), in the run and its reference."""
+    optimizer: str = "adam"
+    """"muon": Muon for the hidden layers' weights (tests/test_optimizers_exact.py)."""
+    correction: str = "none"
+    """2bw's --stale-weight-correction, in the run and its reference."""
+    coeff: float = 1.0
+    """--stale-weight-correction-coeff."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -129,7 +135,17 @@ class Case:
     @property
     def model(self) -> dict:
         return {"adam_eps": ADAM_EPS, "lr_warmup_iters": self.warmup, "num_layers": self.layers,
-                **({"llama": True} if self.llama else {})}
+                **({"llama": True} if self.llama else {}),
+                **({"optimizer": "muon", "tensor_parallel": self.tp}
+                   if self.optimizer == "muon" else {}),
+                **({"correction": self.correction, "correction_coeff": self.coeff}
+                   if self.correction != "none" else {})}
+
+    @property
+    def _update_suffix(self) -> str:
+        """The optimizer and correction in names (none for Adam without a correction)."""
+        return (f"{'-muon' if self.optimizer == 'muon' else ''}"
+                f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}")
 
     @property
     def name(self) -> str:
@@ -139,7 +155,8 @@ class Case:
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
+                f"{self._update_suffix}")
 
     @property
     def world(self) -> int:
@@ -148,11 +165,13 @@ class Case:
     def reference(self, rule: str | None = None) -> str:
         rule = rule or self.rule
         options = self.pipemare_options(rule)
+        muon_tp = f"-tp{self.tp}" if self.optimizer == "muon" and self.tp > 1 else ""
         return (f"{rule}{f'-d{self.d}' if rule in PER_STAGE else ''}-w{self.w}-m{self.m}"
                 f"-i{self.iters}{'' if self.tie else '-untied'}"
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(f'-{k}{v}' for k, v in options.items())}"
-                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}")
+                f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
+                f"{self._update_suffix}{muon_tp}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""

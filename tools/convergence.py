@@ -76,6 +76,44 @@ loss at 300 iterations (a plain-PyTorch delayed Adam on a similar model shows th
 T2_SCHEDULE = "pipemare-t2"
 """--schedules name of PipeMare with its discrepancy correction T2 (--t2-decay)."""
 
+OPTIMIZERS = ("adam", "muon")
+STALE_RULES = ("predict", "dc", "ef")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the study, named SCHEDULE[-CORRECTION][+OPTIMIZER]: ``2bw-ef+muon`` is 2bw
+    with --stale-weight-correction ef and --optimizer muon; ``flush`` flush with Adam."""
+
+    name: str
+    schedule: str
+    correction: str | None = None
+    optimizer: str = "adam"
+
+    @classmethod
+    def parse(cls, name: str) -> "RunSpec":
+        base, _, optimizer = name.partition("+")
+        optimizer = optimizer or "adam"
+        if optimizer not in OPTIMIZERS:
+            raise argparse.ArgumentTypeError(f"unknown optimizer {optimizer!r} in {name!r}; "
+                                             f"choose from {','.join(OPTIMIZERS)}")
+        schedule, _, correction = base.rpartition("-")
+        if correction not in STALE_RULES:
+            schedule, correction = base, None
+        if schedule not in (*SCHEDULES, T2_SCHEDULE):
+            raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {name!r}")
+        if correction and schedule != "2bw":
+            raise argparse.ArgumentTypeError(f"{name!r}: corrections apply to 2bw only")
+        return cls(name, schedule, correction, optimizer)
+
+    @property
+    def real_schedule(self) -> str:
+        return "pipemare" if self.schedule == T2_SCHEDULE else self.schedule
+
+    def reference(self, reference: str) -> str:
+        """The reference run with this run's optimizer."""
+        return reference if self.optimizer == "adam" else f"{reference}+{self.optimizer}"
+
 
 def final_losses(log: ParsedLog) -> dict[str, float | None]:
     """The last logged training loss (the mean over its log interval) and the last validation
@@ -190,7 +228,7 @@ def format_matches(matches: Sequence[Match], reference: str, ms: dict[str, float
     """The iterations-to-match and time-to-loss table."""
     lines = [f"iterations and time {reference} needs to reach each schedule's validation loss "
              f"(paper, Section 5.1: {PAPER_ITERATION_RATIO:.0%} of 2BW's iterations)",
-             f"{'schedule':<12} {'ms/it':>6} {'iteration':>9} {'valid loss':>10} {'time s':>7} "
+             f"{'schedule':<16} {'ms/it':>6} {'iteration':>9} {'valid loss':>10} {'time s':>7} "
              f"{reference + ' its':>11} {'ratio':>6} {reference + ' s':>9} {'time ratio':>10}"]
     for m in matches:
         ref_its = ("not reached" if m.reference_iterations is None else
@@ -198,7 +236,7 @@ def format_matches(matches: Sequence[Match], reference: str, ms: dict[str, float
         ratio = "-" if m.iteration_ratio is None else f"{m.iteration_ratio:.2f}"
         ref_s = "-" if m.reference_seconds is None else f"{m.reference_seconds:.0f}"
         time_ratio = "-" if m.time_ratio is None else f"{m.time_ratio:.2f}"
-        lines.append(f"{m.schedule:<12} {ms[m.schedule]:>6.0f} {m.iteration:>9} {m.loss:>10.4f} "
+        lines.append(f"{m.schedule:<16} {ms[m.schedule]:>6.0f} {m.iteration:>9} {m.loss:>10.4f} "
                      f"{m.seconds:>7.0f} {ref_its:>11} {ratio:>6} {ref_s:>9} {time_ratio:>10}")
     lines.append(f"ratio: {reference}'s iterations / the schedule's; time ratio: {reference}'s "
                  "time / the schedule's (above 1: the schedule reaches that loss first); each "
@@ -316,17 +354,26 @@ def _size_flags(a: argparse.Namespace) -> list[str]:
             "--lr", f"{a.lr:g}", "--min-lr", f"{a.lr / 10:g}"]
 
 
-def _schedule_flags(a: argparse.Namespace, schedule: str) -> list[str]:
-    """--pipeline-schedule for `schedule`; pipemare-t2 is pipemare with T2 on."""
-    if schedule == T2_SCHEDULE:
-        return ["--pipeline-schedule", "pipemare",
-                "--pipemare-discrepancy-decay", f"{a.t2_decay:g}"]
-    return ["--pipeline-schedule", schedule]
+def _schedule_flags(a: argparse.Namespace, run: str) -> list[str]:
+    """--pipeline-schedule, --stale-weight-correction and --optimizer of the run named `run`;
+    pipemare-t2 is pipemare with T2 on."""
+    spec = RunSpec.parse(run)
+    flags = ["--pipeline-schedule", spec.real_schedule]
+    if spec.schedule == T2_SCHEDULE:
+        flags += ["--pipemare-discrepancy-decay", f"{a.t2_decay:g}"]
+    if spec.correction:
+        flags += ["--stale-weight-correction", spec.correction]
+        coeff = getattr(a, f"{spec.correction}_coeff", None)
+        if coeff is not None:
+            flags += ["--stale-weight-correction-coeff", f"{coeff:g}"]
+    if spec.optimizer != "adam":
+        flags += ["--optimizer", spec.optimizer]
+    return flags
 
 
 def _training_flags(a: argparse.Namespace, schedule: str) -> list[str]:
-    """Every flag of a run but its data flags."""
-    real = "pipemare" if schedule == T2_SCHEDULE else schedule
+    """Every flag of the run named `schedule` but its data flags."""
+    real = RunSpec.parse(schedule).real_schedule
     return [*_size_flags(a), *MODEL_FLAGS, *_schedule_flags(a, schedule),
             "--pipeline-model-parallel-size", "2",
             "--train-iters", str(a.iters), "--lr-warmup-iters", str(a.iters // 10),
@@ -353,10 +400,17 @@ def _parser() -> argparse.ArgumentParser:
     p = ToolParser(description=__doc__.split("\n\n")[0],
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--schedules", type=comma_list(str, (*SCHEDULES, T2_SCHEDULE)),
-                   default=("2bw", "flush"),
-                   help="the first is compared against the second (default: 2bw,flush); "
+    p.add_argument("--schedules", type=comma_list(_run_name), default=("2bw", "flush"),
+                   help="runs, each SCHEDULE[-CORRECTION][+OPTIMIZER] (2bw-ef+muon: 2bw with "
+                        "--stale-weight-correction ef and --optimizer muon); the first is "
+                        "compared against the second (default: 2bw,flush); "
                         f"{T2_SCHEDULE}: pipemare with its discrepancy correction T2")
+    for rule, what in (("predict", "s"), ("dc", "lambda"), ("ef", "beta")):
+        p.add_argument(f"--{rule}-coeff", type=positive_float, default=None,
+                       help=f"2bw-{rule} runs: --stale-weight-correction-coeff ({what})")
+    p.add_argument("--speedup", action="append", default=[], type=_speedup, metavar="RUN=S",
+                   help="RUN's per-iteration speed over its reference measured apart (tools/"
+                        "bench_schedules.py): time ratios then use S, not the logged ms")
     add_model_size_flags(p, num_layers=4, micro_batch_size=4, hidden_size=128)
     p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=positive_float, default=3e-4,
@@ -387,6 +441,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_name(text: str) -> str:
+    """A --schedules item: a valid run name (``RunSpec``)."""
+    return RunSpec.parse(text).name
+
+
+def _speedup(text: str) -> tuple[str, float]:
+    """RUN=S of --speedup."""
+    run, _, value = text.partition("=")
+    try:
+        return _run_name(run), positive_float(value)
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        raise argparse.ArgumentTypeError(f"expected RUN=SPEEDUP, got {text!r} ({error})")
+
+
 def read_log(path: Path, plot_only: bool) -> ParsedLog:
     """The parsed training log at ``path``; one that is missing, unreadable or holds no
     iteration line raises ToolError naming the file (and --plot-only, which asked for it)."""
@@ -402,15 +470,34 @@ def read_log(path: Path, plot_only: bool) -> ParsedLog:
     return log
 
 
-def _matches(logs: dict[str, ParsedLog], ms: dict[str, float], reference: str
-             ) -> list[Match]:
-    """Every other schedule's checkpoints matched on the reference's validation curve (none
-    without the reference or a validation)."""
+def _matches(logs: dict[str, ParsedLog], ms: dict[str, float], reference: str,
+             best: bool = False) -> list[Match]:
+    """Every other run's checkpoints matched on the validation curve of the reference with
+    its optimizer, or with ``best`` of the reference run that ends lowest (none without a
+    reference or a validation)."""
     curves = {s: validation_curve(log) for s, log in logs.items()}
-    if not curves.get(reference):
-        return []
-    return [m for s, curve in curves.items() if s != reference and curve
-            for m in match_losses(s, curve, ms[s], curves[reference], ms[reference])]
+    references = [s for s, curve in curves.items()
+                  if curve and RunSpec.parse(s).schedule == reference]
+    if best and references:
+        references = [min(references, key=lambda s: curves[s][-1][1])]
+    matches = []
+    for s, curve in curves.items():
+        mine = references[0] if best and references else RunSpec.parse(s).reference(reference)
+        if s != mine and curve and curves.get(mine):
+            matches += match_losses(s, curve, ms[s], curves[mine], ms[mine])
+    return matches
+
+
+def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: str
+                   ) -> dict[str, float]:
+    """ms/iteration where a run's speed-up over its reference is given: the reference's
+    logged ms over the speed-up."""
+    out = dict(ms)
+    for run, speedup in speedups.items():
+        base = RunSpec.parse(run).reference(reference)
+        if run in out and base in ms:
+            out[run] = ms[base] / speedup
+    return out
 
 
 def _report_epochs(a: argparse.Namespace, data_prefix: str) -> float:
@@ -457,23 +544,30 @@ def main(argv: list[str] | None = None) -> int:
         logs[schedule] = read_log(log_path, a.plot_only)
 
     finals = {s: final_losses(log) for s, log in logs.items()}
-    print(f"{'schedule':<12} {'iteration':>9} {'train loss':>10} {'valid loss':>10} {'wall s':>7}")
+    print(f"{'schedule':<16} {'iteration':>9} {'train loss':>10} {'valid loss':>10} {'wall s':>7}")
     for s, f in finals.items():
         train = "-" if f["train"] is None else f"{f['train']:.4f}"
         valid = "-" if f["valid"] is None else f"{f['valid']:.4f}"
         wall = f"{seconds[s]:.0f}" if s in seconds else "-"
-        print(f"{s:<12} {f['iteration'] or '-':>9} {train:>10} {valid:>10} {wall:>7}")
+        print(f"{s:<16} {f['iteration'] or '-':>9} {train:>10} {valid:>10} {wall:>7}")
     result = {"model": a.model, "finals": finals, "seconds": seconds,
               "flags": _size_flags(a) + MODEL_FLAGS + a.extra}
     if data is not None:
         result["epochs"] = _report_epochs(a, data.data_prefix)
-    ms = {s: ms_per_iteration(log) for s, log in logs.items()}
+    ms = _with_speedups({s: ms_per_iteration(log) for s, log in logs.items()},
+                        dict(a.speedup), a.reference)
     matches = _matches(logs, ms, a.reference)
     if matches:
         print(format_matches(matches, a.reference, ms))
-    result.update(ms_per_iteration=ms, reference=a.reference,
+    best = _matches(logs, ms, a.reference, best=True)
+    if best and len({RunSpec.parse(s).optimizer for s in logs}) > 1:
+        print("against the reference run that ends lowest:")
+        print(format_matches(best, a.reference, ms))
+    result.update(ms_per_iteration=ms, reference=a.reference, speedups=dict(a.speedup),
                   matches=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
-                            "time_ratio": m.time_ratio} for m in matches])
+                            "time_ratio": m.time_ratio} for m in matches],
+                  matches_best=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
+                                 "time_ratio": m.time_ratio} for m in best])
     status = 0
     if len(schedules) >= 2:
         first, second = schedules[0], schedules[1]

@@ -80,6 +80,7 @@ from typing import Callable
 
 import torch
 
+from megatron_2bw.corrections import StaleCorrection
 from megatron_2bw.deferred import DeferredStep, why_not_deferred
 from megatron_2bw.discrepancy import DiscrepancyCorrection, zeros_like_delta
 from megatron_2bw.errors import CheckpointRefused
@@ -171,6 +172,9 @@ class PipelineRunner:
         self.optimizer = None  # attach_optimizer(): 2BW may then defer the step
         self.defer = True
         self.deferred: DeferredStep | None = None
+        self.stale_rule = StaleCorrection()  # --stale-weight-correction
+        self.stale = None  # its per-stage object (corrections.py), once bound
+        self._unwrap_step = None  # gives the optimizer its own step() back
         self.step_mode: str | None = None  # how 2BW steps, once known (first call)
         self.pipemare = PipeMareOptions()
         self.correction: DiscrepancyCorrection | None = None  # pipemare's T2, once bound
@@ -234,13 +238,25 @@ class PipelineRunner:
         depth = ps.get_pipeline_model_parallel_world_size()
         return SCHEDULES[self.schedule].drain_notice(depth, num_microbatches)
 
-    def attach_optimizer(self, optimizer, defer: bool = True) -> None:
+    def attach_optimizer(self, optimizer, defer: bool = True,
+                         correction: StaleCorrection | None = None) -> None:
         """The optimizer the training loop steps after each call. Under 2BW its step is then
         deferred (:mod:`megatron_2bw.deferred`) where that removes a pipeline-wide wait;
-        ``defer=False`` keeps it where the loop calls it."""
+        ``defer=False`` keeps it where the loop calls it. ``correction``: 2BW's stale-weight
+        correction (:mod:`megatron_2bw.corrections`), before the first call."""
         if self.deferred is not None:
             self.deferred.detach()
             self.deferred = None
+        if self._unwrap_step is not None:
+            self._unwrap_step()
+            self._unwrap_step = None
+        if getattr(self.stale, "detach", None) is not None:
+            self.stale.detach()
+        self.stale = None
+        if correction is not None:
+            if self.versions is not None and correction != self.stale_rule:
+                raise RuntimeError("the stale-weight correction is set before the first call")
+            self.stale_rule = correction
         self.optimizer, self.defer, self.step_mode = optimizer, defer, None
 
     def configure_pipemare(self, options: PipeMareOptions) -> None:
@@ -298,6 +314,10 @@ class PipelineRunner:
             self.step_mode = "deferred"
         else:
             self.step_mode = f"at the loop's optimizer.step() ({reason})"
+        if self.optimizer is not None and self.stale is None:
+            self.stale = self.stale_rule.bind(self.versions, self.optimizer)
+        if self.deferred is None and hasattr(self.stale, "after_update"):
+            self._unwrap_step = _after_each_step(self.optimizer, self.stale.after_update)
         if dist.get_rank() == 0:
             print(f" {self.schedule} optimizer step on stage {self.stage}: {self.step_mode}",
                   flush=True)
@@ -306,9 +326,8 @@ class PipelineRunner:
         """Create the 2BW weight versions of the parameters of ``model`` (a chunk, or the
         stage's list of chunks: one version spans them all); version 0 = current."""
         if keeps_versions(self.schedule) and self.versions is None:
-            self.versions = WeightVersions((p for chunk in _chunks(model)
-                                            for p in chunk.parameters()),
-                                           keep_from=self._oldest_read)
+            self.versions = self.stale_rule.versions(
+                [p for chunk in _chunks(model) for p in chunk.parameters()], self._oldest_read)
 
     def _oldest_read(self, new_version: int) -> int:
         """The oldest version this stage reads once ``new_version`` (made after batch
@@ -442,6 +461,8 @@ class PipelineRunner:
         """Run a pending deferred step; timelines show it as a step record where it ran."""
         version, start = self.deferred.pending_version, self._mark()
         self.deferred.apply(self.versions)
+        if version is not None and hasattr(self.stale, "after_update"):
+            self.stale.after_update()
         if self.correction is not None:
             self.correction.track()
         if version is not None:
@@ -625,7 +646,7 @@ class PipelineRunner:
 
         self.drain()
         if self.versions is not None:
-            self.versions.use(self.versions.newest)
+            self.versions.use_trained()
         m = call.num_microbatches
 
         def forward(action: Action, call: _Call) -> None:
@@ -660,7 +681,8 @@ class PipelineRunner:
         alive = [(v, t) for v, t in self.versions.older_versions()]
         olders = [v for v, _ in alive]
         sharded["twobw_versions"] = {"batches_done": self.batches_done, "newest": newest,
-                                     "older": olders[0] if olders else None, "olders": olders}
+                                     "older": olders[0] if olders else None, "olders": olders,
+                                     "correction": self.stale_rule.rule}
         fallback = self.versions.tensors_of(newest)
         for j in range(1, self._older_slots() + 1):
             tensors = alive[j - 1][1] if j <= len(alive) else fallback
@@ -676,6 +698,11 @@ class PipelineRunner:
             entries = self._entries(model, delta, _DELTA_PREFIX)
             entries.check_covered("PipeMare's delta")
             sharded["pipemare_delta"] = entries.sharded
+        state = self._stale_state()
+        if state is not None:
+            entries = self._entries(model, state.state_tensors(), _STALE_PREFIX)
+            entries.check_covered(f"the {self.stale_rule.rule} correction's state")
+            sharded[_STALE_KEY] = entries.sharded
 
     def prepare_load(self, model: list, sharded: dict, path: str) -> None:
         """Loading counterpart of :meth:`checkpoint_extra`: the older version is read into the
@@ -689,7 +716,13 @@ class PipelineRunner:
         if not keeps_versions(self.schedule):
             return
         self.bind(model)
-        if "twobw_versions" not in dist_checkpointing.load_common_state_dict(path):
+        common = dist_checkpointing.load_common_state_dict(path).get("twobw_versions")
+        saved_rule = "none" if common is None else common.get("correction", "none")
+        if saved_rule != self.stale_rule.rule:
+            raise CheckpointRefused(
+                f"--load: {path} was trained with --stale-weight-correction {saved_rule}; "
+                f"resume it with the same rule, not {self.stale_rule.rule}")
+        if common is None:
             return
         saved_keys = set(dist_checkpointing.load_tensors_metadata(path))
         sharded["twobw_versions"] = {"batches_done": 0, "newest": 0, "older": None,
@@ -707,6 +740,12 @@ class PipelineRunner:
             _require(delta, saved_keys, path, "PipeMare's delta")
             sharded["pipemare_delta"] = delta.sharded
             self.loading["pipemare_delta"] = delta
+        state = self._stale_state()
+        if state is not None:
+            entries = self._entries(model, state.load_targets(), _STALE_PREFIX)
+            _require(entries, saved_keys, path, f"the {self.stale_rule.rule} correction's state")
+            sharded[_STALE_KEY] = entries.sharded
+            self.loading[_STALE_KEY] = entries
 
     def _older_slots(self) -> int:
         """Older versions a checkpoint holds: what the first stage reads besides the newest
@@ -746,6 +785,18 @@ class PipelineRunner:
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
         self.versions.loaded(info["newest"], info.get("olders") or info["older"])
+        state = self._stale_state()
+        if state is not None:
+            state.state_loaded()
+
+    def _stale_state(self):
+        """The stale-weight correction's object when it has state a checkpoint holds (bound
+        here if the first call has not come yet)."""
+        if self.stale is None and self.stale_rule.rule != "none" and self.optimizer is not None:
+            self.stale = self.stale_rule.bind(self.versions, self.optimizer)
+        if self.stale is None or self.stale.state_tensors() is None:
+            return None
+        return self.stale
 
 
 _HANDLERS = {Kind.FORWARD: PipelineRunner._forward, Kind.BACKWARD: PipelineRunner._backward,
@@ -794,6 +845,20 @@ def _chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
+def _after_each_step(optimizer, after: Callable[[], None]) -> Callable[[], None]:
+    """Make ``optimizer.step()`` call ``after()`` once the step's weights are written (a
+    stale-weight correction where the loop runs the step); returns the undo."""
+    original = optimizer.step
+
+    def step(*args, **kwargs):
+        result = original(*args, **kwargs)
+        after()
+        return result
+
+    optimizer.step = step
+    return lambda: setattr(optimizer, "step", original)
+
+
 def _iterators(data_iterator, chunks: int) -> list:
     """One data iterator per chunk (Megatron passes a list with virtual stages; one iterator
     serves a single chunk)."""
@@ -804,9 +869,11 @@ def _iterators(data_iterator, chunks: int) -> list:
     return [data_iterator] * chunks
 
 
-_OLDER_PREFIX, _DELTA_PREFIX = "twobw_older.", "pipemare_delta."
-"""Checkpoint keys of the older weight version and of PipeMare's delta: the parameter's key
-after the prefix."""
+_OLDER_PREFIX, _DELTA_PREFIX, _STALE_PREFIX = "twobw_older.", "pipemare_delta.", "twobw_stale."
+"""Checkpoint keys of the older weight version, of PipeMare's delta and of the stale-weight
+correction's state (R(newest) under predict, U_{t-1} under ef): the parameter's key after the
+prefix."""
+_STALE_KEY = "twobw_stale_state"
 
 
 def _older_prefix(j: int) -> str:

@@ -117,10 +117,7 @@ def _fusions(args: argparse.Namespace, device: str) -> dict:
     kernels = FusionKernels.probe() if device == "cuda" else None
     fields, notes = fusion_fields(args, device, kernels)
     for note in notes:
-        if note not in _noted and (not torch.distributed.is_initialized()
-                                   or torch.distributed.get_rank() == 0):
-            print(note, flush=True)
-        _noted.add(note)
+        _note_once(note)
     return fields
 
 
@@ -365,11 +362,32 @@ def build_optimizer(args: argparse.Namespace, model: list):
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
+        **{name: getattr(args, name) for name in _MUON_FIELDS if hasattr(args, name)},
     )
-    optimizer = _unchained(get_megatron_optimizer(config, model))
+    if args.optimizer == "muon":
+        from megatron_2bw.training.muon import build_muon_optimizer, which_muon
+
+        _note_once(f" --optimizer muon: {which_muon()}")
+        optimizer = build_muon_optimizer(config, model)
+    else:
+        optimizer = _unchained(get_megatron_optimizer(config, model))
     if all(p.device.type == "cpu" for chunk in model for p in chunk.parameters()):
         _fused_cpu_adam(optimizer)
     return optimizer
+
+
+_MUON_FIELDS = ("muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode",
+                "muon_fp32_matmul_prec", "muon_num_ns_steps", "muon_tp_mode",
+                "muon_extra_scale_factor")
+"""OptimizerConfig's Muon fields, named as Megatron-LM's --muon-* flags' destinations."""
+
+
+def _note_once(note: str) -> None:
+    """Print ``note`` once per process, on rank 0."""
+    if note not in _noted and (not torch.distributed.is_initialized()
+                               or torch.distributed.get_rank() == 0):
+        print(note, flush=True)
+    _noted.add(note)
 
 
 def _fused_cpu_adam(optimizer) -> None:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.corrections import StaleCorrection
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import keeps_versions, placement_of
 from megatron_2bw.schedules.pipemare import PipeMareOptions
@@ -98,7 +99,8 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         attach = getattr(self.forward_backward, "attach_optimizer", None)
         if attach is not None:
-            attach(self.optimizer, defer=not args.no_deferred_step)
+            attach(self.optimizer, defer=not args.no_deferred_step,
+                   correction=StaleCorrection.from_args(args))
         if args.pipeline_schedule == "pipemare":
             self.forward_backward.configure_pipemare(PipeMareOptions.from_args(args))
         self.forward_step_func = forward_step_func

@@ -1,0 +1,215 @@
+"""Corrections of 2BW's one-step-stale update (``--stale-weight-correction``).
+
+2BW's step t makes ``W(t+1) = W(t) - U_t``, with U_t the optimizer's update from the
+gradient at W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
+
+    none     the paper's update, unchanged (no object is made)
+    predict  batch t+1 reads R(t) = W(t) + s (W(t) - W(t-1)), R(0) = W(0), in forward
+             and backward: the next weights extrapolated from the last step (PipeOptim,
+             Guan et al. 2023, with s = 1 for 2BW's one step; docs/convergence.md says how
+             this equals its lr * s * m_hat / (sqrt(v_hat) + eps) for Adam)
+    dc       the clipped gradient g becomes g + lambda g * g * (W(t) - W(t-1)) before the
+             optimizer reads it (DC-ASGD, Zheng et al., ICML 2017)
+    ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}) for t >= 1: the error of the last
+             stale update, estimated by the change of the update, fed back (the error-
+             feedback correction of Zmushko et al., arXiv 2606.30634)
+
+Each works on the model's fp32 weights, the tensors the version store holds (the
+distributed optimizer's fp32 shards are views of them). Memory beyond 2BW's two versions,
+per stage: predict and dc one more version in the store, ef one more tensor (U_{t-1}).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from megatron_2bw.weights import HOME, WeightVersions
+
+__all__ = ["RULES", "StaleCorrection", "PredictedVersions", "DelayCompensation",
+           "ErrorFeedback"]
+
+RULES = ("none", "predict", "dc", "ef")
+DEFAULT_COEFFICIENT = {"predict": 1.0, "dc": 1.0, "ef": 1.0}
+"""s, lambda and beta when --stale-weight-correction-coeff is not given."""
+
+
+@dataclass(frozen=True)
+class StaleCorrection:
+    """The rule a 2BW run corrects its stale update with, and its coefficient."""
+
+    rule: str = "none"
+    coefficient: float | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StaleCorrection":
+        return cls(getattr(args, "stale_weight_correction", "none"),
+                   getattr(args, "stale_weight_correction_coeff", None))
+
+    @property
+    def coeff(self) -> float:
+        return DEFAULT_COEFFICIENT[self.rule] if self.coefficient is None else self.coefficient
+
+    def versions(self, params, keep_from) -> WeightVersions:
+        """The version store of the rule: predict keeps R(v) apart from W; dc keeps one
+        version more, W(t-1) through step t."""
+        if self.rule == "predict":
+            return PredictedVersions(params, keep_from, self.coeff)
+        if self.rule == "dc":
+            return WeightVersions(params, keep_from=lambda v: keep_from(v) - 1)
+        return WeightVersions(params, keep_from=keep_from)
+
+    def bind(self, versions: WeightVersions, optimizer):
+        """The rule's per-stage object: after_update() after each step (predict, ef), the
+        optimizer's pre-step hooks (dc); None for none."""
+        if self.rule == "predict":
+            return versions
+        if self.rule == "dc":
+            return DelayCompensation(versions, optimizer, self.coeff)
+        if self.rule == "ef":
+            return ErrorFeedback(versions, self.coeff)
+        return None
+
+
+class PredictedVersions(WeightVersions):
+    """2BW's store under ``predict``: the home slot holds the newest true weights W (the
+    optimizer steps them, evaluation reads them); the slot of each alive version v holds
+    R(v), what microbatches read. ``fork`` copies W(t) into the new version's slot and
+    ``after_update`` turns it into R(t+1) once the optimizer wrote W(t+1): three slots."""
+
+    def __init__(self, params, keep_from, scale: float):
+        super().__init__(params, keep_from)
+        self.scale = scale
+        self.pending: int | None = None  # the version whose R after_update makes
+
+    def use_trained(self) -> None:
+        self._point(HOME)
+
+    def fork(self, new_version: int) -> None:
+        newest = self.newest
+        if new_version != newest + 1:
+            raise ValueError(f"fork({new_version}) after version {newest}: versions must be "
+                             "made in order")
+        if self.pending is not None:
+            raise RuntimeError(f"predict: R({self.pending}) was not made before the next step")
+        self._point(HOME)
+        kept = {v: s for v, s in self.slot_of.items() if v >= self.keep_from(new_version)}
+        if kept.get(newest) == HOME:  # R(newest) = W(newest) there: the step overwrites it
+            kept[newest] = self._copy_home_to(self._free_slot(set(kept.values())))
+        snapshot = self._copy_home_to(self._free_slot(set(kept.values())))
+        self.slot_of = {**kept, new_version: snapshot}
+        self.pending, self.derived = new_version, None
+        self._counters = [p._version for p in self.params]
+
+    def _copy_home_to(self, slot: int) -> int:
+        with torch.no_grad():
+            for dst, src in zip(self.slot_tensors(slot), self.slots[HOME]):
+                dst.copy_(src)
+        return slot
+
+    def after_update(self) -> None:
+        """R(t+1) = (1 + s) W(t+1) - s W(t), in the slot fork filled with W(t)."""
+        if self.pending is None:
+            return
+        s = self.scale
+        with torch.no_grad():
+            for r, w in zip(self.slots[self.slot_of[self.pending]], self.slots[HOME]):
+                r.mul_(-s).add_(w, alpha=1.0 + s)
+        self.pending = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What a checkpoint holds beyond W and the older versions: R(newest)."""
+        return self.slots[self.slot_of[self.newest]]
+
+    def load_targets(self) -> list[torch.Tensor]:
+        return self.slot_tensors(2)
+
+    def state_loaded(self) -> None:
+        """After ``loaded``: R(newest) was read into slot 2."""
+        self.slot_of[self.newest] = 2
+
+
+class DelayCompensation:
+    """DC-ASGD's gradient: a pre-step hook on every torch optimizer of the stage adds
+    lambda g * g * (W(t) - W(t-1)) to each parameter's (clipped) gradient, W(t) the weights
+    the step starts from and W(t-1) the older version the store keeps for it."""
+
+    def __init__(self, versions: WeightVersions, optimizer, lam: float):
+        from megatron_2bw.deferred import members
+
+        self.versions, self.lam = versions, lam
+        self.home = list(versions.slots[HOME])
+        self.hooks = [inner.optimizer.register_step_pre_hook(self._compensate)
+                      for inner in members(optimizer)]
+        self._where: dict[int, tuple[int, int]] = {}
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    @torch.no_grad()
+    def _compensate(self, torch_optimizer, args, kwargs) -> None:
+        read = self.versions.newest - 2  # the step makes `newest`; its gradient read t - 1
+        if read not in self.versions.alive:
+            return  # the first step: its gradient read the weights it starts from
+        older = self.versions.tensors_of(read)
+        for group in torch_optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                index, start = self._locate(p)
+                before = older[index].view(-1)[start:start + p.numel()].view_as(p)
+                p.grad.addcmul_(p.grad * (p - before), p.grad, value=self.lam)
+
+    def _locate(self, param: torch.Tensor) -> tuple[int, int]:
+        """(model parameter, element offset) ``param`` is a view of: the parameter itself,
+        or the distributed optimizer's shard of it."""
+        key = param.data_ptr()
+        if key not in self._where:
+            size = param.element_size()
+            for index, home in enumerate(self.home):
+                offset = key - home.data_ptr()
+                if home.dtype == param.dtype and 0 <= offset < home.numel() * size:
+                    self._where[key] = (index, offset // size)
+                    break
+            else:
+                raise RuntimeError("dc: an optimizer parameter is no view of the model's "
+                                   "weights (fp32 weights are required)")
+        return self._where[key]
+
+    def state_tensors(self) -> None:
+        return None  # W(t-1) is the checkpoint's older version
+
+
+class ErrorFeedback:
+    """``ef``: after the optimizer wrote W' = W(t) - U_t into the home slot, subtract
+    beta (U_t - U_{t-1}); U_t is measured against the copy of W(t) the store holds."""
+
+    def __init__(self, versions: WeightVersions, beta: float):
+        self.versions, self.beta = versions, beta
+        self.previous = [torch.zeros_like(t) for t in versions.slots[HOME]]  # U_{t-1}
+        self.done = versions.newest  # the newest version whose correction was applied
+
+    @torch.no_grad()
+    def after_update(self) -> None:
+        newest = self.versions.newest
+        if newest == self.done:
+            return
+        before = self.versions.tensors_of(newest - 1)
+        for home, start, previous in zip(self.versions.slots[HOME], before, self.previous):
+            update = start - home  # U_t
+            if newest >= 2:  # step 0's gradient read the weights it updated: nothing stale
+                home.sub_(update - previous, alpha=self.beta)
+            previous.copy_(update)
+        self.done = newest
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.previous
+
+    def load_targets(self) -> list[torch.Tensor]:
+        return self.previous
+
+    def state_loaded(self) -> None:
+        self.done = self.versions.newest

@@ -1,0 +1,132 @@
+"""Muon and 2BW's stale-weight corrections on real megatron-core models over gloo, against
+single-process references (tests/reference.py: ``muon_step``, ``_read_version`` and the
+"dc"/"ef" lines of ``reference_run``), as tests/test_schedules_exact.py checks the schedules.
+
+Muon (--optimizer muon: megatron-core's split, Muon for the hidden layers' 2-D weights, AdamW
+for the rest, a chain of both): flush, megatron's 1F1B, pipedream, zb-v (Llama-style, grouped
+query attention split into Q, K and V), 2bw with its deferred step over the chain and at the
+loop's step, 2bw with 2 virtual stages, and 2bw with TP=2 (each rank orthogonalizes its own
+block). Corrections (2bw): predict, dc and ef each deferred and at the loop's step, with 2
+replicas, the distributed optimizer (its shards are views of the weights the corrections
+read), TP=2, 2 virtual stages, one stage, Muon, Llama-style, and a drain whose versions and
+correction state go through a checkpoint's save and load (spoilt in memory in between).
+
+Each run's weights equal its reference within 1e-6 and lie away from the same rule without
+the correction (or with Adam instead of Muon), so a correction that does nothing fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.test_schedules_exact import (DISTINCT, GROUP_DEADLINE_S, RUN_DEADLINE_S, TOLERANCE,
+                                        TWO_CHUNKS, WORKER, Case, Launch, _gather, _reference,
+                                        _run_bounded, _worst_tensor, relative_error)
+
+DISTOPT = ("--use-distributed-optimizer",)
+CHANGED = 1e-5
+"""A correction's result lies at least this far from the uncorrected rule's."""
+
+MUON_CASES = [
+    Case("flush", d=2, m=4, w=1, iters=5, optimizer="muon"),
+    Case("megatron", d=2, m=4, w=1, iters=5, optimizer="muon"),
+    Case("pipedream", d=2, m=2, w=1, iters=6, optimizer="muon"),
+    Case("zb-v", d=2, m=4, w=1, iters=6, tie=False, llama=True, optimizer="muon"),
+    Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, optimizer="muon"),
+    Case("2bw", d=2, m=2, w=1, iters=6, deferred=False, optimizer="muon"),
+    Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, optimizer="muon"),
+    Case("2bw", d=2, m=2, w=1, iters=6, tp=2, optimizer="muon"),
+]
+CORRECTION_CASES = [
+    Case("2bw", d=2, m=2, w=2, iters=6, correction="predict"),
+    Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, deferred=False, correction="predict"),
+    Case("2bw", d=2, m=2, w=1, iters=6, tp=2, correction="predict"),
+    Case("2bw", d=2, m=2, w=1, iters=7, correction="predict", drains=(3,), round_trip=True),
+    Case("2bw", d=2, m=2, w=1, iters=6, correction="dc", coeff=1000.0),
+    Case("2bw", d=2, m=2, w=2, iters=6, deferred=False, correction="dc", coeff=1000.0,
+         flags=DISTOPT),
+    Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, correction="dc", coeff=1000.0),
+    Case("2bw", d=2, m=2, w=2, iters=6, correction="ef", flags=DISTOPT),
+    Case("2bw", d=2, m=2, w=1, iters=6, deferred=False, correction="ef", optimizer="muon"),
+    Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, correction="ef"),
+    Case("2bw", d=2, m=2, w=1, iters=7, correction="ef", tie=False, llama=True, drains=(3,),
+         round_trip=True),
+    Case("2bw", d=1, m=2, w=1, iters=6, correction="ef"),
+]
+CASES = MUON_CASES + CORRECTION_CASES
+
+
+def _plain(case: Case) -> Case:
+    """The same run without what this module tests: Adam for Muon, no correction."""
+    return replace(case, optimizer="adam") if case.correction == "none" else \
+        replace(case, correction="none")
+
+
+def _job(case: Case, rule: str) -> dict:
+    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
+            "tie": case.tie, "model": case.model, "depth": case.d}
+
+
+def _reference_jobs() -> dict:
+    jobs = {}
+    for case in CASES:
+        jobs[case.reference()] = _job(case, case.rule)
+        plain = _plain(case)
+        jobs[plain.reference()] = _job(plain, plain.rule)
+    return jobs
+
+
+def _groups() -> dict:
+    groups: dict = {}
+    for case in CASES:
+        group = groups.setdefault(f"world{case.world}", {"world": case.world, "runs": []})
+        group["runs"].append(case.run())
+        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    return groups
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    out = tmp_path_factory.mktemp("optimizers_exact")
+    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
+            "reference": _reference_jobs(), "groups": _groups()}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
+                                         timeout_s=480)
+    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
+    summary = json.loads((out / "launch.json").read_text())
+    assert summary["reference"]["exit_codes"] == [0], \
+        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
+    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
+        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
+    return Launch(out, summary, output)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_run_matches_its_reference(launch, case):
+    """Weights within 1e-6 of the reference of the run's rule, optimizer and correction, and
+    away from the same run without the Muon or the correction; losses as the reference's."""
+    launch.finished(f"world{case.world}")
+    if case.schedule == "2bw" and case.d > 1:
+        modes = {torch.load(path)["step_mode"] for path in (launch.out / case.name).glob("*.pt")}
+        assert modes == ({"deferred"} if case.deferred else
+                         {"at the loop's optimizer.step() (--no-deferred-step)"}), modes
+    weights, losses = _gather(launch.out, case)
+    ref = _reference(launch.out, case.reference())
+    error = relative_error(weights, ref["weights"])
+    assert error <= TOLERANCE, (f"{case.name}: relative error {error:.3g} > {TOLERANCE} against "
+                                f"{case.reference()}; {_worst_tensor(weights, ref['weights'])}")
+    plain = _plain(case)
+    distance = relative_error(weights, _reference(launch.out, plain.reference())["weights"])
+    assert distance > (CHANGED if case.correction != "none" else DISTINCT), \
+        f"{case.name}: only {distance:.3g} from {plain.reference()}"
+    for replica, seen in losses.items():
+        expected = [batch[replica] for batch in ref["losses"]]
+        assert max(abs(a - b) for a, b in zip(seen, expected)) < 1e-5, \
+            f"{case.name}: replica {replica} losses {seen}, reference {expected}"
+    print(f"\n{case.name}: relative error {error:.2e}, {distance:.2e} from {plain.reference()}")
