@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -29,12 +30,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
-from megatron_2bw.arguments import _Parser, parse_args
+from megatron_2bw.arguments import SCHEDULES, _Parser, parse_args
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.flag_types import (FlagError, _writable_folder, int_at_least, number_in,
                                      require_writable_dir, writable_dir)
 
-__all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser", "check_training_flags",
+__all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser",
+           "RunName", "run_name", "check_training_flags",
            "comma_list", "existing_dir", "existing_file", "fraction", "main_guard",
            "nonneg_float", "nonneg_int", "output_file", "output_prefix", "positive_float",
            "positive_int", "reading", "require_writable_dir", "writable_dir"]
@@ -235,3 +237,70 @@ def main_guard(main: Callable) -> Callable:
             raise SystemExit(EXIT_USAGE) from None
 
     return guarded
+
+
+T2_SCHEDULE = "pipemare-t2"
+"""The run name of PipeMare with its discrepancy correction T2."""
+OPTIMIZERS = ("adam", "muon")
+STALE_RULES = ("predict", "dc", "ef")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunName:
+    """A run the tools compare, named SCHEDULE[-CORRECTION][+OPTIMIZER]: ``2bw-ef+muon`` is
+    2bw with --stale-weight-correction ef and --optimizer muon, ``flush`` flush with Adam,
+    ``pipemare-t2`` pipemare with its discrepancy correction T2."""
+
+    name: str
+    schedule: str
+    correction: str | None = None
+    optimizer: str = "adam"
+
+    @classmethod
+    def parse(cls, name: str) -> "RunName":
+        """The run ``name``; argparse.ArgumentTypeError saying what is wrong with it."""
+        base, _, optimizer = name.partition("+")
+        optimizer = optimizer or "adam"
+        if optimizer not in OPTIMIZERS:
+            raise argparse.ArgumentTypeError(f"unknown optimizer {optimizer!r} in {name!r}; "
+                                             f"choose from {','.join(OPTIMIZERS)}")
+        schedule, _, correction = base.rpartition("-")
+        if correction not in STALE_RULES:
+            schedule, correction = base, None
+        if schedule not in (*SCHEDULES, T2_SCHEDULE):
+            raise argparse.ArgumentTypeError(
+                f"unknown schedule {schedule!r} in {name!r}; choose from "
+                f"{','.join((*SCHEDULES, T2_SCHEDULE))}, then -CORRECTION and +OPTIMIZER")
+        if correction and schedule != "2bw":
+            raise argparse.ArgumentTypeError(f"{name!r}: a correction applies to 2bw only")
+        return cls(name, schedule, correction, optimizer)
+
+    @property
+    def real_schedule(self) -> str:
+        """Its --pipeline-schedule."""
+        return "pipemare" if self.schedule == T2_SCHEDULE else self.schedule
+
+    def flags(self, t2_decay: float = 0.9, coefficients: dict | None = None) -> list[str]:
+        """Its --pipeline-schedule, --pipemare-discrepancy-decay, --stale-weight-correction
+        (with a coefficient from ``coefficients``, by rule) and --optimizer flags."""
+        flags = ["--pipeline-schedule", self.real_schedule]
+        if self.schedule == T2_SCHEDULE:
+            flags += ["--pipemare-discrepancy-decay", f"{t2_decay:g}"]
+        if self.correction:
+            flags += ["--stale-weight-correction", self.correction]
+            coeff = (coefficients or {}).get(self.correction)
+            if coeff is not None:
+                flags += ["--stale-weight-correction-coeff", f"{coeff:g}"]
+        if self.optimizer != "adam":
+            flags += ["--optimizer", self.optimizer]
+        return flags
+
+    def reference(self, reference: str) -> str:
+        """The run ``reference`` (a schedule) with this run's optimizer."""
+        return reference if self.optimizer == "adam" else f"{reference}+{self.optimizer}"
+
+
+def run_name(text: str) -> str:
+    """A ``type=`` for a run name (:class:`RunName`)."""
+    return RunName.parse(text).name
+

@@ -76,10 +76,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # noqa: E402
-                              check_training_flags,
-                              comma_list, main_guard, nonneg_float, nonneg_int, output_file,
-                              positive_int, writable_dir)
+from megatron_2bw.cli import (RunName, ToolError, ToolParser,  # noqa: E402
+                              add_model_size_flags, check_training_flags, comma_list,
+                              main_guard, nonneg_float, nonneg_int, output_file,
+                              positive_int, run_name, writable_dir)
 from megatron_2bw.arguments import SCHEDULES  # noqa: E402
 from megatron_2bw.runtime.copies import CopiedBytes  # noqa: E402
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
@@ -583,8 +583,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="pipeline stages d = processes")
     p.add_argument("--microbatches", type=positive_int, default=2,
                    help="microbatches per batch m")
-    p.add_argument("--schedules", type=comma_list(str, SCHEDULES), default=SCHEDULES,
-                   help=f"comma-separated (default: {','.join(SCHEDULES)})")
+    p.add_argument("--schedules", type=comma_list(run_name), default=SCHEDULES,
+                   help=f"comma-separated (default: {','.join(SCHEDULES)}); each may name a "
+                        "correction and an optimizer, SCHEDULE[-CORRECTION][+OPTIMIZER] "
+                        "(2bw-ef+muon: 2bw with --stale-weight-correction ef, --optimizer "
+                        "muon)")
     p.add_argument("--iters", type=positive_int, default=20, help="measured iterations")
     p.add_argument("--warmup", type=nonneg_int, default=3,
                    help="iterations before measuring (at least 1 is run)")
@@ -648,14 +651,27 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
                Config(BUSY, "megatron", 1, clip, tied, "single_busy", copies=a.depth)]
     below = a.microbatches < a.depth  # 2BW runs m = d there
     configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
-                if s == "2bw" and below else Config(s, s, a.depth, clip, tied, s)
-                for s in schedules]
+                if s == "2bw" and below else _run_config(a, s) for s in schedules]
     if a.sync_variants:
         configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
                     Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
                            "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
                     Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
     return configs
+
+
+def _run_config(a: argparse.Namespace, name: str) -> Config:
+    """The row of run ``name`` (cli.RunName: a schedule, maybe a correction and an optimizer)."""
+    run = RunName.parse(name)
+    extra = tuple(run.flags()[2:])  # after its --pipeline-schedule
+    label = name.replace("+", "_")
+    return Config(name, run.real_schedule, a.depth, a.clip_grad, a.tie_embeddings, label,
+                  extra=extra)
+
+
+def _schedule_of(row: str) -> str:
+    """The --pipeline-schedule of a row ("2bw (m=d)", "2bw +clip+tied", "2bw-ef+muon")."""
+    return RunName.parse(row.split()[0]).real_schedule
 
 
 def _run_rounds(a: argparse.Namespace, configs: list[Config]) -> dict[str, list[Run]]:
@@ -724,7 +740,7 @@ def _row(table: Table, name: str, width: int) -> str:
     if name.startswith("single"):
         stash, versions = [1] * len(first), 1
     else:
-        stash, versions = _stash_counts(name.split()[0], d, m), _versions(name.split()[0])
+        stash, versions = _stash_counts(_schedule_of(name), d, m), _versions(_schedule_of(name))
     boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
     saved = [r.saved_bytes_per_microbatch or boundary for r in first]
     weights = [r.weight_bytes or r.param_bytes * versions for r in first]

@@ -50,9 +50,10 @@ from compare import (raise_failed_run, run_logged, save_figure, torchrun,  # noq
                      training_parser)
 from megatron_2bw.arguments import SCHEDULES  # noqa: E402
 from megatron_2bw.data.corpus import DEFAULT_MAX_CHARS  # noqa: E402
-from megatron_2bw.cli import (ToolError, ToolParser, add_model_size_flags,  # noqa: E402
-                              check_training_flags, comma_list, main_guard, nonneg_float,
-                              nonneg_int, positive_float, positive_int, reading, writable_dir)
+from megatron_2bw.cli import (T2_SCHEDULE, RunName, ToolError, ToolParser,  # noqa: E402
+                              add_model_size_flags, check_training_flags, comma_list,
+                              main_guard, nonneg_float, nonneg_int, positive_float,
+                              positive_int, reading, run_name, writable_dir)
 from megatron_2bw.logparse import ParsedLog, parse_log  # noqa: E402
 
 SPLIT = "949,50,1"
@@ -72,47 +73,6 @@ h 128, s 128, batch 16, lr 3e-4). The learning rate matters to the comparison: a
 this model trains faster with flush, but 2bw's 1-stale update falls 13% behind in validation
 loss at 300 iterations (a plain-PyTorch delayed Adam on a similar model shows the same gap); at
 3e-4 the gap is about 2%."""
-
-T2_SCHEDULE = "pipemare-t2"
-"""--schedules name of PipeMare with its discrepancy correction T2 (--t2-decay)."""
-
-OPTIMIZERS = ("adam", "muon")
-STALE_RULES = ("predict", "dc", "ef")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of the study, named SCHEDULE[-CORRECTION][+OPTIMIZER]: ``2bw-ef+muon`` is 2bw
-    with --stale-weight-correction ef and --optimizer muon; ``flush`` flush with Adam."""
-
-    name: str
-    schedule: str
-    correction: str | None = None
-    optimizer: str = "adam"
-
-    @classmethod
-    def parse(cls, name: str) -> "RunSpec":
-        base, _, optimizer = name.partition("+")
-        optimizer = optimizer or "adam"
-        if optimizer not in OPTIMIZERS:
-            raise argparse.ArgumentTypeError(f"unknown optimizer {optimizer!r} in {name!r}; "
-                                             f"choose from {','.join(OPTIMIZERS)}")
-        schedule, _, correction = base.rpartition("-")
-        if correction not in STALE_RULES:
-            schedule, correction = base, None
-        if schedule not in (*SCHEDULES, T2_SCHEDULE):
-            raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {name!r}")
-        if correction and schedule != "2bw":
-            raise argparse.ArgumentTypeError(f"{name!r}: corrections apply to 2bw only")
-        return cls(name, schedule, correction, optimizer)
-
-    @property
-    def real_schedule(self) -> str:
-        return "pipemare" if self.schedule == T2_SCHEDULE else self.schedule
-
-    def reference(self, reference: str) -> str:
-        """The reference run with this run's optimizer."""
-        return reference if self.optimizer == "adam" else f"{reference}+{self.optimizer}"
 
 
 def final_losses(log: ParsedLog) -> dict[str, float | None]:
@@ -357,23 +317,13 @@ def _size_flags(a: argparse.Namespace) -> list[str]:
 def _schedule_flags(a: argparse.Namespace, run: str) -> list[str]:
     """--pipeline-schedule, --stale-weight-correction and --optimizer of the run named `run`;
     pipemare-t2 is pipemare with T2 on."""
-    spec = RunSpec.parse(run)
-    flags = ["--pipeline-schedule", spec.real_schedule]
-    if spec.schedule == T2_SCHEDULE:
-        flags += ["--pipemare-discrepancy-decay", f"{a.t2_decay:g}"]
-    if spec.correction:
-        flags += ["--stale-weight-correction", spec.correction]
-        coeff = getattr(a, f"{spec.correction}_coeff", None)
-        if coeff is not None:
-            flags += ["--stale-weight-correction-coeff", f"{coeff:g}"]
-    if spec.optimizer != "adam":
-        flags += ["--optimizer", spec.optimizer]
-    return flags
+    coefficients = {rule: getattr(a, f"{rule}_coeff", None) for rule in ("predict", "dc", "ef")}
+    return RunName.parse(run).flags(a.t2_decay, coefficients)
 
 
 def _training_flags(a: argparse.Namespace, schedule: str) -> list[str]:
     """Every flag of the run named `schedule` but its data flags."""
-    real = RunSpec.parse(schedule).real_schedule
+    real = RunName.parse(schedule).real_schedule
     return [*_size_flags(a), *MODEL_FLAGS, *_schedule_flags(a, schedule),
             "--pipeline-model-parallel-size", "2",
             "--train-iters", str(a.iters), "--lr-warmup-iters", str(a.iters // 10),
@@ -400,7 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     p = ToolParser(description=__doc__.split("\n\n")[0],
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--schedules", type=comma_list(_run_name), default=("2bw", "flush"),
+    p.add_argument("--schedules", type=comma_list(run_name), default=("2bw", "flush"),
                    help="runs, each SCHEDULE[-CORRECTION][+OPTIMIZER] (2bw-ef+muon: 2bw with "
                         "--stale-weight-correction ef and --optimizer muon); the first is "
                         "compared against the second (default: 2bw,flush); "
@@ -441,16 +391,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_name(text: str) -> str:
-    """A --schedules item: a valid run name (``RunSpec``)."""
-    return RunSpec.parse(text).name
-
-
 def _speedup(text: str) -> tuple[str, float]:
     """RUN=S of --speedup."""
     run, _, value = text.partition("=")
     try:
-        return _run_name(run), positive_float(value)
+        return run_name(run), positive_float(value)
     except (ValueError, argparse.ArgumentTypeError) as error:
         raise argparse.ArgumentTypeError(f"expected RUN=SPEEDUP, got {text!r} ({error})")
 
@@ -477,12 +422,12 @@ def _matches(logs: dict[str, ParsedLog], ms: dict[str, float], reference: str,
     reference or a validation)."""
     curves = {s: validation_curve(log) for s, log in logs.items()}
     references = [s for s, curve in curves.items()
-                  if curve and RunSpec.parse(s).schedule == reference]
+                  if curve and RunName.parse(s).schedule == reference]
     if best and references:
         references = [min(references, key=lambda s: curves[s][-1][1])]
     matches = []
     for s, curve in curves.items():
-        mine = references[0] if best and references else RunSpec.parse(s).reference(reference)
+        mine = references[0] if best and references else RunName.parse(s).reference(reference)
         if s != mine and curve and curves.get(mine):
             matches += match_losses(s, curve, ms[s], curves[mine], ms[mine])
     return matches
@@ -494,7 +439,7 @@ def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: 
     logged ms over the speed-up."""
     out = dict(ms)
     for run, speedup in speedups.items():
-        base = RunSpec.parse(run).reference(reference)
+        base = RunName.parse(run).reference(reference)
         if run in out and base in ms:
             out[run] = ms[base] / speedup
     return out
@@ -560,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if matches:
         print(format_matches(matches, a.reference, ms))
     best = _matches(logs, ms, a.reference, best=True)
-    if best and len({RunSpec.parse(s).optimizer for s in logs}) > 1:
+    if best and len({RunName.parse(s).optimizer for s in logs}) > 1:
         print("against the reference run that ends lowest:")
         print(format_matches(best, a.reference, ms))
     result.update(ms_per_iteration=ms, reference=a.reference, speedups=dict(a.speedup),
