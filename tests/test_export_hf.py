@@ -156,9 +156,9 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
 def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tokenizer,
                                                               mock):
     """``_vocab_size_with_padding(tokenizer.vocab_size)`` at TP = 2, the vocabulary as
-    Megatron-LM's classes count it: vocab.json's / vocab.txt's entries, len(AutoTokenizer),
-    and --vocab-size + 1 (eod) for _NullTokenizer, which Megatron-LM builds under --mock-data
-    too (Megatron-LM's Llama-3 example with MOCK)."""
+    Megatron-LM's classes count it: vocab.json's entries, vocab.txt's + 2 (_BertWordPieceTokenizer
+    adds [BOS] and [EOS]), len(AutoTokenizer), and --vocab-size + 1 (eod) for _NullTokenizer,
+    which Megatron-LM builds under --mock-data too (Megatron-LM's Llama-3 example with MOCK)."""
     import json
 
     from megatron_2bw import entry
@@ -179,7 +179,7 @@ def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tok
     vocab = {"GPT2BPETokenizer": lambda: len(json.loads(
                  (example_data / "gpt2-vocab.json").read_text())),
              "BertWordPieceLowerCase": lambda: len(
-                 (example_data / "bert-vocab.txt").read_text().split()),
+                 (example_data / "bert-vocab.txt").read_text().split()) + 2,
              "HuggingFaceTokenizer": lambda: _megatron_tokenizer_vocab("llama", example_data),
              "NullTokenizer": lambda: 512 + 1}[tokenizer]()
     assert args.padded_vocab_size == math.ceil(vocab / (128 * TP)) * (128 * TP)
