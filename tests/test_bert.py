@@ -323,8 +323,6 @@ def test_a_checkpoint_with_the_file_sized_vocabulary_loads(example_data, tmp_pat
     """The old rows, made as a run over the vocabulary file without its last two lines: 510 + 2
     = 512 rows, what the whole 512-line file gave before; resumed with the whole file: 514
     rows padded to 640 (a multiple of 128)."""
-    from megatron_2bw.training.checkpointing import CheckpointRefused, _check_vocabulary
-
     full = example_data / "bert-vocab.txt"
     short = tmp_path / "short-vocab.txt"
     short.write_text("".join(full.read_text().splitlines(keepends=True)[:510]))
@@ -348,6 +346,8 @@ def test_a_checkpoint_with_the_file_sized_vocabulary_loads(example_data, tmp_pat
     assert before["embedding.word_embeddings.weight"].std() > 0.01  # saved rows, not zeros
 
     from megatron.core import dist_checkpointing
+
+    from megatron_2bw.training.checkpointing import CheckpointRefused, _check_vocabulary
 
     saved = dist_checkpointing.load_common_state_dict(str(old / "iter_0000001"))["args"]
     run = argparse.Namespace(**{**vars(saved), "padded_vocab_size": 640,
