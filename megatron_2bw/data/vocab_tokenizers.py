@@ -32,7 +32,8 @@ ENDOFTEXT = "<|endoftext|>"
 GPT2_SPLIT = regex.compile(
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-# Megatron-LM appends these to a BERT vocabulary file's tokens (_BertWordPieceTokenizer, core_v0.16.1)
+# Megatron-LM appends these to a BERT vocabulary file's tokens (_BertWordPieceTokenizer,
+# core_v0.16.1)
 BERT_ADDED = ("[BOS]", "[EOS]")
 MAX_WORD_CHARS = 200  # BERT: longer words become [UNK]
 
@@ -253,7 +254,8 @@ def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
     if tokens and tokens[-1] == "":
         tokens.pop()  # the final newline
     if tokens[:1] == ["{"]:
-        raise DataError("--vocab-file", f"{vocab_file} is not a BERT vocab.txt (it looks like JSON)")
+        raise DataError("--vocab-file",
+                        f"{vocab_file} is not a BERT vocab.txt (it looks like JSON)")
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         if token in vocab:
