@@ -14,8 +14,9 @@ The loss references are derived, not recorded: every example starts from small w
 over the embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
 (prepare_data.py's 512-piece vocabularies, a multiple of 128 so not padded), ln(640) for BERT
 (Megatron-LM's _BertWordPieceTokenizer adds [BOS] and [EOS]: 514, padded to a multiple of
-128). 8 iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw
-6.2% and flush 9.8%). Every example runs under both 2bw and flush (Llama-3's 2bw with its
+128). 8 iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the
+loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw 6.2% and flush
+9.8%). Every example runs under both 2bw and flush (Llama-3's 2bw with its
 distributed optimizer and overlaps), its flags as Megatron-LM's script passes them (no
 --tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as Megatron-LM's). Weights
 that never change (every step skipped, a stale version never swapped in) leave it within 1%. So the mean of the last two logged losses must be at least 4%
