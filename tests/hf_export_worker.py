@@ -5,9 +5,12 @@ starts a one-process gloo group):
 
 Runs ``python tools/export_hf.py --load CHECKPOINT_DIR --out HF_DIR`` (its main), then loads
 the checkpoint's full model at TP = PP = 1 again (dist_checkpointing reshards the saved
-TP = 2, PP = 2 shards; a fresh model, not the exporter's), and writes {"logits": (b, s, V) float32 of megatron-core's GPTModel
-forward on TOKENS (b, s) with a causal mask, "greedy": TOKENS extended by NEW_TOKENS argmax
-steps, each a full forward of the sequence so far}.
+TP = 2, PP = 2 shards; a fresh model, not the exporter's), and writes, for a GPT checkpoint,
+{"logits": (b, s, V) float32 of megatron-core's GPTModel forward on TOKENS (b, s) with a causal
+mask, "greedy": TOKENS extended by NEW_TOKENS argmax steps, each a full forward of the sequence
+so far}; for a BERT checkpoint TOKENS.pt holds {"tokens", "padding_mask", "types"} (b, s) and
+the output is {"logits": (b, s, V), "sop_logits": (b, 2) or None} of megatron-core's BertModel
+forward (token types with the binary head, as pretrain_bert.py passes them).
 """
 
 import sys
@@ -31,6 +34,14 @@ def forward(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions, causal_block).float()
 
 
+def bert_forward(model, tokens, padding_mask, types) -> dict:
+    """BertModel's MLM logits (b, s, V) and, with the binary head, its SOP logits (b, 2)."""
+    with torch.no_grad():
+        logits, sop = model(tokens, padding_mask,
+                            tokentype_ids=types if model.add_binary_head else None)
+    return {"logits": logits.float(), "sop_logits": None if sop is None else sop.float()}
+
+
 def main(load: str, tokens_path: str, out: str, new_tokens: int, hf_dir: str) -> None:
     export_hf.main(["--load", load, "--out", hf_dir])  # starts the one-process group
     path = export_hf.checkpoint_path(load, None)
@@ -41,6 +52,9 @@ def main(load: str, tokens_path: str, out: str, new_tokens: int, hf_dir: str) ->
     _load(model.eval(), path)
     model.float()  # fp16/bf16 checkpoints: computed in fp32, as the test runs transformers
     tokens = torch.load(tokens_path)
+    if isinstance(tokens, dict):
+        torch.save(bert_forward(model, **tokens), out)
+        return
     logits = forward(model, tokens)
     greedy = tokens
     for _ in range(new_tokens):

@@ -16,10 +16,16 @@ references.
    rule's result lies at least 1e-3 away. The tied output layer of the last stage must equal
    the word embeddings of the first.
 3. Flags: a GPT tokenizer type fails at once with one error line.
+4. A checkpoint from before [BOS] and [EOS] joined the WordPiece vocabulary (Megatron-LM's
+   _BertWordPieceTokenizer adds them: the file's size + 2, padded) loads with one warning line:
+   megatron-core's embedding and output layer allow a shape mismatch on load (the saved rows
+   are read, the new ones start at zero); with the distributed optimizer it is refused in one
+   line (its flat state cannot be resized).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -289,3 +295,64 @@ def test_mock_bert_samples():
 
 def equal_samples(a: dict, b: dict) -> bool:
     return all((a[k] == b[k]).all() if hasattr(a[k], "all") else a[k] == b[k] for k in a)
+
+
+# ---- 4. checkpoints with the file-sized vocabulary ----------------------------------------------
+
+def _bert_flags(data: Path, vocab: Path) -> list[str]:
+    return ["pretrain_bert_2bw.py", "--cpu", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
+            "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+            "--train-iters", "1", "--split", "949,50,1", "--eval-iters", "0",
+            "--data-path", str(data / "bert" / "my-bert_text_sentence"),
+            "--vocab-file", str(vocab), "--distributed-timeout-minutes", "1"]
+
+
+def _saved_tensors(path: Path, keys: tuple[str, ...]) -> dict:
+    """Whole tensors of a torch_dist checkpoint, read by torch's own reader."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(str(path))
+    shapes = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(tuple(shapes[key].size)) for key in keys}
+    load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def test_a_checkpoint_with_the_file_sized_vocabulary_loads(example_data, tmp_path):
+    """The old rows, made as a run over the vocabulary file without its last two lines: 510 + 2
+    = 512 rows, what the whole 512-line file gave before; resumed with the whole file: 514
+    rows padded to 640 (a multiple of 128)."""
+    full = example_data / "bert-vocab.txt"
+    short = tmp_path / "short-vocab.txt"
+    short.write_text("".join(full.read_text().splitlines(keepends=True)[:510]))
+    old, new = tmp_path / "old", tmp_path / "new"
+    done = dist.python([*_bert_flags(example_data, short), "--save", str(old)], WORLD_SIZE="1")
+    assert done.returncode == 0, done.tail()
+    done = dist.python([*_bert_flags(example_data, full), "--load", str(old), "--save", str(new),
+                        "--save-interval", "100"], WORLD_SIZE="1")
+    assert done.returncode == 0, done.tail()
+    warning = (f" warning: {old}/iter_0000001 has a vocabulary of 512 rows, this run 640 (padded "
+               f"to a multiple of --make-vocab-size-divisible-by 128 x TP 1): a BertWordPiece "
+               f"checkpoint from before megatron-2bw added [BOS] and [EOS] to the vocabulary "
+               f"file's tokens, as Megatron-LM does; loaded with rows 512..639 at zero")
+    assert done.output.splitlines().count(warning) == 1, done.tail()
+    keys = ("embedding.word_embeddings.weight", "output_layer.bias")
+    before = _saved_tensors(old / "iter_0000001", keys)
+    after = _saved_tensors(new / "iter_0000001", keys)
+    for key in keys:
+        assert before[key].shape[0] == 512 and after[key].shape[0] == 640
+        assert torch.equal(after[key][:512], before[key]) and not after[key][512:].any(), key
+    assert before["embedding.word_embeddings.weight"].std() > 0.01  # saved rows, not zeros
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_2bw.training.checkpointing import CheckpointRefused, _check_vocabulary
+
+    saved = dist_checkpointing.load_common_state_dict(str(old / "iter_0000001"))["args"]
+    run = argparse.Namespace(**{**vars(saved), "padded_vocab_size": 640,
+                                "use_distributed_optimizer": True})
+    with pytest.raises(CheckpointRefused, match=r"^--load: .* has a vocabulary of 512 rows, this "
+                       r"run 640 .*; the distributed optimizer's state cannot be resized: pass "
+                       r"--no-load-optim to load the weights alone$"):
+        _check_vocabulary(str(old), saved, run, load_optim=True, warn=print)

@@ -11,14 +11,22 @@ from 2^32, 8 iterations leave the loss where it started.
 
 The loss references are derived, not recorded: every example starts from small weights
 (--init-method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform
-and its loss is ln(512) (prepare_data.py's 512-piece vocabularies, a multiple of 128 so not
-padded) to within 2%. 8 iterations at lr 1e-2 with the examples' cosine/linear decay to
-min-lr take the loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw
-6.2% and flush 9.8%). Every example runs under both 2bw and flush (Llama-3's 2bw with its
+over the embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
+(prepare_data.py's 512-piece vocabularies, a multiple of 128 so not padded), ln(640) for BERT
+(Megatron-LM's _BertWordPieceTokenizer adds [BOS] and [EOS]: 514, padded to a multiple of
+128). 8 iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the
+loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw 6.2% and flush
+9.8%). Every example runs under both 2bw and flush (Llama-3's 2bw with its
 distributed optimizer and overlaps), its flags as Megatron-LM's script passes them (no
 --tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as Megatron-LM's). Weights
 that never change (every step skipped, a stale version never swapped in) leave it within 1%. So the mean of the last two logged losses must be at least 4%
 below the first.
+
+BERT's run is also held to what Megatron-LM's would write (megatron/training/training.py and
+pretrain_bert.py, core_v0.16.1): the 16 TensorBoard tags its training_log and
+evaluate_and_print_results write with the example's flags (the binary head on: "sop loss"
+beside "lm loss"), and a checkpoint whose common state and vocabulary-shaped tensors are
+those of pretrain_bert.py's BertModel.
 
 The strict NCCL mode of the other multi-process tests reaches these runs too (bash and
 torchrun pass the environment on): each run's collectives are in its records.
@@ -42,6 +50,25 @@ VOCAB = 512  # prepare_data.VOCAB_SIZE
 MIN_RELATIVE_DROP = 0.04
 FASTER = ["--lr", "1e-2"]
 FP16_FASTER = [*FASTER, "--initial-loss-scale", "4096"]
+# tokenizer.py build_tokenizer: _vocab_size_with_padding(512 + [BOS] + [EOS]) at
+# --make-vocab-size-divisible-by 128 x TP 1
+BERT_ROWS = 640
+HIDDEN, MAX_POSITIONS = 64, 32  # the BERT example's --hidden-size, --max-position-embeddings
+# training_log with the example's flags: learning_rate is not None, batch-size, each key of
+# pretrain_bert.py's loss dict, --log-loss-scale-to-tensorboard's default, grad_norm is not
+# None; each also '<tag> vs samples'. evaluate_and_print_results: '<key> validation' (+ vs
+# samples) for each key.
+BERT_TAGS = {f"{tag}{suffix}" for tag in (
+    "learning-rate", "batch-size", "lm loss", "sop loss", "loss-scale", "grad-norm",
+    "lm loss validation", "sop loss validation") for suffix in ("", " vs samples")}
+# pretrain_bert.py's model_provider: BertModel(vocab_size=args.padded_vocab_size,
+# max_sequence_length=args.max_position_embeddings, num_tokentypes=2 and add_binary_head with
+# the binary head, tied output layer): the tensors whose shape those choose
+BERT_SHAPES = {"embedding.word_embeddings.weight": (BERT_ROWS, HIDDEN),
+               "output_layer.bias": (BERT_ROWS,),
+               "embedding.position_embeddings.weight": (MAX_POSITIONS, HIDDEN),
+               "embedding.tokentype_embeddings.weight": (2, HIDDEN),
+               "binary_head.weight": (2, HIDDEN), "pooler.dense.weight": (HIDDEN, HIDDEN)}
 
 
 def _strict_runs(port: int) -> set[int]:
@@ -69,11 +96,11 @@ def _run_example(script: str, args: list[str], schedule: str, **env: str) -> lau
     return done
 
 
-def _assert_loss_falls(done: launch.Launch, iterations: int) -> None:
+def _assert_loss_falls(done: launch.Launch, iterations: int, rows: int = VOCAB) -> None:
     log = parse_log(done.output)
     losses = [r.loss for r in log.iterations]
     assert [r.iteration for r in log.iterations] == list(range(1, iterations + 1)), done.tail()
-    assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.02), losses
+    assert losses[0] == pytest.approx(math.log(rows), rel=0.02), losses
     last_two = (losses[-1] + losses[-2]) / 2
     assert last_two <= (1 - MIN_RELATIVE_DROP) * losses[0], losses
 
@@ -96,8 +123,35 @@ def test_bert_340m_shrunk(example_data, tmp_path, schedule):
         str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
         str(example_data / "bert-vocab.txt"), str(example_data / "bert" / "my-bert_text_sentence"),
         *FP16_FASTER], schedule)
-    _assert_loss_falls(done, 8)
+    _assert_loss_falls(done, 8, rows=BERT_ROWS)
     assert f"training {schedule} schedule on 2 cpu processes: TP=1 PP=2 DP=1" in done.output
+    assert set(_tensorboard_tags(tmp_path / "tensorboard")) == BERT_TAGS
+    assert " sop loss: " in done.output and " sop loss value: " in done.output, done.tail()
+    _assert_bert_checkpoint(tmp_path / "checkpoints" / "iter_0000008")
+
+
+def _tensorboard_tags(directory: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    events.Reload()
+    return events.Tags()["scalars"]
+
+
+def _assert_bert_checkpoint(path: Path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    from tests.test_export_hf import MEGATRON_COMMON_KEYS
+
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    assert MEGATRON_COMMON_KEYS <= set(common), sorted(common)
+    args = common["args"]
+    assert (args.padded_vocab_size, args.tokenizer_type, args.bert_binary_head) == \
+        (BERT_ROWS, "BertWordPieceLowerCase", True)  # pretrain_bert.py's default type
+    metadata = load_sharded_metadata(str(path))
+    shapes = {key: tuple(metadata[key].global_shape) for key in BERT_SHAPES}
+    assert shapes == BERT_SHAPES
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])

@@ -2,12 +2,15 @@
 scripts/examples/prepare_data.py's data), read as Megatron-LM reads them, and exported to
 Hugging Face by tools/export_hf.py.
 
-Two runs, shared by every test here:
+Two GPT runs, shared by the GPT tests here:
   * "gpt2": GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied embeddings), 2BW,
     GPT2BPETokenizer by Megatron-LM's default (--vocab-file/--merge-file, no --tokenizer-type);
   * "llama": Llama style (rope base 500000, RMSNorm eps 1e-6, SwiGLU, no biases, GQA with 8
     query heads in 2 groups, untied output layer), the distributed optimizer, a HuggingFace
     tokenizer folder.
+Two BERT runs (pretrain_bert_2bw.py, BertWordPieceLowerCase by pretrain_bert.py's default):
+  * "bert": the binary head (sentence-order prediction), 2BW;
+  * "bert-mlm": --bert-no-binary-head, flush.
 Constant learning rate 1e-2: under 2BW the newer weight version (the checkpoint's "model"
 entries) differs from the older one.
 
@@ -28,11 +31,17 @@ Common state: the values are derived from Megatron-LM's code at core_v0.16.1, no
 Export: transformers loads the folder; its logits on the same tokens equal megatron-core's
 GPTModel forward of the checkpoint (fp32, rel 1e-5; tests/hf_export_worker.py), greedy
 generation of 4 tokens gives the same tokens, and the exported tokenizer encodes text to the
-ids the run's tokenizer gives.
+ids the run's tokenizer gives. BERT: MegatronBertForPreTraining's MLM and SOP logits (or
+MegatronBertForMaskedLM's MLM logits) equal megatron-core's BertModel forward on the same
+tokens, padding mask and token types, at every real position (megatron-core's BERT mask also
+blocks the padded positions' queries, transformers' only their keys, so the padded positions'
+own outputs differ); the exported tokenizer gives [CLS] + the run's ids + [SEP], and [BOS] and
+[EOS] the ids Megatron-LM's _BertWordPieceTokenizer gives them.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
 import re
@@ -98,6 +107,32 @@ def checkpoints(example_data, tmp_path_factory):
     return roots
 
 
+BERT_FILE_TOKENS = 512  # scripts/examples/prepare_data.py's bert-vocab.txt
+# _BertWordPieceTokenizer.__init__ / add_token (Megatron-LM core_v0.16.1): the next ids
+BERT_BOS, BERT_EOS = BERT_FILE_TOKENS, BERT_FILE_TOKENS + 1
+BERT_KINDS = {"bert": [], "bert-mlm": ["--bert-no-binary-head"]}
+
+
+def _bert_flags(kind: str, data) -> list[str]:
+    schedule = "2bw" if kind == "bert" else "flush"
+    return ["--num-attention-heads", "4", "--pipeline-schedule", schedule, *BERT_KINDS[kind],
+            "--data-path", str(data / "bert" / "my-bert_text_sentence"),
+            "--vocab-file", str(data / "bert-vocab.txt")]
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoints(example_data, tmp_path_factory):
+    """{kind: checkpoint root} of the two BERT runs."""
+    roots = {}
+    for kind in BERT_KINDS:
+        root = tmp_path_factory.mktemp(kind) / "checkpoints"
+        done = launch.torchrun(["pretrain_bert_2bw.py", *SIZES, *_bert_flags(kind, example_data),
+                                "--save", str(root)], 4, timeout=240)
+        assert done.returncode == 0, done.tail(60)
+        roots[kind] = root
+    return roots
+
+
 def _common(root):
     from megatron.core import dist_checkpointing
 
@@ -124,14 +159,17 @@ def _megatron_tokenizer_vocab(kind: str, data) -> int:
 
     if kind == "gpt2":
         return len(json.loads((data / "gpt2-vocab.json").read_text()))
+    if kind == "bert":  # _BertWordPieceTokenizer: the file's lines + [BOS] + [EOS]
+        return len((data / "bert-vocab.txt").read_text().splitlines()) + 2
     from transformers import AutoTokenizer
 
     return len(AutoTokenizer.from_pretrained(str(data / "llama3-tokenizer")))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind):
-    common = _common(checkpoints[kind])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_common_state_is_what_megatron_lm_saves(request, example_data, kind):
+    runs = request.getfixturevalue("bert_checkpoints" if kind == "bert" else "checkpoints")
+    common = _common(runs[kind])
     assert MEGATRON_COMMON_KEYS <= set(common), sorted(common)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == ITERATIONS
     args = common["args"]
@@ -141,9 +179,10 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
     padded = math.ceil(_megatron_tokenizer_vocab(kind, example_data) / multiple) * multiple
     assert args.padded_vocab_size == padded
     assert args.tokenizer_type == {"gpt2": "GPT2BPETokenizer",  # pretrain_gpt.py's default
-                                   "llama": "HuggingFaceTokenizer"}[kind]
+                                   "llama": "HuggingFaceTokenizer",
+                                   "bert": "BertWordPieceLowerCase"}[kind]  # pretrain_bert.py's
     # --num-query-groups: the flag's value, else its default 1 (validate_args leaves it)
-    assert args.num_query_groups == {"gpt2": 1, "llama": 2}[kind]
+    assert args.num_query_groups == {"gpt2": 1, "llama": 2, "bert": 1}[kind]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.world_size, args.data_parallel_size) == (2, 2, 4, 1)
     assert (args.consumed_train_samples, args.skipped_train_samples,
@@ -156,9 +195,9 @@ def test_common_state_is_what_megatron_lm_saves(checkpoints, example_data, kind)
 def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tokenizer,
                                                               mock):
     """``_vocab_size_with_padding(tokenizer.vocab_size)`` at TP = 2, the vocabulary as
-    Megatron-LM's classes count it: vocab.json's / vocab.txt's entries, len(AutoTokenizer),
-    and --vocab-size + 1 (eod) for _NullTokenizer, which Megatron-LM builds under --mock-data
-    too (Megatron-LM's Llama-3 example with MOCK)."""
+    Megatron-LM's classes count it: vocab.json's entries, vocab.txt's + 2 (_BertWordPieceTokenizer
+    adds [BOS] and [EOS]), len(AutoTokenizer), and --vocab-size + 1 (eod) for _NullTokenizer,
+    which Megatron-LM builds under --mock-data too (Megatron-LM's Llama-3 example with MOCK)."""
     import json
 
     from megatron_2bw import entry
@@ -179,7 +218,7 @@ def test_padded_vocab_size_is_megatron_lms_for_every_tokenizer(example_data, tok
     vocab = {"GPT2BPETokenizer": lambda: len(json.loads(
                  (example_data / "gpt2-vocab.json").read_text())),
              "BertWordPieceLowerCase": lambda: len(
-                 (example_data / "bert-vocab.txt").read_text().split()),
+                 (example_data / "bert-vocab.txt").read_text().split()) + 2,
              "HuggingFaceTokenizer": lambda: _megatron_tokenizer_vocab("llama", example_data),
              "NullTokenizer": lambda: 512 + 1}[tokenizer]()
     assert args.padded_vocab_size == math.ceil(vocab / (128 * TP)) * (128 * TP)
@@ -252,6 +291,56 @@ def test_export_gives_the_same_logits_and_tokens(checkpoints, example_data, tmp_
     assert exported(text)["input_ids"] == _run_tokenizer(kind, example_data).tokenize(text)
 
 
+@pytest.mark.parametrize("kind, hf_class", [("bert", "MegatronBertForPreTraining"),
+                                            ("bert-mlm", "MegatronBertForMaskedLM")])
+def test_bert_export_gives_the_same_mlm_and_sop_logits(bert_checkpoints, example_data, tmp_path,
+                                                      kind, hf_class):
+    from transformers import AutoModelForMaskedLM, AutoModelForPreTraining, AutoTokenizer
+
+    from megatron_2bw.data.tokenizer import build_tokenizer
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 500, (2, 12), generator=generator)
+    padding_mask = torch.ones(2, 12, dtype=torch.long)
+    padding_mask[1, 9:] = 0  # the second sample: 9 tokens, then padding
+    types = torch.zeros(2, 12, dtype=torch.long)
+    types[:, 5:] = 1
+    types[1, 9:] = 0
+    inputs = {"tokens": tokens, "padding_mask": padding_mask, "types": types}
+    megatron = _export_and_megatron_side(bert_checkpoints[kind], inputs, tmp_path, new_tokens=0)
+    out = tmp_path / "hf"
+    auto = AutoModelForPreTraining if kind == "bert" else AutoModelForMaskedLM
+    model = auto.from_pretrained(str(out)).float().eval()
+    assert type(model).__name__ == hf_class
+    assert model.config.vocab_size == 768  # 512 + [BOS] + [EOS], padded to 128 x TP 2
+    with torch.no_grad():
+        hf = model(input_ids=tokens, attention_mask=padding_mask, token_type_ids=types)
+    real = padding_mask.bool()
+    logits = hf.prediction_logits if kind == "bert" else hf.logits
+    torch.testing.assert_close(logits[real], megatron["logits"][real], rtol=1e-5, atol=1e-5)
+    assert megatron["logits"].std() > 0.1  # trained, not constant
+    if kind == "bert":
+        torch.testing.assert_close(hf.seq_relationship_logits, megatron["sop_logits"],
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.equal(megatron["sop_logits"][0], megatron["sop_logits"][1])
+    else:
+        assert megatron["sop_logits"] is None
+
+    text = "def main(argv):\n    return  Café(x) + 1  # done, ÉTÉ!"
+    exported = AutoTokenizer.from_pretrained(str(out))
+    ours = build_tokenizer("BertWordPieceLowerCase",
+                           vocab_file=str(example_data / "bert-vocab.txt"))
+    assert exported(text)["input_ids"] == [ours.cls, *ours.tokenize(text), ours.sep]
+    assert (exported.bos_token_id, exported.eos_token_id) == (BERT_BOS, BERT_EOS)
+    assert exported.convert_tokens_to_ids(["[BOS]", "[EOS]"]) == [BERT_BOS, BERT_EOS]
+    # Megatron-LM saves args.model_type as its ModelType enum: BERT is told by its tensors
+    sys.path.insert(0, str(launch.REPO / "tools"))
+    import export_hf
+
+    path = str(bert_checkpoints[kind] / "iter_0000002")
+    assert export_hf._model_type(argparse.Namespace(model_type=object()), path) == "bert"
+
+
 def test_a_model_without_a_hugging_face_equivalent_is_refused_in_one_line():
     """Rope with LayerNorm and GeLU (neither GPT-2 nor Llama): one line, no traceback."""
     sys.path.insert(0, str(launch.REPO / "tools"))
@@ -283,8 +372,6 @@ def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
 def test_a_sentencepiece_tokenizer_exports_with_the_same_ids(tiny_gpt_data, tmp_path,
                                                              tokenizer_type):
-    import argparse
-
     from transformers import AutoTokenizer
 
     from megatron_2bw.data.tokenizer import build_tokenizer

@@ -294,3 +294,39 @@ def test_eta_is_the_remaining_iterations_at_this_pace():
     assert MEGATRON_LINE.match(line)
     assert " ETA: 0h52m32s |" in line  # 1970 x 1.6 s = 3152 s
     assert parse_iteration(line).eta_s == 3152.0
+
+
+def test_every_loss_of_the_loss_dict_is_printed_and_written(tmp_path, capsys):
+    """BERT's loss dict {"lm loss", "sop loss"}: training_log prints ' {key}: {avg:.6E} |' for
+    each key in the dict's order, between the batch size and the loss scale, and writes each key
+    (+ ' vs samples'); evaluate_and_print_results prints '{key} value: {:.6E} | {key} PPL:
+    {:.6E} | ' for each and writes '{key} validation' (+ ' vs samples'). The values below are
+    written out by hand in those formats."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_2bw.training.logs import IterationLog, Logger, LogFlags, StepStats
+
+    line = IterationLog(iteration=30, train_iters=100, seconds_per_iteration=1.6, lr=3e-4,
+                        loss=5.25, grad_norm=None, consumed_samples=960, global_batch_size=32,
+                        seq_length=128, flops_per_iteration=1e12, world_size=2,
+                        peak_mem_mib=700.0, losses={"lm loss": 5.25, "sop loss": 0.6875}).line()
+    assert " global batch size:    32 | lm loss: 5.250000E+00 | sop loss: 6.875000E-01 |" \
+           " loss scale: 1.0 |" in line
+    assert parse_iteration(line).loss == 5.25
+    logger = Logger(True, str(tmp_path), LogFlags())
+    logger.step(StepStats(30, 960, 3e-4, 32, {"lm loss": 5.25, "sop loss": 0.6875}, 1.0, 2))
+    logger.validation(30, {"lm loss": 4.0, "sop loss": 0.5}, consumed_samples=960)
+    logger.close()
+    printed = capsys.readouterr().out.splitlines()
+    text = (" validation loss at iteration 30 | lm loss value: 4.000000E+00 | lm loss PPL: "
+            "5.459815E+01 | sop loss value: 5.000000E-01 | sop loss PPL: 1.648721E+00 | ")
+    assert printed[-3:] == ["-" * (len(text) + 1), text, "-" * (len(text) + 1)]
+    assert parse_validation(text).loss == 4.0
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)}
+               for tag in events.Tags()["scalars"]}
+    assert scalars["sop loss"] == {30: 0.6875} and scalars["sop loss vs samples"] == {960: 0.6875}
+    assert scalars["sop loss validation"] == {30: 0.5}
+    assert scalars["sop loss validation vs samples"] == {960: 0.5}
+    assert scalars["lm loss validation"] == {30: 4.0}

@@ -41,6 +41,20 @@ BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "##s",
 BERT_LOWER_IDS = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
 # Cased: "The" and "Café" have no pieces in the vocabulary -> [UNK] (1).
 BERT_CASED_IDS = [1, 6, 7, 8, 9, 10, 11, 12, 13, 1, 15]
+# Megatron-LM core_v0.16.1, megatron/training/tokenizer/tokenizer.py: _BertWordPieceTokenizer
+# loads the file (bert_tokenization.load_vocab: id = line number - 1, vocab_size = len(vocab)),
+# then add_token("[BOS]"), add_token("[EOS]") give each the next id, len(vocab), and after them
+# add_additional_special_tokens appends <extra_id_0>, <extra_id_1>, ...; eod is eos.
+BERT_BOS_ID, BERT_EOS_ID = 16, 17
+BERT_VOCAB_SIZE = 18  # 16 lines + [BOS] + [EOS]
+BERT_EXTRA_IDS = [18, 19]  # --vocab-extra-ids 2: vocab_size 20
+# "[BOS] the cat [EOS]": the basic tokenizer splits the brackets off (punctuation), so the text
+# "[BOS]" is "[" "bos" "]", none of them (but "the", "cat") in the vocabulary.
+BRACKETED_IDS = [1, 1, 1, 5, 6, 1, 1, 1]
+# build_tokenizer: padded_vocab_size = _vocab_size_with_padding(vocab_size), the vocabulary
+# rounded up to a multiple of --make-vocab-size-divisible-by x TP:
+# (divisible-by, TP, extra ids) -> padded size
+BERT_PADDED = {(128, 1, 0): 128, (128, 2, 0): 256, (8, 2, 0): 32, (8, 1, 2): 24, (4, 1, 0): 20}
 
 
 def gpt2_byte_symbols() -> dict[int, str]:
@@ -93,13 +107,50 @@ def test_bert_wordpiece_ids_specials_and_extra_ids(tmp_path):
     text = "The cats sat, unaffable! Café."
     lower = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(vocab))
     assert lower.tokenize(text) == BERT_LOWER_IDS
-    assert (lower.cls, lower.sep, lower.mask, lower.pad, lower.eod) == (2, 3, 4, 0, 3)
+    assert lower.tokenize("[BOS] the cat [EOS]") == BRACKETED_IDS
+    assert (lower.cls, lower.sep, lower.mask, lower.pad) == (2, 3, 4, 0)
+    assert (lower.bos, lower.eos, lower.eod) == (BERT_BOS_ID, BERT_EOS_ID, BERT_EOS_ID)
     assert lower.detokenize(BERT_LOWER_IDS) == "the cats sat, unaffable! cafe."
-    assert lower.inv_vocab[7] == "##s" and lower.vocab_size == len(BERT_VOCAB)
+    assert lower.vocab_size == len(lower.inv_vocab) == BERT_VOCAB_SIZE
+    assert (lower.inv_vocab[7], lower.inv_vocab[BERT_BOS_ID], lower.inv_vocab[BERT_EOS_ID]) == \
+        ("##s", "[BOS]", "[EOS]")
     cased = build_tokenizer("BertWordPieceCase", vocab_file=str(vocab), vocab_extra_ids=2)
     assert cased.tokenize(text) == BERT_CASED_IDS
-    assert cased.vocab_size == len(BERT_VOCAB) + 2
-    assert cased.additional_special_tokens_ids == [16, 17]
+    assert cased.vocab_size == BERT_VOCAB_SIZE + 2
+    assert cased.additional_special_tokens_ids == BERT_EXTRA_IDS
+    assert (cased.bos, cased.eos) == (BERT_BOS_ID, BERT_EOS_ID)
+
+
+@pytest.mark.parametrize("divisible_by, tp, extra_ids", sorted(BERT_PADDED))
+def test_bert_padded_vocab_size_is_megatron_lms(tmp_path, divisible_by, tp, extra_ids):
+    """The embedding's rows the training scripts compute from the flags (entry.padded_vocab)."""
+    from megatron_2bw import entry
+    from megatron_2bw.arguments import parse_args
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(BERT_VOCAB) + "\n", encoding="utf-8")
+    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--seq-length", "16", "--max-position-embeddings", "16", "--lr", "1e-3",
+                       "--train-iters", "2", "--micro-batch-size", "1", "--data-path", "x",
+                       "--tokenizer-type", "BertWordPieceCase", "--vocab-file", str(vocab),
+                       "--vocab-extra-ids", str(extra_ids), "--tensor-model-parallel-size",
+                       str(tp), "--make-vocab-size-divisible-by", str(divisible_by)],
+                      world_size=tp)
+    tokenizer = build_tokenizer("BertWordPieceCase", vocab_file=str(vocab),
+                                vocab_extra_ids=extra_ids)
+    assert entry.padded_vocab(args, tokenizer) == BERT_PADDED[divisible_by, tp, extra_ids]
+
+
+def test_bert_vocabulary_that_holds_bos_keeps_its_id_and_a_repeated_token_is_refused(tmp_path):
+    """add_token adds only what the file lacks: [BOS] keeps the file's id, [EOS] comes next."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join([*BERT_VOCAB, "[BOS]"]) + "\n", encoding="utf-8")
+    tokenizer = build_tokenizer("BertWordPieceLowerCase", vocab_file=str(vocab))
+    assert (tokenizer.bos, tokenizer.eos, tokenizer.vocab_size) == (16, 17, 18)
+    vocab.write_text("\n".join([*BERT_VOCAB, "cat"]) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"^--vocab-file: .*vocab.txt:17 repeats 'cat' of line 7"
+                                        r": each token must be on one line$"):
+        build_tokenizer("BertWordPieceLowerCase", vocab_file=str(vocab))
 
 
 def test_huggingface_tokenizer_folder(gpt2_files, tmp_path):

@@ -5,8 +5,9 @@
 ``--load`` is a --save directory (its latest_checkpointed_iteration.txt names the checkpoint;
 ``--iteration`` picks another) or one ``iter_XXXXXXX`` folder. The folder gets
 ``config.json``, ``model.safetensors`` and, where the run's tokenizer has a Hugging Face form,
-its files (GPT2BPETokenizer as a byte-level BPE tokenizer.json; HuggingFaceTokenizer: the
-folder's tokenizer; the SentencePiece types: tokenizer.model as a LlamaTokenizer).
+its files (GPT2BPETokenizer as a byte-level BPE tokenizer.json; BertWordPiece* as a WordPiece
+tokenizer.json with Megatron-LM's ids, [BOS]/[EOS] included; HuggingFaceTokenizer: the folder's
+tokenizer; the SentencePiece types: tokenizer.model as a LlamaTokenizer).
 
 The checkpoint may have been saved with any TP/PP/V layout: one CPU process builds the model at
 TP = PP = 1 from the saved flags and megatron-core's dist_checkpointing reshards the saved
@@ -14,7 +15,12 @@ tensors into it (the "model" entries: under 2BW the newer weight version). Then 
 
 * GPT-2 style (learned positions, LayerNorm, GeLU, biases, multi-head attention) ->
   ``GPT2LMHeadModel`` (Conv1D weights are [in, out]: transposed);
-* Llama style (rope, RMSNorm, SwiGLU, no biases, GQA allowed) -> ``LlamaForCausalLM``.
+* Llama style (rope, RMSNorm, SwiGLU, no biases, GQA allowed) -> ``LlamaForCausalLM``;
+* BERT (megatron-core's BertModel: pre-LayerNorm layers, a final LayerNorm, learned positions,
+  GeLU, biases) -> ``MegatronBertForPreTraining`` with the binary head (its pooler and
+  sentence-order head), ``MegatronBertForMaskedLM`` without: transformers' BERT with
+  Megatron's LayerNorm placement (``BertForPreTraining``'s post-LayerNorm layers compute
+  another function).
 
 megatron-core's fused QKV weight holds, for each query group g, the group's query heads, then
 its key head, then its value head: rows [g * (q + 2) * d, (g + 1) * (q + 2) * d) with q query
@@ -67,9 +73,10 @@ def checkpoint_path(load: str, iteration: int | None) -> str:
 # ---- the architecture the saved flags describe ---------------------------------------------
 
 def architecture(args: argparse.Namespace) -> str:
-    """"gpt2" or "llama"; ToolError naming what has no Hugging Face equivalent."""
-    if getattr(args, "model_type", "gpt") != "gpt":
-        _refuse(f"a {args.model_type} model (only GPT models export)")
+    """"gpt2", "llama" or "bert"; ToolError naming what has no Hugging Face equivalent."""
+    model_type = getattr(args, "model_type", "gpt")
+    if model_type not in ("gpt", "bert"):
+        _refuse(f"a {model_type} model (only GPT and BERT models export)")
     common = [(args.apply_residual_connection_post_layernorm,
                "--apply-residual-connection-post-layernorm"),
               (args.qk_layernorm, "--qk-layernorm"),
@@ -80,6 +87,8 @@ def architecture(args: argparse.Namespace) -> str:
     for present, flag in common:
         if present:
             _refuse(flag)
+    if model_type == "bert":
+        return _check_bert(args)
     if args.position_embedding_type == "learned_absolute":
         return _check_gpt2(args)
     if args.position_embedding_type == "rope":
@@ -90,7 +99,8 @@ def architecture(args: argparse.Namespace) -> str:
 def _refuse(what: str):
     raise ToolError("--load", f"{what} has no Hugging Face equivalent (GPT2LMHeadModel: learned "
                               f"positions, LayerNorm, GeLU, biases; LlamaForCausalLM: rope, "
-                              f"RMSNorm, SwiGLU, no biases)")
+                              f"RMSNorm, SwiGLU, no biases; MegatronBert: BERT with learned "
+                              f"positions, LayerNorm, GeLU, biases)")
 
 
 def _query_groups(args) -> int:
@@ -112,6 +122,25 @@ def _check_gpt2(args) -> str:
     return "gpt2"
 
 
+def _check_bert(args) -> str:
+    """MegatronBert's layers: multi-head attention, biases, LayerNorm, erf GeLU in the MLP as in
+    megatron-core's BERT LM head (transformers uses one activation for both)."""
+    heads = args.num_attention_heads
+    for bad, what in ((args.position_embedding_type != "learned_absolute",
+                       f"BERT with --position-embedding-type {args.position_embedding_type}"),
+                      (args.normalization != "LayerNorm", f"BERT with {args.normalization}"),
+                      (args.swiglu, "BERT with --swiglu"),
+                      (getattr(args, "openai_gelu", False), "BERT with --openai-gelu (its LM "
+                                                            "head keeps erf GeLU)"),
+                      (not args.add_bias_linear, "BERT with --disable-bias-linear"),
+                      (_query_groups(args) != heads, "BERT with grouped-query attention"),
+                      (args.kv_channels * heads != args.hidden_size,
+                       f"--kv-channels {args.kv_channels} != hidden / heads")):
+        if bad:
+            _refuse(what)
+    return "bert"
+
+
 def _check_llama(args) -> str:
     for bad, what in ((args.normalization != "RMSNorm", f"rope with {args.normalization}"),
                       (not args.swiglu, "rope without --swiglu"),
@@ -129,8 +158,8 @@ def _check_llama(args) -> str:
 # ---- the full model, in one process ---------------------------------------------------------
 
 def load_full_model(path: str):
-    """(saved flags, megatron-core GPTModel at TP = PP = 1 holding the checkpoint's "model"
-    weights). Starts a one-process gloo group on the CPU."""
+    """(saved flags, megatron-core GPTModel or BertModel at TP = PP = 1 holding the checkpoint's
+    "model" weights). Starts a one-process gloo group on the CPU."""
     from megatron_2bw.runtime import distributed
     from megatron_2bw.runtime.device import select_device
 
@@ -142,6 +171,7 @@ def load_full_model(path: str):
     if not isinstance(saved, argparse.Namespace):
         raise ToolError("--load", f"{path} holds no saved flags (args)")
     args = _single_process_args(saved)
+    args.model_type = _model_type(saved, path)
     architecture(args)
     distributed.initialize(1, 1, seed=getattr(args, "seed", 1234), force_cpu=True)
     model = _build(args, _saved_vocab(path))
@@ -167,6 +197,18 @@ def _single_process_args(saved: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _model_type(saved: argparse.Namespace, path: str) -> str:
+    """"gpt" or "bert": ours save it in the flags; a Megatron-LM checkpoint (its model_type is
+    an enum) is BERT where megatron-core's BertModel names its layers "encoder"."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    model_type = getattr(saved, "model_type", None)
+    if model_type in ("gpt", "bert"):
+        return model_type
+    bert = any(key.startswith("encoder.") for key in load_sharded_metadata(path))
+    return "bert" if bert else "gpt"
+
+
 def _saved_vocab(path: str) -> int:
     """The embedding's rows as saved (padded for the saved TP size)."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -175,12 +217,14 @@ def _saved_vocab(path: str) -> int:
 
 
 def _build(args: argparse.Namespace, vocab_size: int):
+    import pretrain_bert_2bw
     import pretrain_gpt_2bw
 
     from megatron_2bw.training import build
 
     config = build.transformer_config(args, "cpu", hidden_dropout=0.0, attention_dropout=0.0)
-    return pretrain_gpt_2bw.model_provider(config, True, True, args=args, vocab_size=vocab_size)
+    script = pretrain_bert_2bw if args.model_type == "bert" else pretrain_gpt_2bw
+    return script.model_provider(config, True, True, args=args, vocab_size=vocab_size)
 
 
 # ---- name mapping --------------------------------------------------------------------------
@@ -249,6 +293,48 @@ def llama_weights(args, state: dict) -> dict:
     return out
 
 
+def bert_weights(args, state: dict) -> dict:
+    """MegatronBertForPreTraining's state dict (binary head), or MegatronBertForMaskedLM's: no
+    pooler and sentence-order head; token types then have no effect (zero rows)."""
+    import torch
+
+    out = {"bert.embeddings.word_embeddings.weight": state["embedding.word_embeddings.weight"],
+           "bert.embeddings.position_embeddings.weight":
+               state["embedding.position_embeddings.weight"],
+           "bert.embeddings.token_type_embeddings.weight": state.get(
+               "embedding.tokentype_embeddings.weight", torch.zeros(2, args.hidden_size)),
+           "cls.predictions.decoder.weight": _output_layer(args, state),
+           "cls.predictions.bias": state["output_layer.bias"],
+           "cls.predictions.decoder.bias": state["output_layer.bias"]}
+    renamed = {"encoder.final_layernorm": "bert.encoder.ln",
+               "lm_head.dense": "cls.predictions.transform.dense",
+               "lm_head.layer_norm": "cls.predictions.transform.LayerNorm"}
+    if args.bert_binary_head:
+        renamed.update({"pooler.dense": "bert.pooler.dense", "binary_head": "cls.seq_relationship"})
+    heads, d = args.num_attention_heads, args.kv_channels
+    for i in range(args.num_layers):
+        m, h = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+        renamed.update({f"{m}input_layernorm": f"{h}attention.ln",
+                        f"{m}self_attention.linear_proj": f"{h}attention.output.dense",
+                        f"{m}pre_mlp_layernorm": f"{h}ln",
+                        f"{m}mlp.linear_fc1": f"{h}intermediate.dense",
+                        f"{m}mlp.linear_fc2": f"{h}output.dense"})
+        for kind in ("weight", "bias"):
+            q, k, v = _qkv(state[f"{m}self_attention.linear_qkv.{kind}"], heads, heads, d)
+            for name, tensor in (("query", q), ("key", k), ("value", v)):
+                out[f"{h}attention.self.{name}.{kind}"] = tensor
+    for ours, theirs in renamed.items():
+        for kind in ("weight", "bias"):
+            out[f"{theirs}.{kind}"] = state[f"{ours}.{kind}"]
+    return out
+
+
+WEIGHTS = {"gpt2": gpt2_weights, "llama": llama_weights, "bert": bert_weights}
+# the output layer's weight, made by transformers from the embedding when tied
+TIED_OUTPUT = {"gpt2": "lm_head.weight", "llama": "lm_head.weight",
+               "bert": "cls.predictions.decoder.weight"}
+
+
 def hf_config(kind: str, args, vocab_size: int, dtype) -> dict:
     """config.json's fields for the architecture."""
     common = {"vocab_size": vocab_size,
@@ -264,6 +350,16 @@ def hf_config(kind: str, args, vocab_size: int, dtype) -> dict:
                 "layer_norm_epsilon": args.layernorm_epsilon, "activation_function": gelu,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "scale_attn_weights": True}
+    if kind == "bert":
+        head = "ForPreTraining" if args.bert_binary_head else "ForMaskedLM"
+        return {**common, "architectures": [f"MegatronBert{head}"],
+                "model_type": "megatron-bert", "hidden_size": args.hidden_size,
+                "num_hidden_layers": args.num_layers,
+                "num_attention_heads": args.num_attention_heads,
+                "intermediate_size": args.ffn_hidden_size, "hidden_act": "gelu",
+                "max_position_embeddings": args.max_position_embeddings, "type_vocab_size": 2,
+                "layer_norm_eps": args.layernorm_epsilon, "position_embedding_type": "absolute",
+                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
             "num_hidden_layers": args.num_layers,
@@ -285,6 +381,8 @@ def write_tokenizer(args, out: Path) -> tuple[str, dict]:
     tokenizer = None
     if kind == "GPT2BPETokenizer" and args.vocab_file and args.merge_file:
         tokenizer = _gpt2_bpe(args.vocab_file, args.merge_file)
+    elif kind.startswith("BertWordPiece") and args.vocab_file:
+        tokenizer = _wordpiece(kind, args.vocab_file, getattr(args, "vocab_extra_ids", 0) or 0)
     elif kind == "HuggingFaceTokenizer" and args.tokenizer_model:
         from transformers import AutoTokenizer
 
@@ -296,8 +394,10 @@ def write_tokenizer(args, out: Path) -> tuple[str, dict]:
         return (f"no tokenizer files ({kind} has no Hugging Face form here)",
                 {"bos_token_id": None, "eos_token_id": None})
     tokenizer.save_pretrained(str(out))
-    return (f"{kind} as {type(tokenizer).__name__}",
-            {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if kind.startswith("BertWordPiece"):
+        ids["pad_token_id"] = tokenizer.pad_token_id
+    return f"{kind} as {type(tokenizer).__name__}", ids
 
 
 def _gpt2_bpe(vocab_file: str, merge_file: str):
@@ -312,6 +412,36 @@ def _gpt2_bpe(vocab_file: str, merge_file: str):
     end = "<|endoftext|>"
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=end, eos_token=end,
                                    unk_token=end)
+
+
+def _wordpiece(kind: str, vocab_file: str, extra_ids: int):
+    """BERT's WordPiece over the run's vocabulary (megatron_2bw.data's, Megatron-LM's ids: the
+    file's tokens, [BOS], [EOS], the extra ids), with BERT's normalization and pre-split as
+    Megatron-LM's FullTokenizer does them (lower-casing and accent stripping for
+    BertWordPieceLowerCase), words over 200 characters one [UNK], and [CLS] A [SEP] (B [SEP])
+    around the text as BERT's own tokenizer adds them."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_2bw.data.tokenizer import build_tokenizer
+    from megatron_2bw.data.vocab_tokenizers import MAX_WORD_CHARS
+
+    vocab = build_tokenizer(kind, vocab_file=vocab_file, vocab_extra_ids=extra_ids).vocab
+    lower = kind == "BertWordPieceLowerCase"
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]",
+                                           max_input_chars_per_word=MAX_WORD_CHARS))
+    wordpiece.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                      strip_accents=lower, lowercase=lower)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece(prefix="##")
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    extras = [f"<extra_id_{n}>" for n in range(extra_ids)]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+        cls_token="[CLS]", mask_token="[MASK]", bos_token="[BOS]", eos_token="[EOS]",
+        additional_special_tokens=extras)
 
 
 def _sentencepiece(model_file: str, out: Path):
@@ -346,15 +476,15 @@ def export(load: str, out: str, iteration: int | None = None) -> str:
 
 
 def write_folder(args: argparse.Namespace, model, folder: Path) -> str:
-    """config.json, model.safetensors and the tokenizer files of ``model`` (the GPTModel
-    :func:`load_full_model` built from the saved flags ``args``); the class name."""
+    """config.json, model.safetensors and the tokenizer files of ``model`` (the GPTModel or
+    BertModel :func:`load_full_model` built from the saved flags ``args``); the class name."""
     from safetensors.torch import save_file
 
     kind = architecture(args)
     state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    weights = (gpt2_weights if kind == "gpt2" else llama_weights)(args, state)
+    weights = WEIGHTS[kind](args, state)
     if not args.untie_embeddings_and_output_weights:
-        weights.pop("lm_head.weight")  # tied: transformers makes it from the embedding
+        weights.pop(TIED_OUTPUT[kind])  # tied: transformers makes it from the embedding
     weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     embedding = state["embedding.word_embeddings.weight"]
     folder.mkdir(parents=True, exist_ok=True)

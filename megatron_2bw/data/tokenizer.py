@@ -186,9 +186,9 @@ def build_tokenizer(
 
     - `GPT2BPETokenizer`: byte-level BPE from `vocab_file` (vocab.json) and `merge_file`
       (merges.txt); `eod` is `<|endoftext|>`.
-    - `BertWordPieceLowerCase` / `BertWordPieceCase`: WordPiece from `vocab_file` (vocab.txt);
-      `cls`, `sep`, `mask`, `pad` from the file, `eod` = `sep`, plus `vocab_extra_ids` ids
-      `<extra_id_N>` after the file's.
+    - `BertWordPieceLowerCase` / `BertWordPieceCase`: WordPiece from `vocab_file` (vocab.txt)
+      with Megatron-LM's ids: `cls`, `sep`, `mask`, `pad` from the file, then `[BOS]` (`bos`),
+      `[EOS]` (`eos` and `eod`) and `vocab_extra_ids` ids `<extra_id_N>` after the file's.
     - `GPTSentencePieceTokenizer`, `Llama2Tokenizer` (megatron-core builds both alike: no bos
       is added): plain sentencepiece encoding; `eod` is the model's eos piece.
     - `SentencePieceTokenizer`: megatron-core's legacy mode with BERT's special tokens

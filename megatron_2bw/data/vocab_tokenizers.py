@@ -11,8 +11,9 @@ by megatron-core's `MegatronTokenizerText` (megatron_2bw/data/tokenizer.py).
   first. `eod` = `<|endoftext|>`. Decoding is exact: `ids_to_text(text_to_ids(t)) == t`.
 - `WordPiece`: BERT's basic tokenizer (cleanup, CJK split, optional lower-casing with accent
   stripping, punctuation split) then greedy longest-match word pieces with `##` continuations.
-  `eod` is `[SEP]` (megatron-core's wrapper sets a BERT vocabulary's eos to its sep token);
-  `vocab_extra_ids` appends `<extra_id_0>` ... after the file's ids.
+  The vocabulary is Megatron-LM's `_BertWordPieceTokenizer`'s: the file's tokens (id = line
+  number - 1), then `[BOS]`, `[EOS]` and `<extra_id_0>` ... (`vocab_extra_ids`), each appended
+  unless the file holds it; `bos`/`eos` are `[BOS]`/`[EOS]` and `eod` is `[EOS]`.
 Bad files raise DataError naming the flag, with one line.
 """
 
@@ -31,6 +32,9 @@ ENDOFTEXT = "<|endoftext|>"
 GPT2_SPLIT = regex.compile(
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# Megatron-LM appends these to a BERT vocabulary file's tokens (_BertWordPieceTokenizer,
+# core_v0.16.1)
+BERT_ADDED = ("[BOS]", "[EOS]")
 MAX_WORD_CHARS = 200  # BERT: longer words become [UNK]
 
 
@@ -189,17 +193,19 @@ def read_gpt2_merges(merges_file: str, vocab: dict[str, int]) -> dict[tuple[str,
 
 
 class WordPiece(_VocabLibrary):
-    """BERT's WordPiece from a `vocab.txt` (one token per line, id = line number - 1)."""
+    """BERT's WordPiece from a `vocab.txt` (one token per line), with Megatron-LM's ids: the
+    file's tokens, then [BOS], [EOS] and the extra ids (see the module docstring)."""
 
     def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0) -> None:
         vocab = read_wordpiece_vocab(vocab_file)
-        for n in range(vocab_extra_ids):
-            vocab.setdefault(f"<extra_id_{n}>", len(vocab))
+        extra = [f"<extra_id_{n}>" for n in range(vocab_extra_ids)]
+        for token in (*BERT_ADDED, *extra):
+            vocab.setdefault(token, len(vocab))
         self.lower_case = lower_case
-        self.extra_ids = [vocab[f"<extra_id_{n}>"] for n in range(vocab_extra_ids)]
-        names = ("pad", "unk", "cls", "sep", "mask")
-        specials = {name: vocab[token] for name, token in zip(names, BERT_SPECIALS)}
-        super().__init__(vocab, {**specials, "eos": specials["sep"], "bos": specials["cls"]})
+        self.extra_ids = [vocab[token] for token in extra]
+        names = ("pad", "unk", "cls", "sep", "mask", "bos", "eos")
+        specials = {name: vocab[token] for name, token in zip(names, BERT_SPECIALS + BERT_ADDED)}
+        super().__init__(vocab, specials)
 
     @property
     def additional_special_tokens_ids(self) -> list[int]:
@@ -237,8 +243,9 @@ class WordPiece(_VocabLibrary):
 
 
 def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
-    """vocab.txt: one token per line (stripped), holding BERT's special tokens; DataError
-    naming --vocab-file otherwise."""
+    """vocab.txt: one token per line (stripped, id = line number - 1), each once, holding BERT's
+    special tokens; DataError naming --vocab-file otherwise (a repeated token would make
+    Megatron-LM's ids collide: its reader keeps the last line's id and counts the token once)."""
     try:
         with open(vocab_file, encoding="utf-8") as f:
             tokens = [line.strip() for line in f.read().split("\n")]
@@ -246,13 +253,19 @@ def read_wordpiece_vocab(vocab_file: str) -> dict[str, int]:
         raise DataError("--vocab-file", f"{vocab_file} is not UTF-8 text ({err.reason})") from err
     if tokens and tokens[-1] == "":
         tokens.pop()  # the final newline
+    if tokens[:1] == ["{"]:
+        raise DataError("--vocab-file",
+                        f"{vocab_file} is not a BERT vocab.txt (it looks like JSON)")
     vocab: dict[str, int] = {}
-    for token in tokens:
-        vocab[token] = len(vocab) if token not in vocab else vocab[token]
+    for index, token in enumerate(tokens):
+        if token in vocab:
+            raise DataError("--vocab-file", f"{vocab_file}:{index + 1} repeats {token!r} of line "
+                                            f"{vocab[token] + 1}: each token must be on one line")
+        vocab[token] = index
     missing = [token for token in BERT_SPECIALS if token not in vocab]
-    if missing or tokens[:1] == ["{"]:
-        why = "it looks like JSON" if tokens[:1] == ["{"] else f"no {', '.join(missing)}"
-        raise DataError("--vocab-file", f"{vocab_file} is not a BERT vocab.txt ({why})")
+    if missing:
+        raise DataError("--vocab-file", f"{vocab_file} is not a BERT vocab.txt "
+                                        f"(no {', '.join(missing)})")
     return vocab
 
 

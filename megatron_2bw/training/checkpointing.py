@@ -592,6 +592,7 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
         extra = None  # a schedule's state belongs to an iteration
     common = dist_checkpointing.load_common_state_dict(path)
     load_optim = not release and not args.no_load_optim and "opt_param_scheduler" in common
+    _check_vocabulary(path, common.get("args"), args, load_optim, warn)
     saved_scheduler = None
     if load_optim:
         saved_scheduler = common["opt_param_scheduler"]  # in samples, ours and Megatron-LM's
@@ -614,6 +615,31 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     if on_loaded is not None:
         on_loaded(loaded)
     return TrainState() if release else _train_state(loaded)
+
+
+def _check_vocabulary(path: str, saved: argparse.Namespace | None, args: argparse.Namespace,
+                      load_optim: bool, warn: Callable[[str], None]) -> None:
+    """A checkpoint whose embedding has another number of rows (saved ``padded_vocab_size``)
+    loads as megatron-core loads it (its embedding and output layer allow a shape mismatch: the
+    rows both have are read, the others start at zero), with a warning; the distributed
+    optimizer's flat state cannot, so with it CheckpointRefused asks for --no-load-optim."""
+    rows, ours = getattr(saved, "padded_vocab_size", None), getattr(args, "padded_vocab_size", None)
+    if rows is None or ours is None or rows == ours:
+        return
+    why = (f"{path} has a vocabulary of {rows} rows, this run {ours} (padded to a multiple of "
+           f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x TP "
+           f"{args.tensor_model_parallel_size})")
+    same_padding = all(getattr(saved, name, None) == getattr(args, name) for name in (
+        "make_vocab_size_divisible_by", "tensor_model_parallel_size", "tokenizer_type"))
+    if same_padding and args.tokenizer_type.startswith("BertWordPiece"):
+        why += (": a BertWordPiece checkpoint from before megatron-2bw added [BOS] and [EOS] to "
+                "the vocabulary file's tokens, as Megatron-LM does")
+    if load_optim and getattr(args, "use_distributed_optimizer", False):
+        raise CheckpointRefused(f"--load: {why}; the distributed optimizer's state cannot be "
+                                f"resized: pass --no-load-optim to load the weights alone")
+    change = (f"rows {rows}..{ours - 1} at zero" if ours > rows
+              else f"its rows {ours}..{rows - 1} left out")
+    warn(f" warning: {why}; loaded with {change}")
 
 
 def _rng_keyed_alike(path: str, common: dict, warn: Callable[[str], None]) -> bool:

@@ -5,7 +5,8 @@ the per-iteration scalars, the timers) and ``evaluate_and_print_results()`` (val
 its flag names and defaults (``LoggerConfig`` in ``megatron/training/training_config.py``):
 
 * Every ``--tensorboard-log-interval`` iterations the logging rank (the last; it holds the loss)
-  writes this iteration's ``learning-rate``, ``batch-size``, ``lm loss``, ``loss-scale``
+  writes this iteration's ``learning-rate``, ``batch-size``, each loss of the loss dict (``lm
+  loss``; BERT's binary head adds ``sop loss``), ``loss-scale``
   (unless ``--no-log-loss-scale-to-tensorboard``), ``world-size`` (with
   ``--log-world-size-to-tensorboard``), ``grad-norm``, ``num-zeros`` (``--log-num-zeros-in-grad``),
   ``params-norm`` (``--log-params-norm``), each also as ``<tag> vs samples`` (x = consumed
@@ -15,8 +16,8 @@ its flag names and defaults (``LoggerConfig`` in ``megatron/training/training_co
   ``--log-timers-to-tensorboard`` writes ``iteration-time``, ``throughput`` (with
   ``--log-throughput``) and the megatron-core timers of ``--timing-log-level`` as ``<name>-time``
   (max over ranks, ms per iteration), plus our schedule's tags (:data:`SCHEDULE_TAGS`).
-* Validation writes ``lm loss validation`` (+ ``vs samples``; ``... ppl`` with
-  ``--log-validation-ppl-to-tensorboard``); a test-set evaluation writes ``lm loss test``.
+* Validation writes ``<loss> validation`` for each loss (+ ``vs samples``; ``... ppl`` with
+  ``--log-validation-ppl-to-tensorboard``); a test-set evaluation writes ``<loss> test``.
 
 Timers: megatron-core's ``Timers``, attached where Megatron-LM attaches them (the model config
 and the optimizer config), so megatron-core's own ``forward-compute``/``backward-compute``
@@ -208,22 +209,31 @@ class LogFlags:
 
 @dataclasses.dataclass
 class IntervalStats:
-    """Training_log's ``total_loss_dict``: the iterations since the last log line."""
+    """Training_log's ``total_loss_dict``: the iterations since the last log line. ``losses``
+    holds the main loss ("lm loss") of each iteration, ``by_key`` every loss of the loss dict
+    ("lm loss", "sop loss", ...) in its order."""
 
     losses: list = dataclasses.field(default_factory=list)
     skipped: int = 0
     nan: int = 0
+    by_key: dict = dataclasses.field(default_factory=dict)
 
-    def add(self, loss: float | None, succeeded: bool) -> None:
+    def add(self, loss: float | None, succeeded: bool, losses: dict | None = None) -> None:
         self.losses.append(loss)
+        for key, value in (losses or {}).items():
+            self.by_key.setdefault(key, []).append(value)
         self.skipped += not succeeded
         self.nan += (not succeeded) and loss is not None and not math.isfinite(loss)
 
     def take(self) -> "IntervalStats":
         """This interval's numbers; the accumulator starts over."""
-        done = IntervalStats(self.losses, self.skipped, self.nan)
-        self.losses, self.skipped, self.nan = [], 0, 0
+        done = IntervalStats(self.losses, self.skipped, self.nan, self.by_key)
+        self.losses, self.skipped, self.nan, self.by_key = [], 0, 0, {}
         return done
+
+    def mean_losses(self) -> dict[str, float]:
+        """Each loss of the loss dict averaged over the interval's iterations."""
+        return {key: sum(values) / len(values) for key, values in self.by_key.items()}
 
     @property
     def iterations(self) -> int:
@@ -262,12 +272,14 @@ class IterationLog:
                  world_size: int, peak_mem_mib: float, skipped: int = 0, *,
                  loss_key: str = "lm loss", loss_scale: float = 1.0,
                  num_zeros: float | None = None, params_norm: float | None = None,
-                 nan_iterations: int = 0, log_throughput: bool = False):
+                 nan_iterations: int = 0, log_throughput: bool = False,
+                 losses: dict | None = None):
         self.iteration = iteration
         self.train_iters = train_iters
         self.seconds = seconds_per_iteration
         self.lr = lr
         self.loss_key, self.loss = loss_key, loss
+        self.losses = losses or {loss_key: loss}  # every loss, printed in this order
         self.grad_norm = grad_norm
         self.consumed_samples = consumed_samples
         self.samples_per_s = global_batch_size / seconds_per_iteration
@@ -292,8 +304,9 @@ class IterationLog:
                f" elapsed time per iteration (ms): {self.seconds * 1000.0:.1f} |")
         if self.log_throughput:
             out += f" throughput per GPU (TFLOP/s/GPU): {self.tflops_per_device:.1f} |"
-        out += (f" learning rate: {self.lr:.6E} | global batch size: {self.global_batch_size:5d} |"
-                f" {self.loss_key}: {self.loss:.6E} | loss scale: {self.loss_scale:.1f} |")
+        out += f" learning rate: {self.lr:.6E} | global batch size: {self.global_batch_size:5d} |"
+        out += "".join(f" {key}: {value:.6E} |" for key, value in self.losses.items())
+        out += f" loss scale: {self.loss_scale:.1f} |"
         if self.grad_norm is not None:
             out += f" grad norm: {self.grad_norm:.3f} |"
         if self.num_zeros is not None:
@@ -380,17 +393,22 @@ class Logger:
         if text:
             self.print(text)
 
-    def validation(self, iteration: int, loss: float, split: str = "validation",
-                   consumed_samples: int | None = None, loss_key: str = "lm loss") -> None:
-        """evaluate_and_print_results' block (its format), and its scalars."""
-        ppl = math.exp(min(20.0, loss))
-        line = (f" {split} loss at iteration {iteration} | {loss_key} value: {loss:.6E} |"
-                f" {loss_key} PPL: {ppl:.6E} | ")
+    def validation(self, iteration: int, losses: dict[str, float] | float,
+                   split: str = "validation", consumed_samples: int | None = None,
+                   loss_key: str = "lm loss") -> None:
+        """evaluate_and_print_results' block (its format) and scalars, for each loss of
+        ``losses`` (a float is ``{loss_key: losses}``)."""
+        if not isinstance(losses, dict):
+            losses = {loss_key: losses}
+        line, values = f" {split} loss at iteration {iteration} | ", {}
+        for key, loss in losses.items():
+            ppl = math.exp(min(20.0, loss))
+            line += f"{key} value: {loss:.6E} | {key} PPL: {ppl:.6E} | "
+            values[f"{key} {split}"] = loss
+            if self.flags.log_validation_ppl_to_tensorboard:
+                values[f"{key} {split} ppl"] = ppl
         bar = "-" * (len(line) + 1)
         self.print(f"{bar}\n{line}\n{bar}")
-        values = {f"{loss_key} {split}": loss}
-        if self.flags.log_validation_ppl_to_tensorboard:
-            values[f"{loss_key} {split} ppl"] = ppl
         self.scalars(values, iteration, consumed_samples)
 
     def close(self) -> None:

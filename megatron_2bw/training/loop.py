@@ -65,16 +65,20 @@ def _loss_stage(args: argparse.Namespace) -> int:
     return placement.holder(depth * placement.chunks - 1)[0]
 
 
-def _mean_loss_over_data_parallel(loss_dicts: list, key: str, loss_stage: int) -> float | None:
-    """Average ``key`` over this rank's microbatches, then over data-parallel replicas.
+def _mean_losses_over_data_parallel(loss_dicts: list, loss_stage: int) -> dict | None:
+    """Each loss of the microbatches' loss dicts ("lm loss", BERT's "sop loss"), in their order,
+    averaged over this rank's microbatches, then over data-parallel replicas (one all-reduce).
     Returns None on ranks that hold no loss (all but the `loss_stage` pipeline stage)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_rank() != loss_stage:
         return None
-    local = torch.stack([d[key].float().reshape(()) for d in loss_dicts]).mean()
+    keys = list(loss_dicts[0])
+    local = torch.stack([torch.stack([d[key].float().reshape(()) for d in loss_dicts]).mean()
+                         for key in keys])
     dist.all_reduce(local, group=ps.get_data_parallel_group())
-    return float(local) / ps.get_data_parallel_world_size()
+    replicas = ps.get_data_parallel_world_size()
+    return {key: float(value) / replicas for key, value in zip(keys, local)}
 
 
 class Trainer:
@@ -225,12 +229,13 @@ class Trainer:
                     micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length,
                     forward_only=forward_only)
 
-    def train_step(self) -> tuple[float | None, float | None, float | None, bool]:
+    def train_step(self) -> tuple[float | None, float | None, float | None, bool, dict | None]:
         """One global batch of the current size (megatron-core's calculator at the consumed
         samples): forward/backward over its microbatches, then the optimizer step; the
         scheduler and the consumed samples advance by the batch's samples. Returns (loss, grad
-        norm, zeros in the gradients (--log-num-zeros-in-grad), success); timed as
-        Megatron-LM's train_step times it ('forward-backward', 'optimizer')."""
+        norm, zeros in the gradients (--log-num-zeros-in-grad), success, every loss by name);
+        the losses are None off the loss's stage. Timed as Megatron-LM's train_step times it
+        ('forward-backward', 'optimizer')."""
         from megatron.core.num_microbatches_calculator import (
             get_current_global_batch_size, get_num_microbatches, update_num_microbatches)
 
@@ -246,13 +251,16 @@ class Trainer:
         self.housekeeping.after_forward_backward()
         with self._timed("optimizer"):
             succeeded, grad_norm, num_zeros = self.optimizer.step()
+        if not self.args.log_num_zeros_in_grad:
+            num_zeros = None  # ChainedOptimizer.step's (build._unchained): mixed precision's is 0
         self.housekeeping.after_optimizer_step()
         if succeeded:
             self.scheduler.step(increment=batch_size)
         self.state.iteration += 1
         self.state.consumed_train_samples += batch_size
-        loss = _mean_loss_over_data_parallel(loss_dicts, self.loss_key, self.loss_stage)
-        return loss, grad_norm, num_zeros, succeeded
+        losses = _mean_losses_over_data_parallel(loss_dicts, self.loss_stage)
+        loss = None if losses is None else losses[self.loss_key]
+        return loss, grad_norm, num_zeros, succeeded, losses
 
     @contextlib.contextmanager
     def _timed(self, name: str, already_timed: bool = False):
@@ -274,7 +282,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, make_iterator: Callable[[], object], split: str = "validation") -> float:
-        """Mean loss over --eval-iters batches (the same batches at every evaluation)."""
+        """Mean loss over --eval-iters batches (the same batches at every evaluation); every
+        loss of the loss dict is logged."""
         self._drain()
         for chunk in self.model:
             chunk.eval()
@@ -286,28 +295,30 @@ class Trainer:
                 loss_dicts = self.forward_backward(  # full batches, as Megatron-LM evaluates
                     data_iterator=iterator,
                     **self._schedule_kwargs(True, self.args.num_microbatches))
-                losses.append(_mean_loss_over_data_parallel(loss_dicts, self.loss_key,
-                                                            self.loss_stage))
+                losses.append(_mean_losses_over_data_parallel(loss_dicts, self.loss_stage))
         for chunk in self.model:
             chunk.train()
-        loss = None if losses[0] is None else sum(losses) / len(losses)
-        if loss is not None:
-            self.logger.validation(self.state.iteration, loss, split,
-                                   self.state.consumed_train_samples, self.loss_key)
-        return loss
+        if losses[0] is None:
+            return None
+        means = {key: sum(each[key] for each in losses) / len(losses) for key in losses[0]}
+        self.logger.validation(self.state.iteration, means, split,
+                               self.state.consumed_train_samples)
+        return means[self.loss_key]
 
     # ---- the loop ----------------------------------------------------------------------
-    def _log(self, loss, grad_norm, num_zeros, succeeded: bool) -> float | None:
+    def _log(self, loss, grad_norm, num_zeros, succeeded: bool,
+             losses: dict | None = None) -> float | None:
         """Megatron-LM's training_log for the iteration just run: its scalars every
         --tensorboard-log-interval, and every --log-interval the line and the timers. Every rank
         calls it (the parameter norm and the timers are collectives). Returns the interval's
-        mean loss when a line was due (None on ranks without the loss)."""
+        mean loss when a line was due (None on ranks without the loss). ``losses``: every loss
+        of the loss dict by name (written and printed each), ``loss`` the main one."""
         from megatron.core.num_microbatches_calculator import get_current_global_batch_size
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         a, iteration = self.args, self.state.iteration
         batch_size = get_current_global_batch_size()  # the batch just run (set before it ran)
-        self.interval.add(loss, succeeded)
+        self.interval.add(loss, succeeded, losses)
         line_due, scalars_due = self._due(a.log_interval), self._due(a.tensorboard_log_interval)
         if not (line_due or scalars_due):
             return None
@@ -317,8 +328,8 @@ class Trainer:
         if scalars_due:
             self.logger.step(logs.StepStats(
                 iteration, self.state.consumed_train_samples, lr, batch_size,
-                {self.loss_key: loss}, loss_scale, self.info.world_size, grad_norm, num_zeros,
-                params_norm))
+                losses or {self.loss_key: loss}, loss_scale, self.info.world_size, grad_norm,
+                num_zeros, params_norm))
         if not line_due:
             return None
         interval = self.interval.take()
@@ -334,7 +345,7 @@ class Trainer:
                 peak_mem_mib=logs.peak_memory_mib(self.info.device), skipped=interval.skipped,
                 loss_key=self.loss_key, loss_scale=loss_scale, num_zeros=num_zeros,
                 params_norm=params_norm, nan_iterations=interval.nan,
-                log_throughput=a.log_throughput))
+                log_throughput=a.log_throughput, losses=interval.mean_losses()))
         self.logger.timers(self.timers, iteration, self._schedule_scalars())
         return interval.mean_loss
 
@@ -415,13 +426,13 @@ class Trainer:
                 self._prepare_drain()
             elif notice > 1:
                 self._announce_pauses(upcoming, notice)
-            loss, grad_norm, num_zeros, succeeded = self.train_step()
+            loss, grad_norm, num_zeros, succeeded, losses = self.train_step()
             self.housekeeping.after_iteration(self.state.iteration)
             self.housekeeping.check_replicas(self.model, self.state.iteration)
             guard.post(self.state.iteration, loss, grad_norm, succeeded)
             if guard.check_nan:  # on the device, read with the next iteration's flags
                 guard.record_step(self.state.iteration, nonfinite(self._weights()))
-            interval_loss = self._log(loss, grad_norm, num_zeros, succeeded)
+            interval_loss = self._log(loss, grad_norm, num_zeros, succeeded, losses)
             if self._due(a.log_interval):
                 last["train_loss"] = interval_loss
             pausing = (stop_at is not None and self.state.iteration >= stop_at) \
