@@ -45,6 +45,7 @@ from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
 from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
 from megatron_2bw.planner.search import ITERATION_FACTOR  # noqa: E402
+from megatron_2bw.corrections import RULES  # noqa: E402
 from megatron_2bw.arguments import ATTENTION_BACKENDS  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
 from megatron_2bw.planner.evaluate import (MODEL_FLAGS, Evaluation, evaluate,  # noqa: E402
@@ -204,14 +205,18 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="default: bf16 on GPUs, fp32 on cpu-local")
     g.add_argument("--schedules", type=_schedules, default=ALL_SCHEDULES,
                    help="allowed schedules (leave out 2bw to forbid the 1-stale update)")
-    g.add_argument("--iteration-factor", type=positive_float, default=ITERATION_FACTOR,
+    g.add_argument("--iteration-factor", type=positive_float, default=None,
                    help="iterations 2bw, pipedream and pipemare need per flush iteration to reach "
                         "the same loss; they rank at samples/s / this (default "
-                        f"{ITERATION_FACTOR:g}, measured in docs/convergence.md)")
+                        "per schedule, optimizer and correction, docs/convergence.md's "
+                        f"table; {ITERATION_FACTOR:g} for 2bw with Adam)")
     g.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
     g.add_argument("--memory-fraction", type=fraction, default=0.9)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam")
+    g.add_argument("--stale-weight-correction", choices=RULES, default="none",
+                   help="2bw's correction of its stale update: its memory (one more fp32 "
+                        "weight copy per stage) and iteration factor; needs --precision fp32")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="the runs' attention kernel, written into their flags when given "
@@ -339,6 +344,9 @@ def run_plan(argv) -> int:
         training += ["--attention-backend", args.attention_backend]
     model = _model(args)
     precision = _precision(args, cluster, forced.precision if forced else None)
+    if args.stale_weight_correction != "none" and precision != "fp32":
+        raise ToolError("--stale-weight-correction", f"{args.stale_weight_correction} runs on "
+                        f"fp32 weights, not {precision}: give --precision fp32")
     profile = _load_profile(args, cluster)
     e2e = _load(E2EProfile, args.measured, "--measured") if args.measured else None
     request = PlanRequest(
@@ -346,12 +354,14 @@ def run_plan(argv) -> int:
         micro_batch_sizes=args.micro_batch_sizes,
         recompute={"both": (False, True), "on": (True,), "off": (False,)}[args.recompute],
         memory_fraction=args.memory_fraction, optimizer=args.optimizer,
+        correction=args.stale_weight_correction,
         distributed_optimizer=args.use_distributed_optimizer, clip_grad=not args.no_clip_grad,
         deferred_step=not args.no_deferred_step, max_tensor_parallel=args.max_tensor_parallel,
         simulate_top=0 if args.closed_form else args.simulate_top,
         virtual_stages=args.virtual_stages, selective_recompute=args.selective_recompute,
         sequence_parallel=args.sequence_parallel, iteration_factor=args.iteration_factor)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
+                     correction=args.stale_weight_correction,
                      distributed_optimizer=args.use_distributed_optimizer,
                      clip_grad=not args.no_clip_grad, deferred_step=not args.no_deferred_step,
                      sequence_parallel=args.sequence_parallel,
@@ -362,7 +372,7 @@ def run_plan(argv) -> int:
     paths = write_plan(plan, args.out, training=training)
     print(f"{_describe(model, cluster, args.global_batch_size, precision, cost)}, "
           f"schedules {','.join(args.schedules)}; ranked by samples/s, divided by "
-          f"--iteration-factor {args.iteration_factor:g} for the stale-weight schedules")
+          f"{_factors(request)} for the stale-weight schedules")
     print(f"{plan.considered} layouts considered, {len(plan.ranked)} feasible, "
           f"{len(plan.rejected)} rejected ({paths['rejected']}); search {plan.seconds:.3f} s")
     if args.explain:
@@ -388,6 +398,16 @@ def run_plan(argv) -> int:
                                                           simulate=not args.closed_form)))
     print(f"\nplanned in {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _factors(request: PlanRequest) -> str:
+    """The iteration factors the ranking divides by, in words."""
+    if request.iteration_factor is not None:
+        return f"--iteration-factor {request.iteration_factor:g}"
+    stale = [s for s in request.schedules if request.factor_of(s) != 1.0]
+    return "the iteration factors " + ", ".join(f"{s} {request.factor_of(s):g}" for s in stale) \
+        + f" ({request.optimizer}" + (f", {request.correction}" if request.correction != "none"
+                                       else "") + ", docs/convergence.md)"
 
 
 def _describe(model: ModelSpec, cluster, batch: int, precision: str, cost: CostModel) -> str:

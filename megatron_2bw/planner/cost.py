@@ -45,7 +45,7 @@ __all__ = ["Layout", "RankParts", "rank_parts", "StageMemory", "MemoryEstimate",
 PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes of a parameter and of an activation element."""
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "muon")
 
 SCHEDULE_NOTES = {
     "2bw": "PipeDream-2BW: no flush, bubble only when training starts; 2 weight versions; "
@@ -97,8 +97,13 @@ MASTER_BYTES = 4
 """fp32 master copy the mixed-precision optimizer keeps of 16-bit parameters (Micikevicius et
 al. 2018); none in fp32, where the parameters are the master."""
 
-MOMENT_BYTES = {"adam": 8, "sgd": 4}
-"""Adam: fp32 exp_avg and exp_avg_sq; SGD: fp32 momentum (megatron's sgd_momentum=0.9)."""
+MOMENT_BYTES = {"adam": 8, "sgd": 4, "muon": 4}
+"""Adam: fp32 exp_avg and exp_avg_sq; SGD: fp32 momentum (megatron's sgd_momentum=0.9); Muon:
+fp32 momentum of the hidden matrices, which hold nearly all parameters (the embeddings, norms
+and biases it leaves to Adam are counted at 4 bytes too)."""
+
+NS_STEPS = 5
+"""Newton-Schulz iterations of Muon (--muon-num-ns-steps' default)."""
 
 
 @dataclass(frozen=True)
@@ -353,6 +358,10 @@ class CostModel:
     on 1/t of the sequence, their activations split over t; each all-reduce becomes a
     reduce-scatter and an all-gather of the same volume (Korthikanti et al. 2022, 4.2.2)."""
 
+    correction: str = "none"
+    """2BW's --stale-weight-correction: predict and dc keep one more fp32 weight version per
+    stage, ef one fp32 tensor of the last update (megatron_2bw.corrections)."""
+
     flash_attention: bool = False
     """FlashAttention (`--attention-backend flash` or `fused`, or `auto` where
     `Cluster.flash_attention`; `Cluster.attention_is_flash`): the attention core keeps no s x s
@@ -427,7 +436,8 @@ class CostModel:
                 weights=params * e,
                 # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total;
                 # PipeDream 1 + ceil((d-1-i)/m): d - i at m = 1 (2BW paper, Section 2).
-                extra_versions=(spec.versions_on(d, m, i) - 1) * params * e,
+                extra_versions=(spec.versions_on(d, m, i) - 1) * params * e
+                + self._correction_bytes(layout.schedule, params),
                 gradients=params * GRAD_BYTES,
                 optimizer=params * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),
@@ -448,6 +458,11 @@ class CostModel:
         head = self.model.head_weight_grad_bytes(b, t, e, sequence_parallel=sp,
                                                  with_embedding=parts.embedding)
         return [layers * layer + has_head * head for _, has_head in parts.chunks]
+
+    def _correction_bytes(self, schedule: str, params: int) -> float:
+        """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
+        the stage's weights (predict's and dc's third version, ef's last update)."""
+        return params * 4.0 if schedule == "2bw" and self.correction != "none" else 0.0
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
@@ -518,14 +533,17 @@ class CostModel:
             embedding = model.padded_vocab(t) // t * model.hidden_size
             embedding_sync = cluster.group_link(2, stride=t * w * (d - 1)).all_reduce(
                 embedding * GRAD_BYTES, 2)
-        optimizer = max(self._optimizer_step(p, w) for p in stage_params)
+        optimizer = max(self._optimizer_step(p, w) for p in stage_params) \
+            + self._orthogonalization(layers, t)
         pp_group = cluster.group_link(d, stride=t * w)
-        norm = (tp_link.all_reduce(4, t) + pp_group.all_reduce(4, d)) if self.clip_grad else 0.0
+        # Muon's chain of two optimizers takes the norm also without clipping
+        takes_norm = self.clip_grad or self.optimizer == "muon"
+        norm = (tp_link.all_reduce(4, t) + pp_group.all_reduce(4, d)) if takes_norm else 0.0
         step = data_parallel + embedding_sync + optimizer + norm
         # The grad norm and fp16's found-inf span all stages; the tied embedding's all-reduce
         # makes the last stage wait for the first, and the stages between follow the last.
         pipeline_wide = self.precision == "fp16" or (
-            (self.clip_grad or model.tied) and not self._deferred(layout.schedule, d))
+            (takes_norm or model.tied) and not self._deferred(layout.schedule, d))
         sync = "pipeline" if pipeline_wide and d > 1 else "local"
 
         work = [f + bw for f, bw in zip(forward, backward)]
@@ -694,6 +712,21 @@ class CostModel:
         time_ratio *= self.profile.compute_scale
         return (sample.forward_s * time_ratio, sample.backward_s * time_ratio,
                 sample.activation_bytes * bytes_ratio)
+
+    def _orthogonalization(self, layers: int, t: int) -> float:
+        """Seconds of Muon's Newton-Schulz iterations on a stage's ``layers`` layers: per
+        matrix block m x n (m <= n) NS_STEPS x (4 m^2 n + 2 m^3) FLOPs (X X^T, (b A + c A^2) and
+        its product with X), each tensor-parallel rank its own block, at the GEMM rate of its
+        smaller side (bf16 products, as emerging-optimizers runs them by default)."""
+        if self.optimizer != "muon":
+            return 0.0
+        precision = "bf16" if "bf16" in self.cluster.peak_flops else "fp32"
+        seconds = 0.0
+        for rows, cols in self.model.layer_matrices(t):
+            m, n = sorted((rows, cols))
+            flops = NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+            seconds += flops / self.cluster.gemm_flops(precision, m)
+        return layers * seconds
 
     def _optimizer_step(self, params: int, w: int) -> float:
         """Seconds of the optimizer step on `params` parameters."""

@@ -109,7 +109,7 @@ _PEAK_LR = {"gpt": "1.5e-4", "bert": "1e-4"}
 
 def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool = False,
                  distributed_optimizer: bool = False, sequence_parallel: bool = False,
-                 clip_grad: bool = True,
+                 clip_grad: bool = True, optimizer: str = "adam", correction: str = "none",
                  deferred_step: bool = True, training: Sequence[str] = ()) -> list[str]:
     """The layout and model as our entry scripts' flags (Megatron-LM's names), then
     `training` (`training_flags`; the model kind's peak learning rate when it has no --lr);
@@ -152,6 +152,10 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.v)]
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
+    if optimizer != "adam":
+        flags += ["--optimizer", optimizer]
+    if correction != "none" and layout.schedule == "2bw":
+        flags += ["--stale-weight-correction", correction]
     if not clip_grad:
         flags += ["--clip-grad", "0"]
     if not deferred_step and keeps_versions(layout.schedule):
@@ -166,6 +170,7 @@ def _flags_for(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -
     r = plan.request
     return launch_flags(candidate.layout, r.model, r.precision, cpu=r.cluster.device == "cpu",
                         distributed_optimizer=r.distributed_optimizer, clip_grad=r.clip_grad,
+                        optimizer=r.optimizer, correction=r.correction,
                         deferred_step=r.deferred_step, sequence_parallel=r.sequence_parallel,
                         training=training)
 
@@ -345,6 +350,8 @@ def plan_to_json(plan: Plan, top: int = 20, training: Sequence[str] = ()) -> dic
             "recompute": list(r.recompute),
             "memory_fraction": r.memory_fraction,
             "optimizer": r.optimizer,
+            "stale_weight_correction": r.correction,
+            "iteration_factors": {s: r.factor_of(s) for s in r.schedules},
             "distributed_optimizer": r.distributed_optimizer,
             "selective_recompute": r.selective_recompute,
             "sequence_parallel": r.sequence_parallel,

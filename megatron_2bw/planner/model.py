@@ -118,6 +118,14 @@ class ModelSpec:
         """FC1's output features, all ranks: f, or 2f with a gated unit (SwiGLU)."""
         return self.ffn * (2 if self.gated_linear_unit else 1)
 
+    def layer_matrices(self, t: int = 1) -> list[tuple[int, int]]:
+        """(rows, columns) of one layer's weight matrices on one of t tensor-parallel ranks,
+        QKV's query, key and value parts apart (Muon orthogonalizes each on its own):
+        column-parallel QKV and FC1 split their rows, the projection and FC2 their columns."""
+        h, kv = self.hidden_size, self.query_groups * (self.hidden_size // self.num_attention_heads)
+        return [(h // t, h), (kv // t, h), (kv // t, h), (h, h // t),
+                (self.fc1_width // t, h), (h, self.ffn // t)]
+
     def padded_vocab(self, t: int = 1) -> int:
         """V rounded up to a multiple of `make_vocab_size_divisible_by * t` (Megatron-LM's
         padding, so every tensor-parallel shard of the embedding has the same rows)."""

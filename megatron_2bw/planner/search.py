@@ -26,13 +26,26 @@ from .cost import ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate
 from .model import ModelSpec
 
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES",
-           "ITERATION_FACTOR"]
+           "ITERATION_FACTOR", "ITERATION_FACTORS", "iteration_factor"]
 
 ITERATION_FACTOR = 1.5
-"""Iterations a stale-weight schedule (2bw, pipedream, pipemare) runs per iteration of an exact
-one (flush) to reach the same validation loss; the ranking divides their samples/s by it.
-docs/convergence.md: 1.23 and 1.49 for 2BW where it trains stably (GPT, lr 3e-4, two sizes),
-above the paper's 1 / 0.8 (Section 5.1); 2 to 3.4 at the learning rate that trains fastest."""
+"""2BW's with Adam and no correction (``ITERATION_FACTORS``)."""
+
+ITERATION_FACTORS = {
+    ("2bw", "adam", "none"): ITERATION_FACTOR,
+}
+"""(schedule, optimizer, --stale-weight-correction) -> iterations the stale-weight schedule runs
+per iteration of flush with the same optimizer to reach the same validation loss (1 / the
+ratio at the end of docs/convergence.md's runs, the larger model's where the two differ);
+the ranking divides its samples/s by it. A pair not in the table takes 2bw's with Adam."""
+
+
+def iteration_factor(schedule: str, optimizer: str = "adam", correction: str = "none") -> float:
+    """docs/convergence.md's iteration factor of a stale-weight schedule (``ITERATION_FACTORS``;
+    pipedream and pipemare have no correction)."""
+    key = (schedule, optimizer, correction if schedule == "2bw" else "none")
+    return ITERATION_FACTORS.get(key, ITERATION_FACTORS.get(
+        (schedule, "adam", "none"), ITERATION_FACTOR))
 
 # At depth 1 every schedule is the same computation; the first allowed one of these stands for
 # them (those with two weight versions last: at d = 1 they only add a stale version).
@@ -60,6 +73,8 @@ class PlanRequest:
     memory_fraction: float = 0.9
     """Share of device memory the plan may fill (the rest: CUDA context, fragmentation)."""
     optimizer: str = "adam"
+    correction: str = "none"
+    """2bw's --stale-weight-correction (its memory and its iteration factor)."""
     distributed_optimizer: bool = False
     clip_grad: bool = True
     deferred_step: bool = True
@@ -71,8 +86,9 @@ class PlanRequest:
     """Re-time the best this many with the schedule simulator (0: closed forms only) ..."""
     simulate_max_actions: int = 4_000
     """... when their action lists (d stages x 3 calls x (2m + 1)) are at most this long."""
-    iteration_factor: float = ITERATION_FACTOR
-    """Stale-weight schedules are ranked at samples/s / this (their convergence cost)."""
+    iteration_factor: float | None = None
+    """Stale-weight schedules are ranked at samples/s / this (their convergence cost); None:
+    each its own from ``ITERATION_FACTORS`` for the optimizer and correction."""
 
     def __post_init__(self) -> None:
         unknown = set(self.schedules) - set(ALL_SCHEDULES)
@@ -83,10 +99,18 @@ class PlanRequest:
             raise ValueError(f"global batch size must be >= 1, got {self.global_batch_size}")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"virtual stages must be >= 1, got {self.virtual_stages}")
-        if not self.iteration_factor > 0:
+        if self.iteration_factor is not None and not self.iteration_factor > 0:
             raise ValueError(f"iteration factor must be > 0, got {self.iteration_factor}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must lie in (0, 1], got {self.memory_fraction}")
+
+    def factor_of(self, schedule: str) -> float:
+        """The iteration factor ``schedule`` is ranked with (1 for the exact schedules)."""
+        if not _staleness(schedule):
+            return 1.0
+        if self.iteration_factor is not None:
+            return self.iteration_factor
+        return iteration_factor(schedule, self.optimizer, self.correction)
 
     @property
     def memory_limit(self) -> float:
@@ -182,12 +206,12 @@ def _staleness(schedule: str) -> int:
     return 1 if getattr(SCHEDULE_SPECS[schedule], "backward_version_of", None) is None else 2
 
 
-def _rank_key(c: Candidate, iteration_factor: float = 1.0) -> tuple:
-    """Fastest to a given loss first: samples/s, divided by `iteration_factor` for a stale
-    schedule; on a tie the least stale schedule (`_staleness`), then the smaller memory."""
-    stale = _staleness(c.layout.schedule)
-    rate = c.samples_per_s / iteration_factor if stale else c.samples_per_s
-    return (-round(rate, 9), stale, c.memory.peak)
+def _rank_key(c: Candidate, request: PlanRequest) -> tuple:
+    """Fastest to a given loss first: samples/s, divided by the request's iteration factor of
+    a stale schedule; on a tie the least stale schedule (`_staleness`), then the smaller
+    memory."""
+    rate = c.samples_per_s / request.factor_of(c.layout.schedule)
+    return (-round(rate, 9), _staleness(c.layout.schedule), c.memory.peak)
 
 
 def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
@@ -195,6 +219,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
     started = time.perf_counter()
     model, cluster = request.model, request.cluster
     cost = cost or CostModel(model, cluster, request.precision, optimizer=request.optimizer,
+                             correction=request.correction,
                              distributed_optimizer=request.distributed_optimizer,
                              clip_grad=request.clip_grad, deferred_step=request.deferred_step,
                              sequence_parallel=request.sequence_parallel)
@@ -241,7 +266,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                                 memory_bytes=memory.peak))
                             continue
                         feasible.append(Candidate(layout, memory, cost.time(layout)))
-    feasible.sort(key=partial(_rank_key, iteration_factor=request.iteration_factor))
+    feasible.sort(key=partial(_rank_key, request=request))
     feasible = _refine(feasible, request, cost)
     return Plan(request, tuple(feasible), tuple(rejected), considered,
                 time.perf_counter() - started)
@@ -264,7 +289,7 @@ def _refine(ranked: list[Candidate], request: PlanRequest, cost: CostModel) -> l
             c = ranked[i]
             done.add(c.layout)
             ranked[i] = Candidate(c.layout, c.memory, cost.time(c.layout, simulate=True))
-        ranked.sort(key=partial(_rank_key, iteration_factor=request.iteration_factor))
+        ranked.sort(key=partial(_rank_key, request=request))
 
 
 def _simulatable(layout: Layout, request: PlanRequest) -> bool:
