@@ -8,7 +8,8 @@ those modules in memory and the suite saves that much per launch.
 
 What a forked launch keeps of the launch it replaces:
   * each rank is its own process in its own session (as torchrun starts them), with
-    torchrun's environment variables, the launch's environment and working directory,
+    torchrun's environment variables and signal dispositions (whatever this process
+    inherited: nohup, a CI runner), the launch's environment and working directory,
     ``sys.argv`` and ``sys.path[0]`` of ``python SCRIPT ...``, the script run as ``__main__``,
     its exit code (an uncaught exception: its traceback and 1; ``sys.exit("text")``: the text
     and 1), and non-daemon threads and ``atexit`` functions run at its end;
@@ -105,6 +106,15 @@ def _call(request: dict, rank: int) -> None:
     dist._worker(rank, fn, request["nproc"], request["port"], call["out_dir"], args)
 
 
+def _torchrun_dispositions() -> None:
+    """The signal dispositions a torchrun rank starts with: torchrun handles SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT itself, so a rank it starts has each at its default (SIGINT: Python's
+    KeyboardInterrupt), even where torchrun was started with one ignored."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run_rank(request: dict, rank: int, out_fd: int) -> None:
     """In a forked process: become ``python SCRIPT ARGS`` of ``rank`` (or a spawned worker of
     ``tests.dist.spawn``); never returns."""
@@ -115,6 +125,8 @@ def _run_rank(request: dict, rank: int, out_fd: int) -> None:
     code = 1
     try:
         os.setsid()
+        if request["nproc"] and "call" not in request:
+            _torchrun_dispositions()
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         os.close(out_fd)

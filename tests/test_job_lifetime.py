@@ -20,7 +20,9 @@ states them.
 
 Beside the chain, without torchrun: a process bound to its parent before the parent ends gets
 SIGTERM from the kernel, and one bound after sends it to itself (the parent's end is not
-signalled to a process that was not bound yet).
+signalled to a process that was not bound yet), with SIGHUP at its default or ignored in both;
+a process that alone ignores SIGHUP (nohup'd from a shell) is not bound. Each test sets the
+dispositions it needs, so the suite passes under nohup, setsid or a CI runner ignoring signals.
 """
 
 from __future__ import annotations
@@ -309,36 +311,60 @@ from megatron_2bw.training import guard
 lifetime.remember_launcher()
 guard.catch_stop_signals()
 when, out = sys.argv[1], sys.argv[2]
+bound = None
 if when == "before":
-    lifetime.bind_to_launcher()
+    bound = lifetime.bind_to_launcher()
 print("ready", flush=True)
 deadline = time.monotonic() + 30
 while not lifetime.launcher_gone() and time.monotonic() < deadline:
     time.sleep(0.01)
 if when == "after":
-    lifetime.bind_to_launcher()
+    bound = lifetime.bind_to_launcher()
 time.sleep(0.5)
 with open(out, "w") as f:
-    f.write(str(guard._received_stop()))
+    f.write(f"{bound}\\n{guard._received_stop()}")
 """
 
 _LAUNCHER = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
-                         stdout=subprocess.PIPE, text=True)
+import signal, subprocess, sys
+launcher, rank = (getattr(signal, name) for name in sys.argv[1:3])
+signal.signal(signal.SIGHUP, launcher)
+child = subprocess.Popen([sys.executable, "-c", *sys.argv[3:]], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, rank))
 assert child.stdout.readline() == "ready\\n"
 """  # and ends at once, its child still running
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_a_rank_bound_before_or_after_its_launcher_died_gets_sigterm(tmp_path, when):
-    """A process binds itself to the one that started it (runtime.lifetime), which then ends;
-    bound while it lived, the kernel sends SIGTERM; bound after it ended, the process sends it
-    to itself. Either way the stop handler records it as the launcher's end."""
+def _orphan(tmp_path: Path, launcher_hangup: str, rank_hangup: str, when: str) -> list[str]:
+    """Start a launcher with SIGHUP set to ``launcher_hangup`` that starts a process with
+    ``rank_hangup`` and ends once the process is up; the process binds itself to the launcher
+    ``when`` ("before" or "after" it ended). Returns [whether bind_to_launcher bound it, the
+    stop signal it recorded half a second after the launcher's end]. The dispositions are
+    set here, whatever this test process inherited (nohup, a CI runner)."""
     out = tmp_path / "received"
-    result = launch.python(["-c", _LAUNCHER, _ORPHAN, when, str(out)], timeout=60)
+    result = launch.python(["-c", _LAUNCHER, launcher_hangup, rank_hangup, _ORPHAN, when,
+                            str(out)], timeout=60)
     assert result.returncode == 0, result.tail()
     deadline = time.monotonic() + 45
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert out.read_text() == "SIGTERM: the launcher of this rank ended"
+    return out.read_text().splitlines()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("hangup", ["SIG_DFL", "SIG_IGN"])
+def test_a_rank_bound_before_or_after_its_launcher_died_gets_sigterm(tmp_path, hangup, when):
+    """A process binds itself to the one that started it (runtime.lifetime), which then ends;
+    bound while it lived, the kernel sends SIGTERM; bound after it ended, the process sends it
+    to itself. Either way the stop handler records it as the launcher's end. SIGHUP ignored
+    in both (``nohup python launcher.py``: the launcher outlives the terminal) binds as the
+    default does."""
+    assert _orphan(tmp_path, hangup, hangup, when) == \
+        ["True", "SIGTERM: the launcher of this rank ended"]
+
+
+def test_a_rank_started_under_nohup_by_a_shell_outlives_it(tmp_path):
+    """``nohup python rank.py &`` from a shell: SIGHUP ignored in the process, not in the
+    launcher (which ends with the terminal): the process is not bound and receives nothing
+    when the launcher ends."""
+    assert _orphan(tmp_path, "SIG_DFL", "SIG_IGN", "before") == ["False", "None"]

@@ -28,3 +28,20 @@ def test_a_launch_forks_once_every_test_module_is_imported(tmp_path):
     done = dist.python([str(script)], timeout=60)
     assert done.returncode == 0, done.tail()
     assert f"preloaded: {forks}" in done.output, done.tail()
+
+
+def test_a_forked_rank_starts_with_torchrun_s_signal_dispositions(tmp_path):
+    """Whatever this session inherited (nohup ignores SIGHUP, a CI runner may ignore SIGINT),
+    a forked torchrun rank starts with the signal dispositions a rank of torchrun itself has
+    (a launcher flag makes the second launch a real torchrun)."""
+    script = tmp_path / "dispositions.py"
+    script.write_text("import signal\n"
+                      "names = ('SIGHUP', 'SIGINT', 'SIGTERM', 'SIGQUIT')\n"
+                      "handlers = [signal.getsignal(getattr(signal, n)) for n in names]\n"
+                      "print('dispositions:', [getattr(h, 'name', getattr(h, '__name__', h))"
+                      " for h in handlers])\n")
+    forked = dist.torchrun([str(script)], 1, timeout=120)
+    real = dist.torchrun([str(script)], 1, timeout=120, launcher_args=("--max-restarts", "0"))
+    lines = [[line for line in launch.output.splitlines() if line.startswith("dispositions:")]
+             for launch in (forked, real)]
+    assert lines[0] and lines[0] == lines[1], (forked.tail(), real.tail())

@@ -10,9 +10,13 @@ that SIGTERM as a pre-emption (``training.guard``): with the ranks still reachin
 they save a checkpoint and stop with one line; a rank that cannot reach the others stops with
 one line and saves nothing. Linux delivers the signal when the parent *thread* that forked this
 process ends: torchrun's agent starts its workers from its main thread, as do
-``torch.multiprocessing`` and ``subprocess`` from a script's main thread. A rank started with
-SIGHUP ignored (``nohup python pretrain_gpt_2bw.py ... &``) asked to outlive its terminal and
-is not bound (torchrun handles SIGHUP itself, so its ranks always are).
+``torch.multiprocessing`` and ``subprocess`` from a script's main thread. nohup means "outlive
+the terminal", not "outlive the launcher": a rank is left unbound only where SIGHUP is ignored
+in it but not in the process that started it (``nohup python pretrain_gpt_2bw.py ... &`` from a
+shell, which ends with the terminal). A rank that inherited the ignored SIGHUP from its launcher
+(``nohup python my_launcher.py``, a CI runner ignoring SIGHUP) is bound: that launcher outlives
+the terminal too. torchrun handles SIGHUP itself, so its ranks start with the default and are
+bound.
 
 **Helpers and rank.** megatron-core's torch_dist checkpoint writer forks one writer process per
 bucket on every save and collected their results through a ``multiprocessing.Manager`` queue,
@@ -50,6 +54,7 @@ _helpers_bound = False
 _queue_replaced = False
 _forking_pid = None
 _launcher_pid: int | None = None
+_launcher_ignores_hangup = False
 
 
 def _linux() -> bool:
@@ -63,11 +68,29 @@ def _set_parent_death_signal(sig: int) -> None:
 
 # ---- the rank and its launcher ----------------------------------------------------------------
 
+def _ignores_hangup(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGHUP (its SigIgn mask; False where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration, IndexError):
+        return False
+    return bool((int(mask, 16) >> (signal.SIGHUP - 1)) & 1)
+
+
 def remember_launcher() -> None:
-    """Record the process that started this one (call first thing at start-up; idempotent)."""
-    global _launcher_pid
+    """Record the process that started this one, and whether it ignores SIGHUP (call first
+    thing at start-up, while it lives; idempotent)."""
+    global _launcher_pid, _launcher_ignores_hangup
     if _launcher_pid is None:
         _launcher_pid = os.getppid()
+        _launcher_ignores_hangup = _linux() and _ignores_hangup(_launcher_pid)
+
+
+def _nohup_for_this_process_alone() -> bool:
+    """SIGHUP is ignored here but not in the launcher: this process asked to outlive a
+    launcher that ends with the terminal (a shell)."""
+    return signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and not _launcher_ignores_hangup
 
 
 def launcher_gone() -> bool:
@@ -89,10 +112,11 @@ def launcher_gone() -> bool:
 
 def bind_to_launcher() -> bool:
     """SIGTERM to this process when its launcher ends; a launcher that already ended sends it
-    now. Returns whether the process is bound (not on Linux, or started under ``nohup``: no).
-    Install the SIGTERM handler first: it receives the signal."""
+    now. Returns whether the process is bound: not off Linux, nor where SIGHUP is ignored
+    here and not in the launcher (``nohup`` for this process alone). Install the SIGTERM
+    handler first: it receives the signal."""
     remember_launcher()
-    if not _linux() or signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    if not _linux() or _nohup_for_this_process_alone():
         return False
     _set_parent_death_signal(signal.SIGTERM)
     if launcher_gone():  # it ended before the call: the kernel will not say so
