@@ -416,21 +416,23 @@ def read_log(path: Path, plot_only: bool) -> ParsedLog:
 
 
 def _matches(logs: dict[str, ParsedLog], ms: dict[str, float], reference: str,
-             best: bool = False) -> list[Match]:
+             against: str | None = None) -> list[Match]:
     """Every other run's checkpoints matched on the validation curve of the reference with
-    its optimizer, or with ``best`` of the reference run that ends lowest (none without a
-    reference or a validation)."""
+    its optimizer, or of the run ``against`` (none without it or a validation)."""
     curves = {s: validation_curve(log) for s, log in logs.items()}
-    references = [s for s, curve in curves.items()
-                  if curve and RunName.parse(s).schedule == reference]
-    if best and references:
-        references = [min(references, key=lambda s: curves[s][-1][1])]
     matches = []
     for s, curve in curves.items():
-        mine = references[0] if best and references else RunName.parse(s).reference(reference)
+        mine = against or RunName.parse(s).reference(reference)
         if s != mine and curve and curves.get(mine):
             matches += match_losses(s, curve, ms[s], curves[mine], ms[mine])
     return matches
+
+
+def best_reference(logs: dict[str, ParsedLog], reference: str) -> str | None:
+    """The run of the reference schedule (any optimizer) whose validation ends lowest."""
+    ends = {s: validation_curve(log)[-1][1] for s, log in logs.items()
+            if RunName.parse(s).schedule == reference and validation_curve(log)}
+    return min(ends, key=ends.get) if ends else None
 
 
 def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: str
@@ -504,13 +506,16 @@ def main(argv: list[str] | None = None) -> int:
     matches = _matches(logs, ms, a.reference)
     if matches:
         print(format_matches(matches, a.reference, ms))
-    best = _matches(logs, ms, a.reference, best=True)
-    if best and len({RunName.parse(s).optimizer for s in logs}) > 1:
-        print("against the reference run that ends lowest:")
-        print(format_matches(best, a.reference, ms))
+    lowest = best_reference(logs, a.reference)
+    several = len({RunName.parse(s).optimizer for s in logs}) > 1
+    best = _matches(logs, ms, a.reference, against=lowest) if lowest and several else []
+    if best:
+        print(f"against the {a.reference} run that ends lowest, {lowest}:")
+        print(format_matches(best, lowest, ms))
     result.update(ms_per_iteration=ms, reference=a.reference, speedups=dict(a.speedup),
                   matches=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
                             "time_ratio": m.time_ratio} for m in matches],
+                  best_reference=lowest,
                   matches_best=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
                                  "time_ratio": m.time_ratio} for m in best])
     status = 0
