@@ -17,16 +17,14 @@ the correction (or with Adam instead of Muon), so a correction that does nothing
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.test_schedules_exact import (DISTINCT, GROUP_DEADLINE_S, RUN_DEADLINE_S, TOLERANCE,
-                                        TWO_CHUNKS, WORKER, Case, Launch, _gather, _reference,
-                                        _run_bounded, _worst_tensor, relative_error)
+                                        TWO_CHUNKS, Case, Launch, _gather, _reference,
+                                        _worst_tensor, launch_worker, relative_error)
 
 DISTOPT = ("--use-distributed-optimizer",)
 CHANGED = 1e-5
@@ -92,19 +90,8 @@ def _groups() -> dict:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("optimizers_exact")
-    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs(), "groups": _groups()}
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=480)
-    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
-    summary = json.loads((out / "launch.json").read_text())
-    assert summary["reference"]["exit_codes"] == [0], \
-        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
-    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
-        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
-    return Launch(out, summary, output)
+    return launch_worker(tmp_path_factory.mktemp("optimizers_exact"), _reference_jobs(),
+                         _groups(), timeout_s=480)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

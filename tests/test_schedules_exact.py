@@ -403,14 +403,13 @@ class Launch:
         assert ok, f"group {name}: {result}\n{self.log(name)}"
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("schedules_exact")
+def launch_worker(out: Path, reference_jobs: dict, groups: dict, timeout_s: float) -> Launch:
+    """Run tests/schedule_worker.py on a spec of these reference jobs and launch groups."""
     spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs(), "groups": _groups()}
+            "reference": reference_jobs, "groups": groups}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=600)
+                                         timeout_s=timeout_s)
     assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
     summary = json.loads((out / "launch.json").read_text())
     assert summary["reference"]["exit_codes"] == [0], \
@@ -418,6 +417,12 @@ def launch(tmp_path_factory) -> Launch:
     print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
         f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
     return Launch(out, summary, output)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    return launch_worker(tmp_path_factory.mktemp("schedules_exact"), _reference_jobs(),
+                         _groups(), timeout_s=600)
 
 
 # ---- gathering a run's weights back into the PP=1, TP=1 model ---------------------------------
