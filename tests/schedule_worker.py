@@ -91,8 +91,29 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
     if model.correction != "none":
         flags += ["--stale-weight-correction", model.correction,
                   "--stale-weight-correction-coeff", model.correction_coeff]
+    flags += moe_flags(model.moe)
     flags += run.get("flags", [])
     return [str(f) for f in flags]
+
+
+def moe_flags(fields: dict | None) -> list:
+    """Megatron-LM's flags for megatron-core's MoE config fields (tests/reference.py
+    ``Model.moe``): --num-experts for num_moe_experts, every other field's own flag; a list
+    value as several arguments (--moe-layer-freq: as its pattern text)."""
+    flags: list = []
+    for name, value in (fields or {}).items():
+        flag = "--num-experts" if name == "num_moe_experts" else "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list) and name == "moe_layer_freq":
+            flags += [flag, "[" + ",".join(str(v) for v in value) + "]"]
+        elif isinstance(value, list):
+            flags += [flag, *value]
+        else:
+            flags += [flag, value]
+    return flags
 
 
 def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int = 0,
@@ -106,7 +127,42 @@ def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int 
     parts = name.removeprefix("module.").split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + virtual * num_layers // (depth * chunks))
-    return ".".join(parts)
+    return _global_expert(".".join(parts))
+
+
+def _global_expert(name: str) -> str:
+    """A MoE layer's local expert i on expert-parallel rank r is global expert r E/EP + i."""
+    from megatron.core import parallel_state as ps
+
+    marker = ".experts.local_experts."
+    if marker not in name:
+        return name
+    head, tail = name.split(marker)
+    local, rest = tail.split(".", 1)
+    per_rank = MOE_EXPERTS_PER_RANK[0]
+    return f"{head}{marker}{ps.get_expert_model_parallel_rank() * per_rank + int(local)}.{rest}"
+
+
+MOE_EXPERTS_PER_RANK = [0]
+"""The run's experts per expert-parallel rank (set by ``_run``)."""
+
+
+def _tp_slice(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of ``full`` along the dimension tensor parallelism splits ``param``
+    on: the expert-tensor-parallel group's for expert parameters, the tensor-parallel one's
+    otherwise."""
+    from megatron.core import parallel_state as ps
+
+    dim = _split_dim(param)
+    if dim is None:
+        return full
+    if not getattr(param, "allreduce", True):  # megatron-core marks expert parameters so
+        world, rank = (ps.get_expert_tensor_parallel_world_size(),
+                       ps.get_expert_tensor_parallel_rank())
+    else:
+        world, rank = (ps.get_tensor_model_parallel_world_size(),
+                       ps.get_tensor_model_parallel_rank())
+    return full.chunk(world, dim=dim)[rank]
 
 
 def _split_dim(param: torch.nn.Parameter) -> int | None:
@@ -121,17 +177,13 @@ def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str) ->
 
     stage = ps.get_pipeline_model_parallel_rank()
     depth = ps.get_pipeline_model_parallel_world_size()
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for c, name, p in _chunk_params(model):
             chunks = len(model) if isinstance(model, (list, tuple)) else 1
             full_name = _global_name(name, stage, depth, num_layers, c, chunks, schedule)
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
-            full = init[full_name]
-            dim = _split_dim(p)
-            if dim is not None:
-                full = full.chunk(tp, dim=dim)[tp_rank]
+            full = _tp_slice(p, init[full_name])
             if full.shape != p.shape:
                 raise ValueError(f"{name}: slice {tuple(full.shape)} != parameter {tuple(p.shape)}")
             p.copy_(full)
@@ -208,7 +260,10 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     args = parse_args(training_flags(run, model_spec, world), world_size=world)
     info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
                                   timeout_minutes=timeout_minutes,
-                                  virtual_stages=args.virtual_pipeline_model_parallel_size)
+                                  virtual_stages=args.virtual_pipeline_model_parallel_size,
+                                  expert_parallel=args.expert_model_parallel_size,
+                                  expert_tensor_parallel=args.expert_tensor_parallel_size)
+    MOE_EXPERTS_PER_RANK[0] = (args.num_experts or 0) // args.expert_model_parallel_size
     config = build.transformer_config(args, info.device)
     provider = partial(pretrain_gpt_2bw.model_provider, args=args,
                        vocab_size=model_spec.vocab_size)

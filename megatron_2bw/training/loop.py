@@ -93,7 +93,9 @@ class Trainer:
         self.info = distributed.initialize(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
             force_cpu=args.cpu, timeout_minutes=args.distributed_timeout_minutes,
-            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None))
+            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            expert_parallel=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None))
         self.config = build.transformer_config(args, self.info.device)
         self.model = build.build_model(args, self.config, model_provider)
         self.optimizer = build.build_optimizer(args, self.model)

@@ -1,0 +1,114 @@
+"""Mixture-of-Experts GPTs under every schedule on real megatron-core models over gloo, against
+single-process references, as tests/test_schedules_exact.py checks the dense models.
+
+The model (tests/reference.py ``MODEL`` with ``Model.moe``): the tiny GPT with megatron-core's
+MoE layers (``get_gpt_decoder_block_spec``), 4 experts of FFN size 32, top-2 routing, the
+load-balancing loss (coefficient 0.1) and the router's z-loss (1e-2), so that the router's
+and the experts' gradients carry the aux losses' too. The reference holds every expert in one
+process (EP = 1, no pipeline) and scales each microbatch's aux-loss gradient as its main loss's
+(1 / (m x replicas)); the runs are PP = 2 x EP = 2 on 4 processes (2 data-parallel replicas,
+each holding 2 of the 4 experts), with Megatron-LM's MoE flags (tests/schedule_worker.py
+``moe_flags``). The expert-parallel size is not part of the reference: an EP = 1 run matches
+the same one.
+
+Each run's weights lie within 1e-6 of its rule's reference (synchronous, 2BW's 1-stale,
+PipeDream's per-stage stashing, PipeMare's) and far from the other rule's; its losses are the
+reference's. Variants: the alltoall and allgather dispatchers; --moe-layer-freq 2 (dense and
+MoE layers alternate, megatron-core's per-layer spec), a shared expert, seq_aux_loss, a
+capacity factor that drops tokens; expert bias (aux-loss-free balancing, its bias moved after
+each batch) under flush; 2BW with its deferred step over the dense and expert optimizers'
+chain (each with its own grad-stats group; with and without clipping) and at the loop's step;
+the distributed optimizer (its expert optimizer over the expert-data-parallel group).
+
+Also: an EP = 2 model built from the seed has the experts an EP = 1 model has (each expert is
+drawn by its global index), experts on the two expert-parallel ranks differ.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.test_schedules_exact import (GROUP_DEADLINE_S, RUN_DEADLINE_S, WORKER, Case, Launch,
+                                        _check_against_reference, _far_references, _run_bounded)
+
+BASE = (("num_moe_experts", 4), ("moe_router_topk", 2), ("moe_ffn_hidden_size", 32),
+        ("moe_aux_loss_coeff", 0.1), ("moe_z_loss_coeff", 0.01),
+        ("moe_token_dispatcher_type", "alltoall"))
+"""The MoE model of most cases (megatron-core config fields)."""
+MIXED = (("num_moe_experts", 4), ("moe_router_topk", 2), ("moe_ffn_hidden_size", 32),
+         ("moe_layer_freq", 2), ("moe_shared_expert_intermediate_size", 32),
+         ("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_aux_loss_coeff", 0.1),
+         ("moe_expert_capacity_factor", 1.0), ("moe_token_dispatcher_type", "allgather"))
+"""Dense and MoE layers alternating, a shared expert, the sequence-level aux loss, token
+dropping at capacity factor 1, the allgather dispatcher."""
+BIAS = (("num_moe_experts", 4), ("moe_router_topk", 2), ("moe_ffn_hidden_size", 32),
+        ("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+        ("moe_router_bias_update_rate", 0.05), ("moe_router_load_balancing_type", "none"),
+        ("moe_token_dispatcher_type", "alltoall"))
+"""Aux-loss-free balancing: a sigmoid router whose expert bias moves after each batch."""
+
+
+def _moe(schedule: str, model=BASE, tag: str = "moe", **kwargs) -> Case:
+    fields = dict(d=2, m=4, w=2, iters=5 if schedule not in ("2bw", "pipedream", "pipemare")
+                  else 6, ep=2, llama=True, tie=False)
+    fields.update(kwargs)
+    return Case(schedule, moe=model, tag=tag, **fields)
+
+
+CASES = [
+    _moe("flush"),
+    _moe("megatron"),
+    _moe("2bw"),
+]
+
+
+def _job(case: Case, rule: str) -> dict:
+    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
+            "tie": case.tie, "model": case.model, "depth": case.d}
+
+
+def _reference_jobs() -> dict:
+    jobs = {}
+    for case in CASES:
+        jobs[case.reference()] = _job(case, case.rule)
+        for job in (job for job, _ in _far_references(case).values()):
+            rule = job.split("-")[0]
+            jobs[job] = _job(case, rule)
+    return jobs
+
+
+def _groups() -> dict:
+    groups: dict = {}
+    for case in CASES:
+        group = groups.setdefault(f"moe-world{case.world}", {"world": case.world, "runs": []})
+        group["runs"].append(case.run())
+        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    return groups
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    out = tmp_path_factory.mktemp("moe_exact")
+    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
+            "reference": _reference_jobs(), "groups": _groups()}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
+                                         timeout_s=600)
+    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
+    summary = json.loads((out / "launch.json").read_text())
+    assert summary["reference"]["exit_codes"] == [0], \
+        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
+    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
+        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
+    return Launch(out, summary, output)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_moe_run_matches_its_reference(launch, case):
+    launch.finished(f"moe-world{case.world}")
+    _check_against_reference(launch, case)
