@@ -307,6 +307,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
                 "losses": losses, "seconds": seconds,
                 "step_mode": getattr(fb, "step_mode", None),
+                "deferred_launched": dict(getattr(getattr(fb, "deferred", None), "launched",
+                                                  None) or {}),
                 # DDP's hooks ran with the reductions on at some backward (a bucket group
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model

@@ -60,11 +60,27 @@ def _moe(schedule: str, model=BASE, tag: str = "moe", **kwargs) -> Case:
     return Case(schedule, moe=model, tag=tag, **fields)
 
 
-CASES = [
-    _moe("flush"),
-    _moe("megatron"),
-    _moe("2bw"),
+TWO_CHUNKS = ("--num-virtual-stages-per-pipeline-rank", "2")
+DISTOPT = ("--use-distributed-optimizer",)
+SYNC_CASES = [_moe(s) for s in ("flush", "megatron", "gpipe", "naive", "zb-h1")] + [
+    _moe("zb-v"), _moe("dualpipev"),
+    _moe("flush", flags=TWO_CHUNKS), _moe("megatron", flags=TWO_CHUNKS),
+    _moe("flush", model=MIXED, tag="mixed"),
+    _moe("zb-h1", model=MIXED, tag="mixed"),
+    _moe("flush", model=BIAS, tag="bias"),
+    _moe("zb-h1", model=BIAS, tag="bias"),
 ]
+TWOBW_CASES = [
+    _moe("2bw", tie=True),  # deferred: the tied embedding's all-reduce, then two norms
+    _moe("2bw", deferred=False),
+    _moe("2bw", clip=0.0),  # deferred without clipping: no grad-norm all-reduce at all
+    _moe("2bw", model=MIXED, tag="mixed"),
+    _moe("2bw", flags=TWO_CHUNKS),
+    _moe("2bw", flags=DISTOPT),
+    _moe("pipedream"),
+    _moe("pipemare"),
+]
+CASES = SYNC_CASES + TWOBW_CASES
 
 
 def _job(case: Case, rule: str) -> dict:
@@ -108,7 +124,36 @@ def launch(tmp_path_factory) -> Launch:
     return Launch(out, summary, output)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_moe_run_matches_its_reference(launch, case):
+@pytest.mark.parametrize("case", SYNC_CASES, ids=lambda case: case.name)
+def test_synchronous_moe_runs_match_gradient_accumulation(launch, case):
+    """PP = 2 x EP = 2: the weights and losses of the single-process gradient-accumulation
+    reference (the run's experts gathered from both expert-parallel ranks)."""
     launch.finished(f"moe-world{case.world}")
+    _check_against_reference(launch, case)
+
+
+@pytest.mark.parametrize("case", TWOBW_CASES, ids=lambda case: case.name)
+def test_stale_moe_runs_match_their_rules(launch, case):
+    """2BW's 1-stale update, PipeDream's and PipeMare's per-stage rules, with the expert and
+    router weights in the version store. Under 2BW the step is deferred over the chain of the
+    dense and the expert optimizer: with clipping each stage launches, per step, one norm
+    all-reduce per chain member (each over its own grad-stats group; one for both with the
+    distributed optimizer, whose members share the world as theirs); without clipping none
+    (megatron-core's chain would all-reduce both norms every step)."""
+    launch.finished(f"moe-world{case.world}")
+    shards = [torch.load(path) for path in sorted((launch.out / case.name).glob("rank*.pt"))]
+    if case.schedule == "2bw":
+        modes = {shard["step_mode"] for shard in shards}
+        assert modes == ({"deferred"} if case.deferred else
+                         {"at the loop's optimizer.step() (--no-deferred-step)"}), modes
+        for shard in shards if case.deferred else ():
+            norms = {what: n for what, n in shard["deferred_launched"].items()
+                     if "grad-norm" in what}
+            expected = {} if case.clip == 0.0 else {
+                f"the grad-norm all-reduce over the grad-stats group (optimizer {i} of the "
+                f"chain)": case.iters for i in range(2)}
+            if "--use-distributed-optimizer" in case.flags and case.clip != 0.0:
+                # megatron-core's distributed optimizers share one grad-stats group (all ranks)
+                expected = {"the grad-norm all-reduce over the grad-stats group": case.iters}
+            assert norms == expected, (shard["pp"], norms)
     _check_against_reference(launch, case)

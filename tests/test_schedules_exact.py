@@ -131,6 +131,8 @@ class Case:
     """Names the MoE model in the run's and the reference's names (tests/test_moe_exact.py)."""
     ep: int = 1
     """--expert-model-parallel-size of the run (the reference holds every expert)."""
+    clip: float | None = None
+    """--clip-grad, in the run and its reference (None: ``MODEL.clip_grad``)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -147,14 +149,16 @@ class Case:
                    if self.optimizer == "muon" else {}),
                 **({"correction": self.correction, "correction_coeff": self.coeff}
                    if self.correction != "none" else {}),
-                **({"moe": dict(self.moe)} if self.moe else {})}
+                **({"moe": dict(self.moe)} if self.moe else {}),
+                **({"clip_grad": self.clip} if self.clip is not None else {})}
 
     @property
     def _update_suffix(self) -> str:
         """The optimizer and correction in names (none for Adam without a correction)."""
         return (f"{'-muon' if self.optimizer == 'muon' else ''}"
                 f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}"
-                f"{f'-{self.tag}' if self.tag else ''}")
+                f"{f'-{self.tag}' if self.tag else ''}"
+                f"{f'-clip{self.clip:g}' if self.clip is not None else ''}")
 
     @property
     def name(self) -> str:

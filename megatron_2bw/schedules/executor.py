@@ -94,6 +94,7 @@ from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, cor
                                              forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
+from megatron_2bw.training.moe import aux_loss_scale_for_backward
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -553,12 +554,16 @@ class PipelineRunner:
         """megatron-core's ``vp_stage`` of a chunk: None without virtual stages."""
         return chunk if self.chunks > 1 else None
 
-    def _backward_inputs(self, action: Action) -> tuple:
+    def _backward_inputs(self, action: Action, call: _Call) -> tuple:
         """For a B or an I: the microbatch's version in use, and its stashed (input, output)
         with the received output gradient (None on the last stage: the output is the loss).
         Under PipeMare's T2 a backward reading a newer version than its forward reads the
-        corrected weights, W(version) - (tau_fwd - tau_bkwd) * delta."""
+        corrected weights, W(version) - (tau_fwd - tau_bkwd) * delta. A MoE model's aux-loss
+        gradient scale is set for this backward (``training.moe``: not the one the last
+        forward left, which under 2BW may be another step's)."""
         k, c = action.microbatch, action.chunk
+        if getattr(call.config, "num_moe_experts", None):
+            aux_loss_scale_for_backward(call.config, call.num_microbatches)
         scale = action.version - self.forward_read.pop((k, c))  # tau_fwd - tau_bkwd
         if self.correction is not None and scale > 0:
             self.correction.use(action.version, scale)
@@ -573,7 +578,7 @@ class PipelineRunner:
         from megatron.core.pipeline_parallel.schedules import backward_step
 
         k = action.microbatch
-        input_tensor, output, output_grad = self._backward_inputs(action)
+        input_tensor, output, output_grad = self._backward_inputs(action, call)
         with self._param_grads(action, call):
             input_grad = backward_step(input_tensor, output, output_grad,
                                        ModelType.encoder_or_decoder, call.config)
@@ -584,7 +589,7 @@ class PipelineRunner:
         """I: the input gradient and the small parameters' gradients; the linear layers'
         weight-gradient GEMMs wait in the chunk's store for the W."""
         k, c = action.microbatch, action.chunk
-        input_tensor, output, output_grad = self._backward_inputs(action)
+        input_tensor, output, output_grad = self._backward_inputs(action, call)
         if output_grad is None:  # the loss, scaled as Megatron's backward_step does
             if call.config.grad_scale_func is not None:
                 output = call.config.grad_scale_func(output)
