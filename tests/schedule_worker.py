@@ -28,7 +28,8 @@ With "count_host_syncs" the launcher installs the host-sync counter (tests/stric
 before it forks, and each rank's result holds its syncs per iteration by site ("host_syncs").
 Without "init" the runs keep megatron-core's initial weights (from the seed).
 
-A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?};
+A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?,
+"from_seed"?}; "from_seed": the run keeps its own initial weights (from --seed) and saves them;
 "model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
 flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
 exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
@@ -269,7 +270,12 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                        vocab_size=model_spec.vocab_size)
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
-    if init_path:  # else megatron-core's own initialization from the seed
+    initial = None
+    if run.get("from_seed"):  # megatron-2bw's own initialization: keep it, save it
+        initial = {_global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c,
+                                len(model), run["schedule"]): (p.detach().clone(), _split_dim(p))
+                   for c, name, p in _chunk_params(model)}
+    elif init_path:  # else megatron-core's own initialization from the seed
         _load_slice(model, initial_weights_of(torch.load(init_path), model_spec), tie,
                     model_spec.num_layers, run["schedule"])
     optimizer = build.build_optimizer(args, model)
@@ -313,7 +319,8 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
                                      for group in getattr(chunk, "bucket_groups", ())),
-                "param_gathers": param_gathers, "host_syncs": host_syncs},
+                "param_gathers": param_gathers, "host_syncs": host_syncs,
+                "initial_params": initial},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)

@@ -99,12 +99,17 @@ def _reference_jobs() -> dict:
     return jobs
 
 
+FROM_SEED = _moe("flush", iters=1, tag="moe-from-seed")
+"""Built from --seed (no initial weights loaded): its experts as drawn."""
+
+
 def _groups() -> dict:
     groups: dict = {}
     for case in CASES:
         group = groups.setdefault(f"moe-world{case.world}", {"world": case.world, "runs": []})
         group["runs"].append(case.run())
         group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    groups[f"moe-world{FROM_SEED.world}"]["runs"].append({**FROM_SEED.run(), "from_seed": True})
     return groups
 
 
@@ -158,3 +163,33 @@ def test_stale_moe_runs_match_their_rules(launch, case):
                 expected = {"the grad-norm all-reduce over the grad-stats group": case.iters}
             assert norms == expected, (shard["pp"], norms)
     _check_against_reference(launch, case)
+
+
+def test_experts_start_alike_whatever_the_expert_parallel_size(launch):
+    """An EP = 2 model built from --seed: each expert-parallel rank holds different experts,
+    and every expert equals the one an EP = 1, PP = 1 model from the same seed draws (the
+    reference's initial weights): drawn by global index, not by expert-parallel rank. With
+    megatron-core's CPU initialization alone, experts 0 and 2 (local expert 0 of each rank)
+    would be equal."""
+    from tests.reference import Model, init_prefix, initial_weights_of
+
+    launch.finished(f"moe-world{FROM_SEED.world}")
+    init = initial_weights_of(torch.load(launch.out / "init.pt"),
+                              Model(**{**FROM_SEED.model, "moe": dict(BASE)}))
+    experts: dict = {}
+    for path in sorted((launch.out / FROM_SEED.name).glob("rank*.pt")):
+        for name, (tensor, _) in torch.load(path)["initial_params"].items():
+            if ".experts.local_experts." in name:
+                assert name not in experts or torch.equal(experts[name], tensor), name
+                experts[name] = tensor
+    assert init_prefix(Model(moe=dict(BASE), llama=True)).startswith("moe")
+    expected = {n: t for n, t in init.items() if ".experts.local_experts." in n}
+    assert sorted(experts) == sorted(expected) and len(experts) == 4 * 4 * 2  # layers x E x fc
+    for name, tensor in experts.items():
+        assert torch.equal(tensor, expected[name]), f"{name} differs from the EP = 1 draw"
+    for layer in range(4):
+        for fc in ("linear_fc1", "linear_fc2"):
+            weights = [experts[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight"]
+                       for e in range(4)]
+            assert all(not torch.equal(weights[a], weights[b])
+                       for a in range(4) for b in range(a + 1, 4)), (layer, fc)
