@@ -1168,6 +1168,34 @@ def _validate_moe(args: argparse.Namespace) -> None:
         _require(not given, flag, why)
 
 
+def moe_layer_pattern(freq, num_layers: int) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one: --moe-layer-freq N puts an expert layer at
+    every N-th layer from the first (megatron-core's ``get_gpt_decoder_layer_specs``)."""
+    if isinstance(freq, list):
+        return list(freq)
+    return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+
+
+def _validate_moe_placement(args: argparse.Namespace) -> None:
+    """Every pipeline rank holds an MoE layer: megatron-core builds the expert optimizer only
+    where expert parameters exist, and the chain's expert grad-norm all-reduce spans the
+    expert x pipeline group, so a rank without experts would leave the others waiting in it."""
+    if not getattr(args, "num_experts", None):
+        return
+    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
+    pp, V = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    placement = schedules.placement_of(args.pipeline_schedule, pp, V)
+    per_chunk = args.num_layers // (pp * V)
+    for stage in range(pp):
+        layers = [layer for chunk in range(V)
+                  for v in [placement.virtual(stage, chunk)]
+                  for layer in range(v * per_chunk, (v + 1) * per_chunk)]
+        _require(any(pattern[layer] for layer in layers), "--moe-layer-freq",
+                 f"pipeline stage {stage} holds layers {layers}, none of them an MoE layer "
+                 f"(pattern {pattern}); every stage needs one (the expert optimizer's grad-norm "
+                 "all-reduce spans the stages)")
+
+
 def _validate_ddp(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for the data-parallel flags (``validate_args`` in
     megatron/training/arguments.py at core_v0.16.1), the settings it derives from them
@@ -1228,6 +1256,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_moe(args)
     _validate_batch(args)
     _validate_virtual_stages(args)
+    _validate_moe_placement(args)
     _validate_ddp(args)
     _validate_training(args)
     _validate_data(args)
