@@ -168,13 +168,14 @@ def _loss(gpt, data: dict) -> torch.Tensor:
 
 def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
                model: Model, data=None, weights_of=None,
-               backward_weights=None) -> tuple[dict, list[float]]:
+               backward_weights=None, after_replica=None) -> tuple[dict, list[float]]:
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
     time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
     ``microbatch(model, batch, r, j)``; ``weights_of(j)``, when given, loads the weights
     microbatch j reads before it runs; ``backward_weights(j)``, when given, points the
     parameters at other weights between microbatch j's forward and its backward (the saved
-    activations stay the forward's)."""
+    activations stay the forward's). ``after_replica()``, when given, runs after each
+    replica's microbatches."""
     data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
@@ -195,6 +196,8 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
         losses.append(total / microbatches)
+        if after_replica is not None:
+            after_replica()
     # an expert no token reached (token dropping) has no gradient: zero, as in a gradient buffer
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             for n, p in params.items()}, losses
@@ -378,7 +381,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     gammas = {n: _pipemare_gamma(n, depth, microbatches, model.num_layers, discrepancy_decay)
               for n in params} if rule == "pipemare" and discrepancy_decay else {}
     delta = {n: torch.zeros_like(p) for n, p in params.items() if gammas.get(n) is not None}
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for t in range(iterations):
         current = snapshot()  # W(t)
         history.append(current)
@@ -408,7 +411,13 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                 gpt, params, t, replicas, microbatches, model, weights_of=pipedream_weights,
                 backward_weights=newest_weights if rule == "pipemare" else None)
         elif sizes is None:
-            grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
+            replica_aux: list = []
+            _clear_aux_losses()
+            grads, batch_losses = _gradients(
+                gpt, params, t, replicas, microbatches, model,
+                after_replica=lambda: replica_aux.append(_aux_losses(model, microbatches)))
+            if model.moe:
+                aux.append(replica_aux)
             if (model.moe or {}).get("moe_router_enable_expert_bias"):
                 update_expert_bias(gpt, model.moe.get("moe_router_bias_update_rate", 1e-3))
         else:
@@ -456,7 +465,34 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     if split_tie:
         copy = weights.pop("output_layer.weight")
         assert torch.equal(copy, weights["embedding.word_embeddings.weight"]), "tied copies apart"
-    return {"weights": weights, "losses": losses, "grad_norms": norms}
+    return {"weights": weights, "losses": losses, "grad_norms": norms, "aux_losses": aux}
+
+
+def _clear_aux_losses() -> None:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def _aux_losses(model: Model, microbatches: int) -> dict[str, float]:
+    """One replica's aux losses of the batch: per name the model tracks, the mean over the
+    replica's microbatches of each MoE layer's loss (over its coefficient), summed over the
+    layers and divided by their number; read from megatron-core's tracker (each router adds
+    its forward's), which is then cleared."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    freq = model.moe.get("moe_layer_freq", 1)
+    layers = sum(freq) if isinstance(freq, list) else len(range(0, model.num_layers, freq))
+    kinds = model.moe.get("moe_router_load_balancing_type", "aux_loss")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    names = [name for kind, name in (("aux_loss", "load_balancing_loss"),
+                                     ("seq_aux_loss", "seq_load_balancing_loss")) if kind in kinds]
+    names += ["z_loss"] if model.moe.get("moe_z_loss_coeff") is not None else []
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = {name: float(tracker[name]["values"].sum()) / microbatches / layers
+              for name in names}
+    _clear_aux_losses()
+    return values
 
 
 def _read_version(history: list[dict], version: int, model: Model) -> dict:

@@ -294,11 +294,12 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     data = [_data(model_spec, args.num_microbatches) for _ in model]  # one stream per chunk
     data = data[0] if len(data) == 1 else data
     host_syncs = []
-    losses = [record["lm loss"] for record in train_iterations(
+    logged = train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
         defer=run.get("deferred", True), drains=tuple(run.get("drains", ())),
         host_syncs=host_syncs,
-        round_trip=out / run["name"] / "versions" if run.get("round_trip") else None)]
+        round_trip=out / run["name"] / "versions" if run.get("round_trip") else None)
+    losses = [record["lm loss"] for record in logged]
     with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
         seconds = time.perf_counter() - started
 
@@ -319,7 +320,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
                                      for group in getattr(chunk, "bucket_groups", ())),
-                "param_gathers": param_gathers, "host_syncs": host_syncs,
+                "param_gathers": param_gathers, "host_syncs": host_syncs, "logged": logged,
                 "initial_params": initial},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
@@ -417,9 +418,10 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         if not succeeded:
             raise RuntimeError(f"{name}: optimizer step {iteration} was skipped")
         scheduler.step(increment=args.global_batch_size)  # counts samples
+        moe_logged = _moe_logged(args)  # a collective: every rank
         if loss_dicts:
             losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
-                           for key in loss_dicts[0]})
+                           for key in loss_dicts[0]} | moe_logged)
         if iteration in drains and hasattr(fb, "drain"):
             fb.drain()
             if round_trip is not None:
@@ -431,6 +433,17 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         host_syncs.extend({site: n - before.get(site, 0) for site, n in after.items()
                            if n != before.get(site, 0)} for before, after in zip(marks, marks[1:]))
     return losses
+
+
+def _moe_logged(args) -> dict:
+    """A MoE model's load-balancing losses of the iteration, as the training loop logs them
+    (``training.moe.moe_metrics``); {} for a dense model."""
+    from megatron_2bw.training import moe
+
+    if not moe.is_moe(args):
+        return {}
+    return {name: moe.logged_value(args, layers)
+            for name, layers in moe.moe_metrics(args, args.num_microbatches).items()}
 
 
 def run_group(spec: dict, group: str) -> None:

@@ -193,3 +193,33 @@ def test_experts_start_alike_whatever_the_expert_parallel_size(launch):
                        for e in range(4)]
             assert all(not torch.equal(weights[a], weights[b])
                        for a in range(4) for b in range(a + 1, 4)), (layer, fc)
+
+
+LOGGED = [case for case in CASES if case.schedule in ("flush", "2bw", "zb-v") and not case.flags
+          and case.deferred and case.tag != "bias"]
+
+
+@pytest.mark.parametrize("case", LOGGED, ids=lambda case: case.name)
+def test_load_balancing_losses_are_logged_as_megatron_lm_logs_them(launch, case):
+    """Each iteration's logged load-balancing and z losses (training.moe.moe_metrics, as the
+    training loop logs them) equal the reference's for that batch: per MoE layer the mean over
+    the batch's microbatches, summed over the layers and divided by their number; averaged
+    over the data-parallel replicas for the load-balancing losses (their router's reduce
+    group has none), the logging replica's own for z_loss (megatron-core reduces it over the
+    pipeline only). Under 2bw a call runs forwards of the next batch too; the values are still
+    the batch's (booked by batch, not by call)."""
+    launch.finished(f"moe-world{case.world}")
+    expected = torch.load(launch.out / f"{case.reference()}.pt")["aux_losses"]
+    shards = [torch.load(path) for path in sorted((launch.out / case.name).glob("rank*.pt"))]
+    logged = {shard["dp"]: shard["logged"] for shard in shards if shard["logged"]}
+    assert sorted(logged) == list(range(case.w)) and len(expected) == case.iters
+    names = set(expected[0][0])
+    assert names == set(logged[0][0]) - {"lm loss"}, (names, logged[0][0])
+    for replica, run in logged.items():
+        assert len(run) == case.iters
+        for t, (seen, replicas) in enumerate(zip(run, expected)):
+            for name in names:
+                want = replicas[replica][name] if name == "z_loss" else \
+                    sum(r[name] for r in replicas) / len(replicas)
+                assert seen[name] == pytest.approx(want, rel=1e-5), (t, name, seen, want)
+    print(f"\n{case.name}: " + ", ".join(f"{n} {logged[0][-1][n]:.6f}" for n in sorted(names)))

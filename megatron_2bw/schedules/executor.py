@@ -94,7 +94,7 @@ from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, cor
                                              forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
-from megatron_2bw.training.moe import aux_loss_scale_for_backward
+from megatron_2bw.training.moe import AuxLossLedger, aux_loss_scale_for_backward
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -185,6 +185,7 @@ class PipelineRunner:
         self.loading: dict = {}  # checkpoint key -> VersionEntries being loaded
         # (microbatch, chunk) -> the version its forward read, until its backward
         self.forward_read: dict[tuple[int, int], int] = {}
+        self.aux_losses: AuxLossLedger | None = None  # a MoE model's, by batch
 
     # ---- Megatron's forward_backward_func signature ---------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -295,6 +296,8 @@ class PipelineRunner:
             self.bind(models)
         if keeps_versions(self.schedule) and self.step_mode is None:
             self._choose_step_mode(models, config)
+        if getattr(config, "num_moe_experts", None) and self.aux_losses is None:
+            self.aux_losses = AuxLossLedger()
         seq = seq_length // ps.get_context_parallel_world_size()
         if config.sequence_parallel:
             seq //= ps.get_tensor_model_parallel_world_size()
@@ -374,6 +377,8 @@ class PipelineRunner:
             # step's collectives that its neighbours' first forwards wait for
             self._apply_deferred()
         self._execute(program, call, self._run)
+        if self.aux_losses is not None:
+            self.aux_losses.settle(batch)  # the tracker holds this call's batch's aux losses
         self._reschedule_lr(m, batch)
         self.batches_done += 1
         self.pipeline_empty = drain
@@ -541,10 +546,17 @@ class PipelineRunner:
         if call.gathers_next_chunk_at.get(c + 1) is action:
             call.config.param_sync_func[c + 1](call.models[c + 1].parameters())
         input_tensor = self._input(k, c)
-        output, num_tokens = forward_step(
-            call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
-            call.losses, call.config, 1, is_first_microbatch=k % m == 0,
-            current_microbatch=k % m, vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
+
+        def run():
+            return forward_step(
+                call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
+                call.losses, call.config, 1, is_first_microbatch=k % m == 0,
+                current_microbatch=k % m, vp_stage=self._vp_stage(c),
+                is_last_stage=self._last(c))
+
+        # a MoE model's aux losses booked to the microbatch's batch (training.moe)
+        output, num_tokens = run() if self.aux_losses is None else \
+            self.aux_losses.forward(k // m, run)
         call.num_tokens += num_tokens
         self._give("activation", k, c, 1, output)
         self.stash[k, c] = (input_tensor, output)

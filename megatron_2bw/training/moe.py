@@ -144,3 +144,107 @@ def aux_loss_scale_for_backward(config, num_microbatches: int) -> None:
     if not config.calculate_per_token_loss:
         scale = scale / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+# ---- logging: the load-balancing losses per layer, as Megatron-LM logs them ------------------
+
+class AuxLossLedger:
+    """megatron-core's routers add each forward's aux losses to one process-wide tracker
+    (``moe_utils`` ``_MOE_LAYER_WISE_LOGGING_TRACKER``: per name, a value per layer), which
+    Megatron-LM reads and clears after each iteration. Under 2BW a call runs forwards of the
+    next batch too, so the tracker would mix two batches: here each forward's addition is kept
+    by its batch (:meth:`forward`), and after a call the tracker holds exactly that call's
+    batch's (:meth:`settle`). Device tensor ops only (no host sync)."""
+
+    def __init__(self):
+        self.by_batch: dict[int, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _values() -> dict[str, torch.Tensor]:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {name: entry["values"] for name, entry in
+                get_moe_layer_wise_logging_tracker().items()}
+
+    def forward(self, batch: int, run) -> object:
+        """Run ``run()`` (a microbatch's forward) and book what it added to the tracker to
+        ``batch``; returns what ``run`` returns."""
+        before = {name: values.clone() for name, values in self._values().items()}
+        result = run()
+        booked = self.by_batch.setdefault(batch, {})
+        for name, values in self._values().items():
+            added = values - before[name] if name in before else values.clone()
+            booked[name] = booked[name] + added if name in booked else added
+        return result
+
+    def settle(self, batch: int) -> None:
+        """The tracker now holds ``batch``'s additions alone (zeros for a name it has none
+        of); later batches' stay booked."""
+        booked = self.by_batch.pop(batch, {})
+        for name, values in self._values().items():
+            values.copy_(booked[name]) if name in booked else values.zero_()
+
+    def clear(self) -> None:
+        self.by_batch.clear()
+
+
+def track_names(args: argparse.Namespace) -> list[str]:
+    """The tracker's names Megatron-LM's training_log logs (core_v0.16.1): by
+    --moe-router-load-balancing-type, and z_loss with --moe-z-loss-coeff."""
+    kinds = args.moe_router_load_balancing_type
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    names = [name for kind, name in (("aux_loss", "load_balancing_loss"),
+                                     ("seq_aux_loss", "seq_load_balancing_loss"),
+                                     ("global_aux_loss", "global_load_balancing_loss"))
+             if kind in kinds]
+    return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
+
+
+def moe_metrics(args: argparse.Namespace, num_microbatches: int) -> dict[str, list[float]]:
+    """Megatron-LM's ``track_moe_metrics`` (training_log, core_v0.16.1) up to its writing:
+    each tracked loss per layer, summed over the pipeline stages, over its router's reduce
+    group, averaged over data-parallel replicas where that group has none (megatron-core's
+    ``reduce_aux_losses_tracker_across_ranks``; here with SUM all-reduces, as gloo has no
+    AVG), times 1/m; then the tracker is cleared. A collective: every rank calls it, every
+    iteration. Returns name -> the per-layer values (the logged value is their sum over the
+    number of MoE layers: :func:`logged_value`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    device = next((e["values"].device for e in tracker.values()), torch.device("cpu"))
+    out = {}
+    for name in track_names(args):
+        if name not in tracker:  # Megatron-LM's force_initialize
+            tracker[name] = {"values": torch.zeros(args.num_layers, device=device),
+                             "reduce_group": None, "avg_group": None,
+                             "reduce_group_has_dp": False}
+        entry = tracker[name]
+        values = entry["values"].float().clone()
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+        if entry.get("reduce_group") is not None:
+            dist.all_reduce(values, group=entry["reduce_group"])
+            if not entry.get("reduce_group_has_dp", False):
+                dp = ps.get_data_parallel_group()
+                dist.all_reduce(values, group=dp)
+                values /= dist.get_world_size(dp)
+        if entry.get("avg_group") is not None:
+            dist.all_reduce(values, group=entry["avg_group"])
+            values /= dist.get_world_size(entry["avg_group"])
+        out[name] = (values / num_microbatches).tolist()
+    clear_aux_losses_tracker()
+    return out
+
+
+def num_moe_layers(args: argparse.Namespace) -> int:
+    from megatron_2bw.arguments import moe_layer_pattern
+
+    return sum(moe_layer_pattern(args.moe_layer_freq, args.num_layers))
+
+
+def logged_value(args: argparse.Namespace, per_layer: list[float]) -> float:
+    """What Megatron-LM logs for a tracked loss: its per-layer values' sum over the number of
+    MoE layers."""
+    return sum(per_layer) / num_moe_layers(args)
