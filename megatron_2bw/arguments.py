@@ -206,8 +206,8 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="TensorBoard: each MoE layer's load-balancing losses too")
     g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="transformer-engine's (or grouped_gemm's) grouped expert GEMM: CUDA "
-                        "only, refused on the CPU")
+                   help="transformer-engine's (or grouped_gemm's) grouped expert GEMM on CUDA; "
+                        "on the CPU a note, and megatron-core's SequentialMLP runs")
     g.add_argument("--moe-permute-fusion", action="store_true",
                    help="transformer-engine's fused token permutation: CUDA only, refused on "
                         "the CPU")
@@ -568,8 +568,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(args, world_size)
-    args.flag_notes = check_megatron_lm_flags(args, getattr(parser, "_megatron_lm_flags", []),
-                                              on_cuda=device_kind(args.cpu) == "cuda")
+    args.flag_notes = vars(args).pop("validation_notes", []) + check_megatron_lm_flags(
+        args, getattr(parser, "_megatron_lm_flags", []), on_cuda=device_kind(args.cpu) == "cuda")
     return args
 
 
@@ -1145,9 +1145,14 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  "batch's, their routing read a bias of no weight version); use flush, gpipe, "
                  "naive, zb-h1, zb-v, dualpipev or megatron")
     cpu = device_kind(args.cpu) != "cuda"
+    if cpu and args.moe_grouped_gemm:  # the same experts' GEMMs, one by one (Mixtral's example)
+        args.moe_grouped_gemm = False
+        args.validation_notes = getattr(args, "validation_notes", []) + [
+            "note: --moe-grouped-gemm has no effect on CPU (transformer-engine's grouped GEMM "
+            "is a CUDA kernel; megatron-core's SequentialMLP runs the same experts one by one, "
+            "with the same checkpoint keys); ignored"]
     if cpu:
-        for flag, kernel in (("--moe-grouped-gemm", "grouped GEMM"),
-                             ("--moe-permute-fusion", "fused permutation"),
+        for flag, kernel in (("--moe-permute-fusion", "fused permutation"),
                              ("--moe-router-fusion", "fused router")):
             _require(not getattr(args, flag[2:].replace("-", "_")), flag,
                      f"transformer-engine's {kernel} is a CUDA kernel; on the CPU megatron-core's "

@@ -46,8 +46,6 @@ CASES = {
         MOE + ["--moe-token-dispatcher-type", "flex"],
         MOE + ["--moe-token-dispatcher-type", "alltoall"], 1, "--moe-token-dispatcher-type",
         ["DeepEP"]),
-    "grouped-gemm-on-cpu": (MOE + ["--moe-grouped-gemm"], MOE, 1, "--moe-grouped-gemm",
-                            ["CUDA kernel"]),
     "permute-fusion-on-cpu": (MOE + ["--moe-permute-fusion"], MOE, 1, "--moe-permute-fusion",
                               ["CUDA kernel"]),
     "router-fusion-on-cpu": (MOE + ["--moe-router-fusion"], MOE, 1, "--moe-router-fusion",
@@ -96,6 +94,15 @@ def test_moe_flag_refused_in_one_line(case):
     assert "\n" not in text and text.startswith(f"{flag}: "), text
     for fragment in fragments:
         assert fragment in text, (fragment, text)
+
+
+def test_grouped_gemm_is_a_note_on_the_cpu():
+    """Megatron-LM's MoE examples pass --moe-grouped-gemm; on the CPU megatron-core's
+    SequentialMLP runs the same experts (one note, the flag off in the config)."""
+    args = parse_args([*TINY, *MOE, "--moe-grouped-gemm"], world_size=1)
+    assert args.moe_grouped_gemm is False
+    assert len(args.flag_notes) == 1 and args.flag_notes[0].startswith(
+        "note: --moe-grouped-gemm has no effect on CPU"), args.flag_notes
 
 
 def test_megatron_lm_derivations():
