@@ -411,11 +411,13 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                 gpt, params, t, replicas, microbatches, model, weights_of=pipedream_weights,
                 backward_weights=newest_weights if rule == "pipemare" else None)
         elif sizes is None:
-            replica_aux: list = []
-            _clear_aux_losses()
+            replica_aux: list = []  # a MoE model's aux losses, per replica
+            if model.moe:
+                _clear_aux_losses()
             grads, batch_losses = _gradients(
                 gpt, params, t, replicas, microbatches, model,
-                after_replica=lambda: replica_aux.append(_aux_losses(model, microbatches)))
+                after_replica=(lambda: replica_aux.append(_aux_losses(model, microbatches)))
+                if model.moe else None)
             if model.moe:
                 aux.append(replica_aux)
             if (model.moe or {}).get("moe_router_enable_expert_bias"):

@@ -282,6 +282,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
     param_gathers = _count_param_gathers(config, model)
+    all_to_alls = _count_all_to_alls_by_pass() if run.get("count_all_to_alls") else None
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
@@ -321,10 +322,43 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
                                      for group in getattr(chunk, "bucket_groups", ())),
                 "param_gathers": param_gathers, "host_syncs": host_syncs, "logged": logged,
-                "initial_params": initial},
+                "initial_params": initial, "all_to_alls": all_to_alls},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
+
+
+def _count_all_to_alls_by_pass() -> dict:
+    """Count torch.distributed.all_to_all_single calls (MoE's token dispatch) by the pass that
+    issues them: a zero-bubble input-gradient pass ("I"), weight-gradient pass ("W"), or
+    elsewhere ("other": forwards, fused backwards)."""
+    import torch.distributed as dist
+
+    from megatron_2bw.schedules.wgrad import WeightGradStore
+
+    counts, phase = {"I": 0, "W": 0, "other": 0, "W_expert_gemms": 0}, ["other"]
+    original = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        counts[phase[0]] += 1
+        return original(*args, **kwargs)
+
+    def in_phase(name, function):
+        def run(*args, **kwargs):
+            if name == "W":  # the experts' GEMMs among the deferred ones (allreduce False)
+                counts["W_expert_gemms"] += sum(not getattr(item.weight, "allreduce", True)
+                                                for item in args[0].pending)
+            phase[0] = name
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phase[0] = "other"
+        return run
+
+    dist.all_to_all_single = counted
+    WeightGradStore.input_pass = in_phase("I", WeightGradStore.input_pass)
+    WeightGradStore.weight_pass = staticmethod(in_phase("W", WeightGradStore.weight_pass))
+    return counts
 
 
 def _count_param_gathers(config, model: list) -> list[dict]:

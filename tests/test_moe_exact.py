@@ -21,7 +21,9 @@ chain (each with its own grad-stats group; with and without clipping) and at the
 the distributed optimizer (its expert optimizer over the expert-data-parallel group).
 
 Also: an EP = 2 model built from the seed has the experts an EP = 1 model has (each expert is
-drawn by its global index), experts on the two expert-parallel ranks differ.
+drawn by its global index), experts on the two expert-parallel ranks differ; the logged
+load-balancing and z losses are the reference's per batch (2bw included); zb-h1's W passes run
+the experts' GEMMs and no all-to-all.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def _reference_jobs() -> dict:
 
 FROM_SEED = _moe("flush", iters=1, tag="moe-from-seed")
 """Built from --seed (no initial weights loaded): its experts as drawn."""
+A2A = _moe("zb-h1", iters=2, tag="moe-a2a")
+"""zb-h1 whose all-to-alls are counted by the pass that issues them."""
 
 
 def _groups() -> dict:
@@ -109,7 +113,9 @@ def _groups() -> dict:
         group = groups.setdefault(f"moe-world{case.world}", {"world": case.world, "runs": []})
         group["runs"].append(case.run())
         group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
-    groups[f"moe-world{FROM_SEED.world}"]["runs"].append({**FROM_SEED.run(), "from_seed": True})
+    runs = groups[f"moe-world{FROM_SEED.world}"]["runs"]
+    runs.append({**FROM_SEED.run(), "from_seed": True})
+    runs.append({**A2A.run(), "count_all_to_alls": True})  # last: its counters stay installed
     return groups
 
 
@@ -223,3 +229,20 @@ def test_load_balancing_losses_are_logged_as_megatron_lm_logs_them(launch, case)
                     sum(r[name] for r in replicas) / len(replicas)
                 assert seen[name] == pytest.approx(want, rel=1e-5), (t, name, seen, want)
     print(f"\n{case.name}: " + ", ".join(f"{n} {logged[0][-1][n]:.6f}" for n in sorted(names)))
+
+
+def test_zero_bubble_keeps_the_all_to_alls_in_the_input_gradient_pass(launch):
+    """zb-h1 on the MoE model: the weight-gradient passes (W) run the experts' GEMMs (every
+    local expert's fc1 and fc2 of each microbatch) and no collective; the token dispatch's
+    all-to-alls of the backward run in the input-gradient passes (I), as many as the forwards
+    issue: 3 per MoE layer and microbatch in megatron-core 0.16.1's alltoall dispatcher (the
+    tokens and their routing probabilities dispatched, the experts' outputs combined)."""
+    launch.finished(f"moe-world{A2A.world}")
+    for path in sorted((launch.out / A2A.name).glob("rank*.pt")):
+        counts = torch.load(path)["all_to_alls"]
+        microbatches = A2A.m * A2A.iters
+        layers = 4 // A2A.d  # every layer an MoE layer, this stage's
+        assert counts["W"] == 0, counts
+        assert counts["I"] == counts["other"] == 3 * layers * microbatches, counts
+        # each W ran its stage's experts' fc1 and fc2 GEMMs (2 local experts x 2 per layer)
+        assert counts["W_expert_gemms"] == layers * 2 * 2 * microbatches, counts
