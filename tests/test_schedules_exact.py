@@ -124,6 +124,15 @@ class Case:
     """2bw's --stale-weight-correction, in the run and its reference."""
     coeff: float = 1.0
     """--stale-weight-correction-coeff."""
+    moe: tuple = ()
+    """Mixture of Experts: (megatron-core MoE config field, value) pairs, in the run (as
+    Megatron-LM's flags) and its reference (tests/reference.py ``Model.moe``)."""
+    tag: str = ""
+    """Names the MoE model in the run's and the reference's names (tests/test_moe_exact.py)."""
+    ep: int = 1
+    """--expert-model-parallel-size of the run (the reference holds every expert)."""
+    clip: float | None = None
+    """--clip-grad, in the run and its reference (None: ``MODEL.clip_grad``)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -139,13 +148,17 @@ class Case:
                 **({"optimizer": "muon", "tensor_parallel": self.tp}
                    if self.optimizer == "muon" else {}),
                 **({"correction": self.correction, "correction_coeff": self.coeff}
-                   if self.correction != "none" else {})}
+                   if self.correction != "none" else {}),
+                **({"moe": dict(self.moe)} if self.moe else {}),
+                **({"clip_grad": self.clip} if self.clip is not None else {})}
 
     @property
     def _update_suffix(self) -> str:
         """The optimizer and correction in names (none for Adam without a correction)."""
         return (f"{'-muon' if self.optimizer == 'muon' else ''}"
-                f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}")
+                f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}"
+                f"{f'-{self.tag}' if self.tag else ''}"
+                f"{f'-clip{self.clip:g}' if self.clip is not None else ''}")
 
     @property
     def name(self) -> str:
@@ -156,7 +169,7 @@ class Case:
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}")
+                f"{self._update_suffix}{f'-ep{self.ep}' if self.ep > 1 else ''}")
 
     @property
     def world(self) -> int:
@@ -190,7 +203,9 @@ class Case:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
                 "deferred": self.deferred, "model": self.model,
-                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains),
+                "flags": list(self.flags + self.pipemare_flags + (
+                    ("--expert-model-parallel-size", str(self.ep)) if self.ep > 1 else ())),
+                "drains": list(self.drains),
                 "round_trip": self.round_trip}
 
 
@@ -460,11 +475,21 @@ def _gather(out: Path, case: Case) -> tuple[dict, dict]:
                 f"{case.name}: the last stage's tied output layer left the word embeddings"
         gathered[dp] = weights
     assert sorted(gathered) == list(range(case.w))
+    merged = dict(gathered[0])
     for dp in range(1, case.w):
-        for name, tensor in gathered[0].items():
-            assert torch.equal(tensor, gathered[dp][name]), \
+        for name, tensor in gathered[dp].items():  # experts: each replica holds its EP rank's
+            if name not in merged:
+                merged[name] = tensor
+            assert torch.equal(tensor, merged[name]), \
                 f"{case.name}: data-parallel replica {dp} differs in {name}"
-    return gathered[0], losses
+        dense = [name for name in gathered[0] if EXPERT not in name]
+        assert all(name in gathered[dp] for name in dense), \
+            f"{case.name}: replica {dp} lacks dense parameters"
+    return merged, losses
+
+
+EXPERT = ".experts.local_experts."
+"""In the name of an expert's parameter (expert parallelism splits these over replicas)."""
 
 
 def relative_error(weights: dict, reference: dict) -> float:

@@ -45,7 +45,8 @@ and the last stage synchronises all stages at every optimizer step, which the ot
 pay anyway in their flush; under 2BW it would add a (d-1) x backward stall per batch, which the
 deferred step removes (``megatron_2bw.deferred``; ``--no-deferred-step`` keeps the stall).
 ``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them:
-2bw deferred, 2bw with the step where the loop calls it, and flush.
+2bw deferred, 2bw with the step where the loop calls it, and flush. ``--moe-variants`` adds
+"2bw +moe" and "flush +moe": the same GPT with every FFN a Mixture of Experts (``MOE_FLAGS``).
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
 the model-parallel group) even with clipping off; the training code steps its one inner optimizer
 instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
@@ -605,6 +606,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="share input and output embeddings (an all-reduce at every step)")
     p.add_argument("--sync-variants", action="store_true",
                    help="also run 2bw and flush with --clip-grad 1.0 and tied embeddings")
+    p.add_argument("--moe-variants", action="store_true",
+                   help="also run 2bw and flush with every FFN a Mixture of Experts (MOE_FLAGS: "
+                        f"{' '.join(MOE_FLAGS)}; all experts on each stage, no biases)")
     p.add_argument("--chained-optimizer", action="store_true",
                    help="step the optimizer wrapped in megatron-core's ChainedOptimizer (as "
                         "get_megatron_optimizer returns it), which all-reduces the grad norm "
@@ -652,12 +656,22 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
     below = a.microbatches < a.depth  # 2BW runs m = d there
     configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
                 if s == "2bw" and below else _run_config(a, s) for s in schedules]
+    if a.moe_variants:
+        configs += [Config(f"{s} +moe", s, a.depth, clip, tied, f"{s}_moe", extra=MOE_FLAGS)
+                    for s in ("2bw", "flush")]
     if a.sync_variants:
         configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
                     Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
                            "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
                     Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
     return configs
+
+
+MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+             "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear")
+"""The --moe-variants rows' experts: the model's FFN (4h) in each of 4 experts, 2 per token, so
+a token's FFN FLOPs double and each stage holds 4 FFNs' weights; expert parallelism 1 (the
+benchmark runs one process per stage)."""
 
 
 def _run_config(a: argparse.Namespace, name: str) -> Config:

@@ -105,6 +105,8 @@ def _command_parser() -> argparse.ArgumentParser:
     add("--clip-grad", type=float, default=1.0)
     add("--nnodes", type=str, default=None)
     add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
+    add("--num-experts", type=int, default=None)
+    add("--expert-model-parallel-size", type=int, default=1)
     for dest in MODEL_FLAGS:
         add("--" + dest.replace("_", "-"), type=int, default=None)
     return p
@@ -161,6 +163,10 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
         args, _ = _command_parser().parse_known_args(words)
     except SystemExit:
         raise ValueError("a flag of the command lacks its value or has a bad one") from None
+    if args.num_experts or args.expert_model_parallel_size > 1:
+        raise ValueError("the command trains a Mixture-of-Experts model (--num-experts), which "
+                         "the planner does not model yet (no expert memory, expert-parallel "
+                         "layouts or all-to-all cost in its cost model)")
     if args.micro_batch_size is None:
         raise ValueError("the command has no --micro-batch-size (expected a Megatron launch "
                          "command, or a layout like t8d4b1v2:megatron+rc)")
