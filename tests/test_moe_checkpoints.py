@@ -67,26 +67,16 @@ def _keys(path: Path) -> list[str]:
 
 
 def _worker(rank: int, world: int, out: str) -> dict:
-    import torch.distributed as dist
-
     from megatron_2bw.training.checkpointing import checkpoint_dir
-    from tests.test_interleaved import _resume_dir
+    from tests.test_interleaved import train_saving
 
     out, runs = Path(out), {}
     for name, flags in CASES.items():
-        saved, start = out / name / "saved", out / name / "start"
-        full = _train([*flags, "--save", str(saved), "--save-interval", str(SAVED_AT)])
-        if rank == 0:
-            _resume_dir(saved, SAVED_AT, start)
-        dist.barrier()
+        full, saved, start = train_saving(rank, flags, out / name, SAVED_AT, _train)
         runs[name] = (full, _train([*flags, "--load", str(start)]))
         runs[f"{name}-keys"] = _keys(Path(checkpoint_dir(str(saved), SAVED_AT)))
     for name, (saving, resuming) in {**RESHARDED, **WEIGHTS_ONLY}.items():
-        saved, start = out / name / "saved", out / name / "start"
-        full = _train([*saving, "--save", str(saved), "--save-interval", str(SAVED_AT)])
-        if rank == 0:
-            _resume_dir(saved, SAVED_AT, start)
-        dist.barrier()
+        full, saved, start = train_saving(rank, saving, out / name, SAVED_AT, _train)
         runs[f"{name}-keys"] = _keys(Path(checkpoint_dir(str(saved), SAVED_AT)))
         if name in RESHARDED:
             runs[name] = (full, _train([*resuming, "--load", str(start)]))

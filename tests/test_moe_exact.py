@@ -28,15 +28,13 @@ the experts' GEMMs and no all-to-all.
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.test_schedules_exact import (GROUP_DEADLINE_S, RUN_DEADLINE_S, WORKER, Case, Launch,
-                                        _check_against_reference, _far_references, _run_bounded)
+from tests.test_schedules_exact import (Case, Launch, _check_against_reference, _far_references,
+                                        groups_by_world, launch_worker, reference_job)
 
 BASE = (("num_moe_experts", 4), ("moe_router_topk", 2), ("moe_ffn_hidden_size", 32),
         ("moe_aux_loss_coeff", 0.1), ("moe_z_loss_coeff", 0.01),
@@ -86,18 +84,13 @@ TWOBW_CASES = [
 CASES = SYNC_CASES + TWOBW_CASES
 
 
-def _job(case: Case, rule: str) -> dict:
-    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
-            "tie": case.tie, "model": case.model, "depth": case.d}
-
-
 def _reference_jobs() -> dict:
     jobs = {}
     for case in CASES:
-        jobs[case.reference()] = _job(case, case.rule)
+        jobs[case.reference()] = reference_job(case, case.rule)
         for job in (job for job, _ in _far_references(case).values()):
             rule = job.split("-")[0]
-            jobs[job] = _job(case, rule)
+            jobs[job] = reference_job(case, rule)
     return jobs
 
 
@@ -108,11 +101,7 @@ A2A = _moe("zb-h1", iters=2, tag="moe-a2a")
 
 
 def _groups() -> dict:
-    groups: dict = {}
-    for case in CASES:
-        group = groups.setdefault(f"moe-world{case.world}", {"world": case.world, "runs": []})
-        group["runs"].append(case.run())
-        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    groups = groups_by_world(CASES, "moe-world")
     runs = groups[f"moe-world{FROM_SEED.world}"]["runs"]
     runs.append({**FROM_SEED.run(), "from_seed": True})
     runs.append({**A2A.run(), "count_all_to_alls": True})  # last: its counters stay installed
@@ -121,19 +110,8 @@ def _groups() -> dict:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("moe_exact")
-    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs(), "groups": _groups()}
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=600)
-    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
-    summary = json.loads((out / "launch.json").read_text())
-    assert summary["reference"]["exit_codes"] == [0], \
-        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
-    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
-        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
-    return Launch(out, summary, output)
+    return launch_worker(tmp_path_factory.mktemp("moe_exact"), _reference_jobs(), _groups(),
+                         timeout_s=600)
 
 
 @pytest.mark.parametrize("case", SYNC_CASES, ids=lambda case: case.name)

@@ -329,6 +329,22 @@ def _groups() -> dict:
     return groups
 
 
+def reference_job(case: Case, rule: str) -> dict:
+    """The tests/reference.py job of ``case``'s model and batches under ``rule``."""
+    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
+            "tie": case.tie, "model": case.model, "depth": case.d}
+
+
+def groups_by_world(cases: list[Case], prefix: str = "world") -> dict:
+    """Launch groups of ``cases``: those of one world size one after another in one group."""
+    groups: dict = {}
+    for case in cases:
+        group = groups.setdefault(f"{prefix}{case.world}", {"world": case.world, "runs": []})
+        group["runs"].append(case.run())
+        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    return groups
+
+
 def _far_references(case: Case) -> dict[str, tuple[str, float]]:
     """What a run must lie far from: label -> (reference job, least relative distance). The
     other rule; for pipemare also the stashing rule and the same run without its T2 or W."""
