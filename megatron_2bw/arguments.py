@@ -269,7 +269,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "paper's update")
     g.add_argument("--stale-weight-correction-coeff", type=number_in(0, low_open=True),
                    default=None, metavar="C",
-                   help="predict's look-ahead s, dc's lambda, ef's beta (default 1)")
+                   help="predict's look-ahead s (default 1), dc's lambda (default 1e5), ef's "
+                        "beta (default 1)")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "
