@@ -349,13 +349,19 @@ def _action_seconds(records: list, measured: list[Iteration], start: float) -> d
     """From the executor's timeline records: each measured iteration's ``busy_seconds`` (set
     here), and per action kind the median duration over the measured iterations."""
     durations: dict[str, list[float]] = {}
+    totals: dict[str, list[float]] = {}  # per iteration, the kind's summed time
     for iteration in measured:
         inside = [r for r in records if start <= r.start and r.end <= iteration.end]
         iteration.busy_seconds = sum(r.end - r.start for r in inside)
         for r in inside:
             durations.setdefault(r.kind, []).append(r.end - r.start)
+        for kind in {r.kind for r in inside}:
+            totals.setdefault(kind, []).append(sum(r.end - r.start for r in inside
+                                                   if r.kind == kind))
         start = iteration.end
-    return {kind: statistics.median(values) for kind, values in durations.items()}
+    return {**{kind: statistics.median(values) for kind, values in durations.items()},
+            **{f"{kind} per iteration": statistics.median(values)
+               for kind, values in totals.items()}}
 
 
 def worker(argv: list[str]) -> int:
@@ -816,7 +822,29 @@ def _table(table: Table, schedules: list[str]) -> str:
     header = f"{'schedule':<{width}} {HEADER}"
     rows = [header, "-" * len(header)]
     rows += [_row(table, name, width) for name in table.runs]
-    return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table))
+    return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table)
+                     + _over_flush(table))
+
+
+def _over_flush(table: Table) -> list[str]:
+    """Each row's speed over flush with its optimizer, paired within rounds: the median and
+    the rounds' range, and on each stage the median time per iteration in the optimizer step's
+    actions (the S action, and where the step is deferred its application: 2bw, pipedream,
+    pipemare; elsewhere the step runs in the loop, outside the actions)."""
+    lines = []
+    for name, rounds in table.runs.items():
+        try:
+            reference = RunName.parse(name.split()[0]).reference("flush")
+        except Exception:  # noqa: BLE001 -- the single-process rows have no run name
+            continue
+        if reference == name or reference not in table.times:
+            continue
+        ratios = [r / x for r, x in zip(table.times[reference], table.times[name])]
+        steps = "/".join(f"{ms:.1f}" for ms in _action_ms(rounds, "S per iteration"))
+        lines.append(f"  {name}: {statistics.median(ratios):.2f}x {reference} "
+                     f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); optimizer step actions "
+                     f"ms per iteration, per stage: {steps}")
+    return ["speed over flush with the same optimizer (paired rounds):", *lines] if lines else []
 
 
 def _action_ms(runs: list[Run], kind: str) -> list[float]:
