@@ -391,6 +391,16 @@ def test_bad_moe_plan_flags_are_one_line(capsys, argv, fragment):
     assert len(error.strip().splitlines()) == 1
 
 
+def test_profiles_are_taken_of_dense_layers(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _plan_cli().main(["profile", "--num-layers", "2", "--hidden-size", "32",
+                          "--num-attention-heads", "4", "--seq-length", "32",
+                          "--num-experts", "4"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.startswith("error: --num-experts: profiles")
+    assert len(error.strip().splitlines()) == 1
+
+
 def test_moe_plan_json_round_trips(tmp_path):
     plan = search(PlanRequest(SMALL_MOE, preset("dgx-a100"), 16, simulate_top=0))
     import json

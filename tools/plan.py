@@ -641,6 +641,11 @@ def _check_profile_flags(args, argv, model: ModelSpec) -> None:
 
 def run_profile(argv) -> int:
     args = profile_parser().parse_args(argv)
+    if args.num_experts:
+        raise ToolError("--num-experts", "profiles measure dense layers: profile the model "
+                                         "without its MoE flags (the planner derives an MoE "
+                                         "layer's time and memory from the dense layer's "
+                                         "profile by the closed forms)")
     model = _model(args)
     _check_profile_flags(args, argv, model)
     if args.end_to_end:
