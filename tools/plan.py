@@ -4,6 +4,8 @@
            launch.sh (torchrun) and plan.sbatch (Slurm) under --out, print table and scripts
       tools/plan.py --cluster dgx-h100 --nodes 128 --global-batch-size 1536 \\
           --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+      (Mixture of Experts: add Megatron-LM's --num-experts 8 --moe-router-topk 2 ...
+       --disable-bias-linear; --expert-model-parallel-size fixes or limits e)
   profile  measure one transformer layer (and the embedding, head, optimizer step, local
            links) on this device; writes tools/profiles/<device>.json
       tools/plan.py profile --num-layers 4 --hidden-size 128 --num-attention-heads 4 \\
