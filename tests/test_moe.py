@@ -189,3 +189,34 @@ def test_aux_loss_scale_is_the_backwards_own():
     aux_loss_scale_for_backward(SimpleNamespace(grad_scale_func=None,
                                                 calculate_per_token_loss=False), 2)
     assert float(MoEAuxLossAutoScaler.main_loss_backward_scale) == 0.5
+
+
+def test_every_metric_megatron_core_tracks_is_one_the_log_names():
+    """The MoE metrics Megatron-LM 0.16.1 logs are the names megatron-core's routers put in the
+    layer-wise tracker (``track_moe_metrics`` writes every one of them); read from the
+    installed megatron-core's source, every ``save_to_aux_losses_tracker`` caller and the
+    names it records. None is a tokens-per-expert count (docs/moe.md, "Logs")."""
+    import argparse
+    import pathlib
+    import re
+
+    import megatron.core
+    from megatron.core.transformer.moe import router
+
+    from megatron_2bw.training.moe import track_names
+
+    root = pathlib.Path(megatron.core.__file__).parent
+    callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if "save_to_aux_losses_tracker(" in p.read_text()
+                     and p.name != "moe_utils.py")
+    assert callers == ["transformer/moe/router.py"]
+    source = pathlib.Path(router.__file__).read_text()
+    recorded = set(re.findall(r'"(\w*load_balancing_loss)"', source)) | (
+        {"z_loss"} if '"z_loss"' in source else set())
+    everything = argparse.Namespace(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+        moe_z_loss_coeff=1e-3)
+    assert set(track_names(everything)) == recorded == {
+        "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+        "z_loss"}
+    assert not any("tokens" in name for name in recorded)

@@ -210,7 +210,7 @@ def test_evaluate_prints_the_layout_beside_the_choice(capsys):
     (["--cluster", "dgx-h100", "--evaluate", "pretrain_gpt.py --micro-batch-size 1 "
       "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
       "--global-batch-size 256 --num-experts 8 --expert-model-parallel-size 8"],
-     "Mixture-of-Experts"),
+     "add --moe-token-dispatcher-type alltoall"),
     (["--cluster", "paper", "--precision", "bf16", "--num-layers", "4", "--hidden-size", "64",
       "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8"],
      "no bf16"),

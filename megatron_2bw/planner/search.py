@@ -9,7 +9,8 @@ with the reason, the feasible ones ranked by predicted samples/s.
 Feasible: t d w = N; t divides the heads; d divides the layers; B = b w m for a microbatch
 size b from the list; what the training accepts (Layout.problem: 2BW needs m >= d,
 Section 3.1; zb-h1 runs without recomputation; V > 1 only under megatron); the fullest device
-within memory.
+within memory. A Mixture-of-Experts model adds the expert-parallel size e, a divisor of a
+stage's t w ranks and of the experts (cost.expert_problem), with an MoE layer on every stage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import VIRTUAL_STAGE_SCHEDULES, keeps_versions
 
 from .cluster import GiB, Cluster
-from .cost import ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate
+from .cost import (ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate,
+                   expert_problem, moe_placement_problem)
 from .model import ModelSpec
 
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES",
@@ -80,6 +82,9 @@ class PlanRequest:
     deferred_step: bool = True
     """2BW defers its step when clipping or tied embeddings would make it pipeline-wide."""
     max_tensor_parallel: int | None = None
+    expert_parallel: tuple[int, ...] | None = None
+    """Expert-parallel sizes e to try (`--expert-model-parallel-size`); None: every e the
+    model and the layout allow (1 for a dense model)."""
     virtual_stages: tuple[int, ...] = (1,)
     """V values tried under the schedules that interleave (VIRTUAL_STAGE_SCHEDULES)."""
     simulate_top: int = 5
@@ -103,6 +108,17 @@ class PlanRequest:
             raise ValueError(f"iteration factor must be > 0, got {self.iteration_factor}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must lie in (0, 1], got {self.memory_fraction}")
+        if self.expert_parallel is not None:
+            if not self.expert_parallel or min(self.expert_parallel) < 1:
+                raise ValueError(f"expert-parallel sizes must be >= 1, got "
+                                 f"{self.expert_parallel}")
+            if not self.model.is_moe and set(self.expert_parallel) != {1}:
+                raise ValueError(f"expert-parallel size {max(self.expert_parallel)} needs a "
+                                 f"Mixture-of-Experts model (--num-experts)")
+        if self.model.is_moe and (self.optimizer == "muon" or self.correction != "none"):
+            raise ValueError("Mixture-of-Experts models train with adam or sgd and no "
+                             "--stale-weight-correction (megatron_2bw.arguments refuses the "
+                             "others with --num-experts)")
 
     def factor_of(self, schedule: str) -> float:
         """The iteration factor ``schedule`` is ranked with (1 for the exact schedules)."""
@@ -142,13 +158,18 @@ class Rejection:
     memory_bytes: float | None = None
     """Peak memory of a layout refused for memory."""
 
-    FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule")
+    expert: int | None = None
+    """A family's expert-parallel size e, where the family fixes it."""
+
+    FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule", "e")
     """The layout's fields a rejection names (rejected.csv, `plan.py --explain`)."""
 
     def value(self, name: str):
         """The layout's field `name` (one of FIELDS); None where the family leaves it open."""
         if self.layout is not None:
             return getattr(self.layout, name)
+        if name == "e":
+            return self.expert
         i = self.FIELDS.index(name)
         return self.family[i] if i < len(self.family) else None
 
@@ -223,7 +244,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                              distributed_optimizer=request.distributed_optimizer,
                              clip_grad=request.clip_grad, deferred_step=request.deferred_step,
                              sequence_parallel=request.sequence_parallel)
-    n, B, limit = cluster.num_gpus, request.global_batch_size, request.memory_limit
+    n, B = cluster.num_gpus, request.global_batch_size
     feasible: list[Candidate] = []
     rejected: list[Rejection] = []
     considered = 0
@@ -242,34 +263,56 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                 rejected.append(Rejection(f"{model.num_layers} layers do not split into d={d} "
                                           f"equal stages", family=(t, d, w)))
                 continue
-            for b in request.micro_batch_sizes:
-                if B % (b * w):
-                    rejected.append(Rejection(f"B={B} is not a multiple of b x w = {b} x {w}",
-                                              family=(t, d, w, b)))
+            for e in _expert_sizes(t, w, request):
+                problem = expert_problem(model, t, w, e, cluster.device)
+                if problem:
+                    rejected.append(Rejection(problem, family=(t, d, w), expert=e))
                     continue
-                m = B // (b * w)
-                for rc, selective in _recomputations(request):
-                    for schedule, v in _schedules_at(d, request):
-                        considered += 1
-                        layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
-                        problem = layout.problem(model.num_layers, model.tied)
-                        if problem:
-                            rejected.append(Rejection(problem, layout))
-                            continue
-                        memory = cost.memory(layout, every_stage=False)
-                        if memory.peak > limit:
-                            worst = memory.peak_stage
-                            rejected.append(Rejection(
-                                f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
-                                f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
-                                f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
-                                memory_bytes=memory.peak))
-                            continue
-                        feasible.append(Candidate(layout, memory, cost.time(layout)))
+                for b in request.micro_batch_sizes:
+                    if B % (b * w):
+                        rejected.append(Rejection(f"B={B} is not a multiple of b x w = {b} x "
+                                                  f"{w}", family=(t, d, w, b), expert=e))
+                        continue
+                    m = B // (b * w)
+                    for rc, selective in _recomputations(request):
+                        for schedule, v in _schedules_at(d, request):
+                            considered += 1
+                            layout = Layout(t, d, w, b, m, rc, schedule, v, selective, e)
+                            candidate = _candidate(layout, request, cost)
+                            if isinstance(candidate, Rejection):
+                                rejected.append(candidate)
+                            else:
+                                feasible.append(candidate)
     feasible.sort(key=partial(_rank_key, request=request))
     feasible = _refine(feasible, request, cost)
     return Plan(request, tuple(feasible), tuple(rejected), considered,
                 time.perf_counter() - started)
+
+
+def _expert_sizes(t: int, w: int, request: PlanRequest) -> list[int]:
+    """The expert-parallel sizes to try at (t, w): the request's, or every divisor of the t w
+    ranks of a stage for an MoE model (expert_problem refuses those the experts do not
+    divide); 1 for a dense model."""
+    if request.expert_parallel is not None:
+        return list(request.expert_parallel)
+    return _divisors(t * w) if request.model.is_moe else [1]
+
+
+def _candidate(layout: Layout, request: PlanRequest, cost: CostModel) -> Candidate | Rejection:
+    """The layout priced, or why it cannot run (the training's refusal, or its memory)."""
+    model, cluster, limit = request.model, request.cluster, request.memory_limit
+    problem = (layout.problem(model.num_layers, model.tied)
+               or moe_placement_problem(model, layout))
+    if problem:
+        return Rejection(problem, layout)
+    memory = cost.memory(layout, every_stage=False)
+    if memory.peak > limit:
+        worst = memory.peak_stage
+        return Rejection(f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
+                         f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
+                         f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
+                         memory_bytes=memory.peak)
+    return Candidate(layout, memory, cost.time(layout))
 
 
 def _refine(ranked: list[Candidate], request: PlanRequest, cost: CostModel) -> list[Candidate]:
