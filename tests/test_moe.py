@@ -177,7 +177,7 @@ def test_aux_loss_scale_is_the_backwards_own():
 
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_2bw.training.moe import aux_loss_scale_for_backward
+    from megatron_2bw.schedules.moe_microbatches import aux_loss_scale_for_backward
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([123.0]))  # another step's, say
     config = SimpleNamespace(grad_scale_func=lambda t: t * 8.0, calculate_per_token_loss=False)

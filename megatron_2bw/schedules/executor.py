@@ -94,7 +94,8 @@ from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, cor
                                              forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
-from megatron_2bw.training.moe import AuxLossLedger, aux_loss_scale_for_backward
+from megatron_2bw.schedules.moe_microbatches import (AuxLossLedger,
+                                                   aux_loss_scale_for_backward)
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
