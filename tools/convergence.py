@@ -359,8 +359,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{rule}-coeff", type=positive_float, default=None,
                        help=f"2bw-{rule} runs: --stale-weight-correction-coeff ({what})")
     p.add_argument("--speedup", action="append", default=[], type=_speedup, metavar="RUN=S",
-                   help="RUN's per-iteration speed over its reference measured apart (tools/"
-                        "bench_schedules.py): time ratios then use S, not the logged ms")
+                   help="RUN's per-iteration speed over the reference run (--reference, with "
+                        "Adam) measured apart (tools/bench_schedules.py, on an idle machine): "
+                        "time ratios then use these speeds, not the logged ms")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print one markdown row per run: final validation loss and the "
+                        "ratios at the end of its run")
     add_model_size_flags(p, num_layers=4, micro_batch_size=4, hidden_size=128)
     p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=positive_float, default=3e-4,
@@ -437,14 +441,33 @@ def best_reference(logs: dict[str, ParsedLog], reference: str) -> str | None:
 
 def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: str
                    ) -> dict[str, float]:
-    """ms/iteration where a run's speed-up over its reference is given: the reference's
-    logged ms over the speed-up."""
+    """ms/iteration where a run's speed over the reference run is given: the reference's
+    logged ms over that speed (the reference's own is 1)."""
+    if not speedups:
+        return dict(ms)
+    if reference not in ms:
+        raise ToolError("--speedup", f"speeds are over the {reference} run, which is not among "
+                                     "--schedules")
     out = dict(ms)
-    for run, speedup in speedups.items():
-        base = RunName.parse(run).reference(reference)
-        if run in out and base in ms:
-            out[run] = ms[base] / speedup
+    for run, speedup in {reference: 1.0, **speedups}.items():
+        if run in out:
+            out[run] = ms[reference] / speedup
     return out
+
+
+def markdown_rows(finals: dict, matches: list[Match], best: list[Match]) -> list[str]:
+    """| run | final validation loss | ratio, time ratio vs its optimizer's reference | the same
+    vs the lowest-ending reference |, at the end of each run."""
+    def last(found: list[Match], run: str) -> str:
+        mine = [m for m in found if m.schedule == run]
+        if not mine or mine[-1].iteration_ratio is None:
+            return "- | -"
+        m = mine[-1]
+        bound = "<=" if m.reference_bound else ""
+        return f"{bound}{m.iteration_ratio:.2f} | {m.time_ratio:.2f}"
+
+    return [f"| {run} | {f['valid']:.3f} | {last(matches, run)} | {last(best, run)} |"
+            for run, f in finals.items() if f["valid"] is not None]
 
 
 def _report_epochs(a: argparse.Namespace, data_prefix: str) -> float:
@@ -512,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     if best:
         print(f"against the {a.reference} run that ends lowest, {lowest}:")
         print(format_matches(best, lowest, ms))
+    if a.markdown:
+        print("| run | valid loss | ratio | time ratio | ratio vs best | time ratio vs best |")
+        print("\n".join(markdown_rows(finals, matches, best)))
     result.update(ms_per_iteration=ms, reference=a.reference, speedups=dict(a.speedup),
                   matches=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
                             "time_ratio": m.time_ratio} for m in matches],
