@@ -379,3 +379,24 @@ def test_epochs_count_the_training_split_as_megatron_core_cuts_it(tmp_path):
     tokens = convergence.train_split_tokens(prefix, "90,10,0")
     assert tokens == sum(10 + k for k in range(18)) == 333
     assert convergence.epochs_covered(3, 4, 37, tokens) == pytest.approx(444 / 333)
+
+
+def test_markdown_rows_mark_a_run_that_ends_below_the_reference():
+    """The markdown row of a run whose last loss the reference never reaches says "> 1" (it
+    beat the reference), not "-", which stands for the reference itself; a reached loss gives
+    its ratio, 0.8 by the construction of the test above."""
+    import math
+
+    convergence = _tool("convergence")
+
+    def f(i):
+        return 3.0 + 5.0 * math.exp(-i / 400)
+
+    reference = [(i, f(i)) for i in range(50, 1001, 50)]
+    behind = convergence.match_losses("2bw", [(1000, f(800))], 100.0, reference, 150.0)
+    ahead = convergence.match_losses("2bw-ef", [(1000, 2.9)], 100.0, reference, 150.0)
+    finals = {"flush": {"valid": f(1000)}, "2bw": {"valid": f(800)}, "2bw-ef": {"valid": 2.9}}
+    rows = convergence.markdown_rows(finals, behind + ahead, behind + ahead)
+    assert rows[0].startswith("| flush | ") and rows[0].endswith("| - | - | - | - |")
+    assert "| 0.80 | 1.20 | 0.80 | 1.20 |" in rows[1]
+    assert rows[2] == "| 2bw-ef | 2.900 | > 1 | - | > 1 | - |"

@@ -23,6 +23,7 @@ from megatron_2bw.logparse import parse_log
 from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec, PlanRequest,
                                   Profile, preset, search, write_plan)
 from megatron_2bw.planner.cluster import Link
+from megatron_2bw.planner.search import ITERATION_FACTORS
 from megatron_2bw.planner.cost import ALL_SCHEDULES, simulated_iteration, _simulate_normalized
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.planner.accuracy import compare, format_accuracy
@@ -1142,3 +1143,37 @@ def test_iteration_factor_flips_2bw_to_flush_where_it_passes_their_throughput_ra
     assert above.best.samples_per_s == pytest.approx(best["flush"])
     with pytest.raises(ValueError, match="iteration factor"):
         dataclasses.replace(base, iteration_factor=0.0)
+
+
+def _validation_points(path: Path) -> list[tuple[int, float]]:
+    """(iteration, validation loss) from a training log, read with a regex of its own."""
+    import re
+    found = re.findall(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)",
+                       path.read_text())
+    return [(int(i), float(v)) for i, v in found]
+
+
+def _first_crossing(curve: list[tuple[int, float]], loss: float) -> float:
+    """The iteration at which a validation curve first reaches ``loss`` (linear between
+    validations)."""
+    for (i0, l0), (i1, l1) in zip(curve, curve[1:]):
+        if l1 <= loss:
+            return i0 + (i1 - i0) * (l0 - loss) / (l0 - l1) if l0 > loss else i0
+    raise AssertionError(f"the curve never reaches {loss}")
+
+
+@pytest.mark.parametrize("key", [k for k in ITERATION_FACTORS
+                                 if k[0] != "pipemare"], ids=lambda k: "-".join(k))
+def test_iteration_factors_are_the_checked_in_study_runs(key):
+    """Each factor is 1 / (flush's iterations to the run's final validation loss / the run's
+    iterations), from docs/convergence/large-lr1e-3's logs (flush with the same optimizer), to
+    the table's two decimals."""
+    schedule, optimizer, correction = key
+    suffix = "" if optimizer == "adam" else f"+{optimizer}"
+    run = schedule + ("" if correction == "none" else f"-{correction}") + suffix
+    runs = REPO / "docs" / "convergence" / "large-lr1e-3"
+    curve = _validation_points(runs / f"{run}.log")
+    flush = _validation_points(runs / f"flush{suffix}.log")
+    last_iteration, last_loss = curve[-1]
+    ratio = _first_crossing(flush, last_loss) / last_iteration
+    assert ITERATION_FACTORS[key] == pytest.approx(1 / ratio, abs=0.006)

@@ -457,11 +457,14 @@ def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: 
 
 def markdown_rows(finals: dict, matches: list[Match], best: list[Match]) -> list[str]:
     """| run | final validation loss | ratio, time ratio vs its optimizer's reference | the same
-    vs the lowest-ending reference |, at the end of each run."""
+    vs the lowest-ending reference |, at the end of each run; "> 1" where the run ends below
+    every validation loss the reference reached."""
     def last(found: list[Match], run: str) -> str:
         mine = [m for m in found if m.schedule == run]
-        if not mine or mine[-1].iteration_ratio is None:
+        if not mine:  # the reference itself
             return "- | -"
+        if mine[-1].iteration_ratio is None:  # ends below every loss the reference reached
+            return "> 1 | -"
         m = mine[-1]
         bound = "<=" if m.reference_bound else ""
         return f"{bound}{m.iteration_ratio:.2f} | {m.time_ratio:.2f}"
