@@ -124,6 +124,10 @@ class Case:
     """2bw's --stale-weight-correction, in the run and its reference."""
     coeff: float = 1.0
     """--stale-weight-correction-coeff."""
+    split: tuple[int, ...] | None = None
+    """The layers per virtual stage (model order) that ``flags`` split unevenly, as the test
+    states them: the run's chunks load and report their layers by it (tests/
+    test_layouts_exact.py)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -156,7 +160,12 @@ class Case:
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}")
+                f"{self._update_suffix}{f'-split{self.split_label}' if self.split else ''}"
+                ).replace("|", "_").replace("*", "x")  # layout strings, in directory names
+
+    @property
+    def split_label(self) -> str:
+        return "-".join(map(str, self.split or ()))
 
     @property
     def world(self) -> int:
@@ -171,7 +180,8 @@ class Case:
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(f'-{k}{v}' for k, v in options.items())}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}{muon_tp}")
+                f"{self._update_suffix}{muon_tp}"
+                f"{f'-split{self.split_label}' if self.split and rule in PER_STAGE else ''}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""
@@ -191,7 +201,8 @@ class Case:
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
                 "deferred": self.deferred, "model": self.model,
                 "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains),
-                "round_trip": self.round_trip}
+                "round_trip": self.round_trip,
+                **({"split": list(self.split)} if self.split else {})}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -336,16 +347,24 @@ def _pipemare_variants(case: Case) -> list[Case]:
         ([replace(case, lr_warmup_steps=0)] if case.lr_warmup_steps else [])
 
 
-def _reference_jobs() -> dict:
+def _reference_jobs_of(cases: list[Case]) -> dict:
+    """The reference jobs `cases` are checked against (`_check_against_reference`)."""
     jobs = {}
-    for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
-                 + INTERLEAVED_CASES + PIPEMARE_CASES + V_CASES
-                 + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)]):
+    for case in cases:
         for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
                 "rule": rule, "replicas": case.w, "microbatches": case.m,
                 "iterations": case.iters, "tie": case.tie, "model": case.model,
-                "depth": case.d, **case.pipemare_options(rule)}
+                "depth": case.d, **case.pipemare_options(rule),
+                **({"split": list(case.split)} if case.split and rule in PER_STAGE else {})}
+    return jobs
+
+
+def _reference_jobs() -> dict:
+    jobs = _reference_jobs_of(
+        SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
+        + INTERLEAVED_CASES + PIPEMARE_CASES + V_CASES
+        + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)])
     one = PIPEMARE_ONE_STAGE
     jobs[one.reference()] = {"rule": "pipemare", "replicas": one.w, "microbatches": one.m,
                              "iterations": one.iters, "tie": one.tie, "model": one.model,
