@@ -191,3 +191,68 @@ def test_a_split_that_does_not_add_up_is_one_flag_line(flags, flag, words):
         _parse(8, 2, flags, "flush")
     message = str(error.value)
     assert error.value.flag == flag and words in message and "\n" not in message, message
+
+
+# ---- the simulator follows the split ----------------------------------------------------------
+
+def _work(split: LayerSplit, layer: float, head: float) -> list[float]:
+    """Per stage, F + B of one microbatch with one chunk each: its layers and, on the last
+    stage, the head (the backward twice the forward)."""
+    d = split.depth
+    return [3 * (split.count(i) * layer + (i == d - 1) * head) for i in range(d)]
+
+
+@pytest.mark.parametrize("layers", [(2, 2), (3, 1), (4, 0), (1, 3)])
+def test_the_simulator_times_each_stage_by_its_layers(layers):
+    """Flush over d = 2 with a head worth 5 layers: one batch takes (m - 1) max_i w_i +
+    sum_i w_i (w_i: stage i's F + B, its layers and the head), and 2BW's steady batch m max_i
+    w_i; 3|1 beats the even 2|2 (the head makes stage 1 the bottleneck)."""
+    from megatron_2bw.schedules import Costs, pipeline_actions, simulate
+
+    split, m = LayerSplit(layers, 2), 4
+    costs = Costs.of_layers(split, Placement(2), layer=(1.0, 2.0), head=(5.0, 10.0))
+    work = _work(split, 1.0, 5.0)
+    flush = simulate(pipeline_actions("flush", 2, m, 1), costs)
+    assert flush.makespan == pytest.approx((m - 1) * max(work) + sum(work))
+    twobw = simulate(pipeline_actions("2bw", 2, m, 3), costs)
+    ends = [max(twobw.batch_ends(i)[k] for i in range(2)) for k in (1, 2)]
+    assert ends[1] - ends[0] == pytest.approx(m * max(work))
+    if layers == (3, 1):
+        even = _work(LayerSplit((2, 2), 2), 1.0, 5.0)
+        assert (m - 1) * max(work) + sum(work) < (m - 1) * max(even) + sum(even)
+
+
+def test_the_simulator_holds_each_chunks_stash_by_its_layers():
+    """Per stage, the most stashed bytes: flush at m = 4 stashes d - i microbatches on stage i,
+    each its layers' bytes (3|1: 2 x 3 and 1 x 1 layers); under zb-v with 'E,t|t*2|t|L' a
+    chunk's passes weigh its own layers (rank 0's chunk 1 none)."""
+    from megatron_2bw.schedules import pipeline_actions, simulate
+
+    split = LayerSplit((3, 1), 2)
+    result = simulate(pipeline_actions("flush", 2, 4, 1),
+                      stash_bytes=[[float(n)] for n in split.of_rank(Placement(2), 0)
+                                   + split.of_rank(Placement(2), 1)])
+    assert result.peak_stash_bytes == (6.0, 1.0)
+    v = LayerSplit((1, 2, 1, 0), 2)
+    placement = Placement.v(2)
+    sizes = [[float(n) for n in v.of_rank(placement, i)] for i in range(2)]
+    assert sizes == [[1.0, 0.0], [2.0, 1.0]]
+    lists = pipeline_actions("zb-v", 2, 4, 1)
+    zbv = simulate(lists, placement=placement, stash_bytes=sizes)
+    assert zbv.peak_stash_bytes == tuple(_walked_peak(lists[i], sizes[i]) for i in range(2))
+    assert zbv.peak_stash_bytes[0] < zbv.peak_stash_bytes[1]
+
+
+def _walked_peak(actions, sizes: list[float]) -> float:
+    """The most bytes held along one stage's list: + its chunk's size at each F, - at each B
+    or I (one stage runs its list in order)."""
+    from megatron_2bw.schedules import Kind
+
+    held = peak = 0.0
+    for a in actions:
+        if a.kind is Kind.FORWARD:
+            held += sizes[a.chunk]
+        elif a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD):
+            held -= sizes[a.chunk]
+        peak = max(peak, held)
+    return peak
