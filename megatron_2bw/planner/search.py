@@ -15,7 +15,7 @@ within memory.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
@@ -89,6 +89,10 @@ class PlanRequest:
     iteration_factor: float | None = None
     """Stale-weight schedules are ranked at samples/s / this (their convergence cost); None:
     each its own from ``ITERATION_FACTORS`` for the optimizer and correction."""
+    uneven: bool = True
+    """Also try each layout with the layers split to even out the stages' work
+    (`CostModel.balanced_split`: the embedding, the output layer and the loss where they
+    sit), written as Megatron-LM's layout flags; with it d need not divide the layers."""
 
     def __post_init__(self) -> None:
         unknown = set(self.schedules) - set(ALL_SCHEDULES)
@@ -223,9 +227,10 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                              distributed_optimizer=request.distributed_optimizer,
                              clip_grad=request.clip_grad, deferred_step=request.deferred_step,
                              sequence_parallel=request.sequence_parallel)
-    n, B, limit = cluster.num_gpus, request.global_batch_size, request.memory_limit
+    n, B = cluster.num_gpus, request.global_batch_size
     feasible: list[Candidate] = []
     rejected: list[Rejection] = []
+    to_split: list[Layout] = []
     considered = 0
     for t in _divisors(n):
         if model.num_attention_heads % t:
@@ -238,7 +243,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
             continue
         for d in _divisors(n // t):
             w = n // (t * d)
-            if model.num_layers % d:
+            if model.num_layers % d and not (request.uneven and d <= model.num_layers):
                 rejected.append(Rejection(f"{model.num_layers} layers do not split into d={d} "
                                           f"equal stages", family=(t, d, w)))
                 continue
@@ -252,24 +257,77 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                     for schedule, v in _schedules_at(d, request):
                         considered += 1
                         layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
-                        problem = layout.problem(model.num_layers, model.tied)
-                        if problem:
-                            rejected.append(Rejection(problem, layout))
-                            continue
-                        memory = cost.memory(layout, every_stage=False)
-                        if memory.peak > limit:
-                            worst = memory.peak_stage
-                            rejected.append(Rejection(
-                                f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
-                                f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
-                                f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
-                                memory_bytes=memory.peak))
-                            continue
-                        feasible.append(Candidate(layout, memory, cost.time(layout)))
+                        found = _judge(layout, request, cost)
+                        (rejected if isinstance(found, Rejection) else feasible).append(found)
+                        if _splits(layout, request):
+                            to_split.append(layout)
     feasible.sort(key=partial(_rank_key, request=request))
+    if to_split:
+        _add_splits(to_split, feasible, rejected, request, cost)
+        feasible.sort(key=partial(_rank_key, request=request))
     feasible = _refine(feasible, request, cost)
     return Plan(request, tuple(feasible), tuple(rejected), considered,
                 time.perf_counter() - started)
+
+
+UNEVEN_BAR = 10
+"""A layout gets a balanced split only where perfect balance could bring it among this many
+of the fastest (`_add_splits`)."""
+
+
+def _splits(layout: Layout, request: PlanRequest) -> bool:
+    """Whether `layout` may get a balanced split: the request tries them, it has stages, and
+    the training refuses it for nothing but its layers' count (checked with one that splits
+    evenly)."""
+    return (request.uneven and layout.d > 1
+            and layout.problem(layout.d * layout.placement.chunks, request.model.tied) is None)
+
+
+def _add_splits(layouts: list[Layout], feasible: list[Candidate], rejected: list[Rejection],
+                request: PlanRequest, cost: CostModel) -> None:
+    """Each layout with its balanced split (`CostModel.balanced_split`), judged as any other,
+    where perfectly balanced stages could rank it among the `UNEVEN_BAR` fastest even
+    layouts: its even time (or nearly even, where the layers do not split evenly) less m (F* +
+    B* - the stages' mean F + B), the most balancing can take off 1F1B's steady state."""
+    bar = 0.0
+    if len(feasible) >= UNEVEN_BAR:
+        bar = _rate(feasible[UNEVEN_BAR - 1], request)
+    known = {c.layout: c.time for c in feasible}
+    model = request.model
+    for layout in layouts:
+        stages = layout.d * layout.placement.chunks
+        near, extra = divmod(model.num_layers, stages)  # the even split, or nearly
+        even = known.get(layout) or cost.time(replace(layout, split=tuple(
+            near + (v < extra) for v in range(stages))))
+        work = [f + b for f, b in zip(even.forward, even.backward)]
+        best = even.iteration - layout.m * (max(work) - sum(work) / len(work))
+        if best <= 0 or layout.global_batch / best / request.factor_of(layout.schedule) < bar:
+            continue
+        split = cost.balanced_split(layout, request.memory_limit)
+        if split is not None:
+            found = _judge(replace(layout, split=split), request, cost)
+            (rejected if isinstance(found, Rejection) else feasible).append(found)
+
+
+def _rate(candidate: Candidate, request: PlanRequest) -> float:
+    """Samples/s as the ranking counts them (stale schedules divided by their factor)."""
+    return candidate.samples_per_s / request.factor_of(candidate.layout.schedule)
+
+
+def _judge(layout: Layout, request: PlanRequest, cost: CostModel) -> Candidate | Rejection:
+    """A feasible candidate with its memory and time, or why it is not."""
+    model, limit, cluster = request.model, request.memory_limit, request.cluster
+    problem = layout.problem(model.num_layers, model.tied)
+    if problem:
+        return Rejection(problem, layout)
+    memory = cost.memory(layout, every_stage=False)
+    if memory.peak > limit:
+        return Rejection(f"memory {memory.peak / GiB:.2f} GiB on stage "
+                         f"{memory.peak_stage.stage} > {limit / GiB:.2f} GiB "
+                         f"({request.memory_fraction:.0%} of "
+                         f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
+                         memory_bytes=memory.peak)
+    return Candidate(layout, memory, cost.time(layout))
 
 
 def _refine(ranked: list[Candidate], request: PlanRequest, cost: CostModel) -> list[Candidate]:
