@@ -926,12 +926,23 @@ def _split_comparison(table: Table, schedules: list[str]) -> list[str]:
                            f"({predicted[c.name] / measured[c.name] - 1:+.1%})"
                            for c in (even, ours))
         flags = " ".join(_split_flags(a, ours))
+        cpu = {c.name: _slowest_cpu(table.runs[c.name]) for c in (even, ours)}
         lines.append(f"  {name}: {ours.name.split()[-1]} ({flags}) over even: "
                      f"{statistics.median(ratios):.3f}x measured (rounds "
                      f"{', '.join(f'{r:.3f}' for r in ratios)}; spread "
                      f"{max(ratios) - min(ratios):.3f}), "
-                     f"{predicted[even.name] / predicted[ours.name]:.3f}x predicted; {errors}")
+                     f"{predicted[even.name] / predicted[ours.name]:.3f}x predicted; {errors}; "
+                     f"the slowest stage's CPU ms per iteration {cpu[even.name] * 1e3:.0f} -> "
+                     f"{cpu[ours.name] * 1e3:.0f} ({cpu[even.name] / cpu[ours.name]:.3f}x)")
     return lines
+
+
+def _slowest_cpu(runs: list[Run]) -> float:
+    """The largest per-stage median main-thread CPU seconds per iteration (over every round's
+    measured iterations): the bottleneck's work, which other processes' load delays (runq)
+    but does not add to."""
+    return max(statistics.median(v for r in results for v in r.values("cpu_seconds"))
+               for results in _stages(runs))
 
 
 def _action_ms(runs: list[Run], kind: str) -> list[float]:

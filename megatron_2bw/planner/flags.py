@@ -37,7 +37,8 @@ from .cost import Layout
 from .model import ModelSpec
 from .search import Candidate, Plan, Rejection
 
-__all__ = ["launch_flags", "layout_flags", "entry_script", "flag_line", "torchrun_script", "sbatch_script",
+__all__ = ["launch_flags", "layout_flags", "entry_script", "flag_line", "torchrun_script",
+           "sbatch_script",
            "write_plan", "plan_to_json", "parse_for_validation", "add_training_flags",
            "training_flags", "REPO"]
 

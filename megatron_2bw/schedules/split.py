@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
-
 from .actions import Placement
 
 __all__ = ["LayerSplit", "LayoutFlags", "LayoutError", "layer_split", "parse_layout",
@@ -289,8 +287,3 @@ def parse_layout(text: str, depth: int, num_layers: int, shape: str = "loop") ->
         raise LayoutError(LAYOUT, f"{text!r} places {sum(layers)} transformer layers, "
                                   f"--num-layers is {num_layers}")
     return LayerSplit(layers, depth)
-
-
-def split_of_counts(counts: Sequence[int], depth: int) -> LayerSplit:
-    """A split from its counts per virtual stage (model order)."""
-    return LayerSplit(tuple(int(n) for n in counts), depth)
