@@ -46,12 +46,13 @@ def _every_split(layers: int, stages: int):
             yield (*cut, layers - sum(cut))
 
 
-@pytest.mark.parametrize("schedule, d", [("flush", 2), ("2bw", 3), ("zb-v", 2), ("gpipe", 3)])
-def test_the_balanced_split_is_the_least_slowest_stage(schedule, d):
-    """No split of the 8 layers over the d (V: 2d) virtual stages has a faster slowest rank
-    than the planner's; at vocabulary 32,000 the even split is not it."""
+@pytest.mark.parametrize("schedule, d, v", [("flush", 2, 1), ("2bw", 3, 1), ("zb-v", 2, 1),
+                                            ("gpipe", 3, 1), ("2bw", 2, 2)])
+def test_the_balanced_split_is_the_least_slowest_stage(schedule, d, v):
+    """No split of the 8 layers over the d V (the V: 2d) virtual stages has a faster slowest
+    rank than the planner's; at vocabulary 32,000 the even split is not it."""
     cost = _cost()
-    layout = Layout(1, d, 1, 2, 4 * d, False, schedule)
+    layout = Layout(1, d, 1, 2, 4 * d, False, schedule, v)
     split = cost.balanced_split(layout)
     assert split is not None and sum(split) == 8
     stages = d * layout.placement.chunks
@@ -105,9 +106,12 @@ def test_memory_and_time_follow_the_split():
     ("2bw", (6, 2), "--decoder-last-pipeline-num-layers"),
     ("2bw", (8, 0), "--pipeline-model-parallel-layout"),  # an empty last stage: no flag says it
     ("zb-v", (3, 3, 2, 0), "--pipeline-model-parallel-layout"),
+    ("flush", (3, 1, 3, 1), "--decoder-last-pipeline-num-layers"),  # V = 2: 2 chunks each
+    ("2bw", (3, 1, 2, 2), "--pipeline-model-parallel-layout"),  # V = 2, chunks apart
 ])
 def test_the_written_flags_give_the_split_back(schedule, split, flag):
-    layout = Layout(1, 2, 1, 2, 8, False, schedule, split=split)
+    v = len(split) // 2 if schedule != "zb-v" else 1
+    layout = Layout(1, 2, 1, 2, 8, False, schedule, v, split=split)
     flags = launch_flags(layout, BENCH, "fp32") + ["--mock-data", "--train-iters", "1"]
     assert flag in flags
     args = parse_for_validation(flags, BENCH, world_size=2)
