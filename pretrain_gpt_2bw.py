@@ -24,7 +24,7 @@ def model_provider(config, pre_process: bool, post_process: bool, vp_stage: int 
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=specs.gpt_layer_spec(args, config),
+        transformer_layer_spec=specs.gpt_layer_spec(args, config, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -95,24 +95,30 @@ no microbatch in flight reads; the result equals the synchronous step bit for bi
 (same reductions on the same values, in the same order per tensor).
 
 A ChainedOptimizer (Muon for the hidden matrices and Adam for the rest, built by
-``training/build.py``) is stepped as megatron-core's ``ChainedOptimizer.step`` steps it: every
-member prepares its gradients, one norm over all members' gradients (their grad-stats group
-is one group), each member clipped by it and stepped in order. Without clipping no norm is
-taken, so the chain's per-step grad-norm all-reduce over the pipeline is gone too.
+``training/build.py``; a MoE model's dense and expert optimizers) is stepped as megatron-core's
+``ChainedOptimizer.step`` steps it: every member prepares its gradients, one norm over all
+members' gradients where their grad-stats group is one group, each member clipped by it and
+stepped in order. Where the members' groups differ (the expert optimizer's is the expert
+tensor x expert x pipeline group), each member's norm is its own chain link (local squared
+norm, then its all-reduce over its own group, launched in member order after the previous
+member's, on every rank), and the norm is sqrt(sum of their squares), as
+``ChainedOptimizer.get_grad_norm`` combines them. Without clipping no norm is taken, so the
+chain's per-step grad-norm all-reduces over the pipeline are gone too.
 
 Not deferred (the step stays where the loop calls it): fp16 loss scaling (the scale of batch
 t+1's backward depends on step t's inf check), DDP's overlapped gradient reduction, per-token
-loss normalisation, position embeddings shared across stages, a custom
-``finalize_model_grads_func``, and a chain whose members have different grad-stats groups.
+loss normalisation, position embeddings shared across stages, and a custom
+``finalize_model_grads_func``.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 
 import torch
 
-__all__ = ["DeferredStep", "why_not_deferred"]
+__all__ = ["DeferredStep", "why_not_deferred", "norm_groups"]
 
 
 def members(optimizer) -> list:
@@ -134,8 +140,6 @@ def why_not_deferred(optimizer, config, chunks: list) -> str | None:
         if not all(hasattr(inner, name) for name in ("prepare_grads", "step_with_ready_grads",
                                                      "get_main_grads_for_grad_norm")):
             return f"{type(inner).__name__} is not a megatron-core optimizer"
-    if len({id(inner.get_grad_stats_parallel_group()) for inner in chain}) > 1:
-        return "optimizers whose gradient norms span different groups"
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return "one pipeline stage (nothing to wait for)"
     if any(getattr(inner, "grad_scaler", None) is not None for inner in chain):
@@ -212,7 +216,23 @@ def _group_ranks(group) -> list[int]:
     return torch.distributed.get_process_group_ranks(group)
 
 
-_SQUARE = None  # a chain step: the local squared norm (the others all-reduce it over a group)
+def norm_groups(chain: list) -> list[list[int]]:
+    """The members whose gradients one norm spans, as megatron-core's ``ChainedOptimizer.
+    get_grad_norm`` takes it: all of them together where they share one grad-stats group;
+    otherwise each member its own (MoE's expert optimizer: its grad-stats group is the expert
+    tensor x expert x pipeline group), the norms then combined as sqrt(sum of squares)."""
+    groups = {id(inner.get_grad_stats_parallel_group()) for inner in chain}
+    if len(groups) == 1:
+        return [list(range(len(chain)))]
+    return [[index] for index in range(len(chain))]
+
+
+class _Square:
+    """A chain step: the local squared norm of norm group ``index`` (the step after it
+    all-reduces it over a group)."""
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 class DeferredStep:
@@ -245,13 +265,16 @@ class DeferredStep:
         self.last_grad_norm: float | None = None
         self._norm: float | None = None
         # the pending step's collectives: launched and not waited for yet (work, group, what);
-        # the one the rest of the chain waits for; the chain's remaining steps (_SQUARE or
-        # (group, what) for an all-reduce of the squared norm); the squared norm
+        # the one the rest of the chain waits for; the chain's remaining steps (_Square or
+        # (group, what, norm group) for an all-reduce of that group's squared norm); the
+        # squared norms
         self._works: list[tuple] = []
         self._gate: tuple | None = None
         self._chain: list = []
-        self._grads_for_norm: list[torch.Tensor] = []
-        self._squared: torch.Tensor | None = None
+        self.launched: dict[str, int] = {}  # collectives launched so far, by what they are
+        self.norm_groups = norm_groups(self.members)
+        self._grads_for_norm: list[list[torch.Tensor]] = []  # per norm group
+        self._squared: list[torch.Tensor | None] = []
         self._original_step = optimizer.step
         optimizer.step = self.intercepted_step
 
@@ -289,33 +312,39 @@ class DeferredStep:
             if copy is not None:
                 copy.copy_(p.grad)
                 p.grad = copy
-        grads_for_norm = [g for inner in self.members
-                          for g in inner.get_main_grads_for_grad_norm()]
+        grads_for_norm = [[g for index in indices
+                           for g in self.members[index].get_main_grads_for_grad_norm()]
+                          for indices in self.norm_groups]
         for p in self.params:  # a backward of batch t+1 would accumulate into a .grad left set
             p.grad = None
         embedding_grad = (None if self.embedding_index is None
                           else self.copies[self.embedding_index])
         self.pending_version, self.hyper, self._norm = new_version, None, None
-        self._works, self._gate, self._chain, self._squared = [], None, [], None
+        self._works, self._gate, self._chain = [], None, []
+        self._squared = [None] * len(self.norm_groups)
         if embedding_grad is not None:
             work = self._launch(embedding_grad, self.embedding_group,
                                 "the word-embedding gradient all-reduce")
-            if any(grad is embedding_grad for grad in grads_for_norm):
+            if any(grad is embedding_grad for grads in grads_for_norm for grad in grads):
                 self._gate = work  # the norm reads the all-reduced embedding gradient
         if self._clip > 0:
-            # get_grad_norm_fp32's groups: FSDP's data-parallel one (DTensor grads), then the
-            # grad-stats one
-            data_parallel_group = None
-            for grad in grads_for_norm:
-                data_parallel_group = get_data_parallel_group_if_dtensor(grad,
-                                                                         data_parallel_group)
-            self._grads_for_norm = [to_local_if_dtensor(grad) for grad in grads_for_norm]
-            self._chain = [_SQUARE]
-            if data_parallel_group:
-                self._chain.append((data_parallel_group,
-                                    "the grad-norm all-reduce over FSDP's data-parallel group"))
-            self._chain.append((self.members[0].get_grad_stats_parallel_group(),
-                                "the grad-norm all-reduce over the grad-stats group"))
+            # per norm group, get_grad_norm_fp32's groups: FSDP's data-parallel one (DTensor
+            # grads), then the grad-stats one of its (first) member
+            self._grads_for_norm = []
+            for index, (indices, grads) in enumerate(zip(self.norm_groups, grads_for_norm)):
+                data_parallel_group = None
+                for grad in grads:
+                    data_parallel_group = get_data_parallel_group_if_dtensor(
+                        grad, data_parallel_group)
+                self._grads_for_norm.append([to_local_if_dtensor(grad) for grad in grads])
+                self._chain.append(_Square(index))
+                if data_parallel_group:
+                    self._chain.append((data_parallel_group, "the grad-norm all-reduce over "
+                                        "FSDP's data-parallel group", index))
+                self._chain.append((self.members[indices[0]].get_grad_stats_parallel_group(),
+                                    "the grad-norm all-reduce over the grad-stats group"
+                                    + ("" if len(self.norm_groups) == 1
+                                       else f" (optimizer {indices[0]} of the chain)"), index))
             self._advance(block=False)
 
     def progress(self) -> None:
@@ -370,9 +399,13 @@ class DeferredStep:
         works, self._works = self._works, []
         for work in works:
             self._wait(work)
-        if self._squared is not None:
-            self._norm = self._squared.item() ** (1.0 / 2.0)  # get_grad_norm_fp32, norm 2
-            self._squared, self._grads_for_norm = None, []
+        if any(squared is not None for squared in self._squared):
+            # get_grad_norm_fp32, norm 2, per norm group; several as ChainedOptimizer's
+            # get_grad_norm combines its members' norms
+            norms = [squared.item() ** (1.0 / 2.0) for squared in self._squared]
+            self._norm = norms[0] if len(norms) == 1 else \
+                math.sqrt(sum([(norm if norm else 0.0) ** 2 for norm in norms]))
+            self._squared, self._grads_for_norm = [], []
 
     # ---- the collectives ------------------------------------------------------------------
     def _advance(self, block: bool) -> None:
@@ -385,17 +418,21 @@ class DeferredStep:
                 self._works = [entry for entry in self._works if entry is not gate]
                 self._wait(gate)  # orders this stream after the collective's (NCCL)
             step = self._chain.pop(0)
-            if step is _SQUARE:
-                self._squared = self._local_squared_norm()
+            if isinstance(step, _Square):
+                self._squared[step.index] = self._local_squared_norm(step.index)
             else:
-                self._gate = self._launch(self._squared, *step)
+                group, what, index = step
+                work = self._launch(self._squared[index], group, what)
+                following = self._chain[0] if self._chain else None
+                if isinstance(following, tuple) and following[2] == index:
+                    self._gate = work  # its next link all-reduces this result further
 
-    def _local_squared_norm(self) -> torch.Tensor:
-        """This rank's sum of squares of the gradients for the norm, as get_grad_norm_fp32
-        computes it for norm 2 (one multi-tensor L2 kernel, then ``** 2``)."""
+    def _local_squared_norm(self, index: int) -> torch.Tensor:
+        """This rank's sum of squares of norm group ``index``'s gradients, as
+        get_grad_norm_fp32 computes it for norm 2 (one multi-tensor L2 kernel, then ``** 2``)."""
         from megatron.core.optimizer import clip_grads
 
-        grads = self._grads_for_norm
+        grads = self._grads_for_norm[index]
         if grads:
             dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device="cuda")
             grad_norm, _ = clip_grads.multi_tensor_applier(
@@ -412,6 +449,7 @@ class DeferredStep:
             raise RuntimeError(self._failed(what, group, error)) from error
         entry = (work, group, what)
         self._works.append(entry)
+        self.launched[what] = self.launched.get(what, 0) + 1
         return entry
 
     def _wait(self, entry: tuple) -> None:

@@ -77,7 +77,10 @@ CATEGORIES = {
     "tiktoken": _C("noop", "read only by --tokenizer-type TikTokenizer, which megatron-2bw "
                    "does not offer (it needs the tiktoken package and its vocabulary files)"),
     # refused unless given Megatron-LM's default
-    "moe": _C("refused", "MoE is not supported by megatron-2bw's schedules"),
+    "moe": _C("refused", "a Mixture-of-Experts option megatron-2bw does not implement (flex/"
+              "DeepEP dispatch, expert-parallel communication overlap, upcycling, latent "
+              "projections, routing replay, legacy grouped GEMM, MoE layer recomputation, "
+              "input jitter, forced balancing; docs/moe.md lists what runs)"),
     "context-parallel": _C("refused", "context parallelism needs transformer-engine attention "
                            "on CUDA, which megatron-2bw's schedules do not set up"),
     "pipeline-layout": _C("refused", "megatron-2bw runs no encoder-decoder split, microbatch "

@@ -412,7 +412,7 @@ def build_cases() -> list[Case]:
         C("gpt-unknown-flag", gpt(*MOCK, "--no-such-flag", "3"), env=W()),
         C("gpt-misspelled-flag", gpt(*MOCK, "--num-layer", "2"), env=W()),
         C("gpt-abbreviated-flag", gpt(*MOCK, "--hidden", "32"), env=W()),
-        C("gpt-megatron-lm-only-flag", gpt(*MOCK, "--num-experts", "8"), env=W()),
+        C("gpt-megatron-lm-only-flag", gpt(*MOCK, "--moe-use-upcycling"), env=W()),
         C("gpt-flag-missing-value", gpt(*MOCK, "--lr"), env=W()),
         C("gpt-stray-positional", gpt(*MOCK, "extra-word"), env=W()),
         C("gpt-unknown-schedule", gpt(*MOCK, "--pipeline-schedule", "interleaved"), env=W()),

@@ -84,6 +84,11 @@ class Model:
     correction: str = "none"
     """2bw's stale-weight correction ("predict", "dc", "ef"; ``reference_run``)."""
     correction_coeff: float = 1.0
+    moe: dict | None = None
+    """Mixture of Experts: megatron-core TransformerConfig fields (``num_moe_experts``,
+    ``moe_router_topk``, ...) set on the reference's config directly; the pipeline runs pass
+    them as Megatron-LM's flags (tests/schedule_worker.py ``moe_flags``). The reference has
+    every expert in one process; its decoder is megatron-core's per-layer block spec."""
 
 
 MODEL = Model()
@@ -129,15 +134,26 @@ def _config(model: Model):
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=model.init_method_std,
         params_dtype=torch.float32, use_cpu_initialization=True, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **llama)
+        gradient_accumulation_fusion=False, **llama, **(model.moe or {}))
 
 
 def _gpt(model: Model, tie: bool):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                          get_gpt_layer_local_spec)
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if model.llama else "LayerNorm")
-    return GPTModel(config=_config(model), transformer_layer_spec=spec,
+    normalization = "RMSNorm" if model.llama else "LayerNorm"
+    config = _config(model)
+    if model.moe:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core's router without TE
+            moe_utils.te_general_gemm = None
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=normalization)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=normalization)
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=True, post_process=True,
                     share_embeddings_and_output_weights=tie,
@@ -152,13 +168,14 @@ def _loss(gpt, data: dict) -> torch.Tensor:
 
 def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
                model: Model, data=None, weights_of=None,
-               backward_weights=None) -> tuple[dict, list[float]]:
+               backward_weights=None, after_replica=None) -> tuple[dict, list[float]]:
     """Gradient of mean_{r,j} loss(r, j) at the current weights, accumulated one microbatch at a
     time; and each replica's mean microbatch loss. ``data(r, j)`` replaces
     ``microbatch(model, batch, r, j)``; ``weights_of(j)``, when given, loads the weights
     microbatch j reads before it runs; ``backward_weights(j)``, when given, points the
     parameters at other weights between microbatch j's forward and its backward (the saved
-    activations stay the forward's)."""
+    activations stay the forward's). ``after_replica()``, when given, runs after each
+    replica's microbatches."""
     data = data or (lambda r, j: microbatch(model, batch, r, j))
     for p in params.values():
         p.grad = None
@@ -171,10 +188,34 @@ def _gradients(gpt, params: dict, batch: int, replicas: int, microbatches: int,
             loss = _loss(gpt, data(r, j))
             if backward_weights is not None:
                 backward_weights(j)
+            if model.moe:  # the aux losses' gradients are scaled as the main loss's
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+                MoEAuxLossAutoScaler.set_loss_scale(
+                    torch.tensor([1.0 / (microbatches * replicas)]))
             (loss / (microbatches * replicas)).backward()
             total += float(loss.detach())
         losses.append(total / microbatches)
-    return {n: p.grad.detach().clone() for n, p in params.items()}, losses
+        if after_replica is not None:
+            after_replica()
+    # an expert no token reached (token dropping) has no gradient: zero, as in a gradient buffer
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for n, p in params.items()}, losses
+
+
+@torch.no_grad()
+def update_expert_bias(gpt, rate: float) -> None:
+    """Aux-loss-free balancing (Wang et al. 2024, arXiv 2408.15664), once per batch: each
+    router's expert bias moves by ``rate`` towards balance, +rate for an expert that got fewer
+    than the mean of the batch's token counts, -rate for one that got more; the counts start
+    over."""
+    for module in gpt.modules():
+        bias = getattr(module, "expert_bias", None)
+        if bias is None:
+            continue
+        counts = module.local_tokens_per_expert
+        bias += torch.sign(counts.sum() / counts.numel() - counts) * rate
+        counts.zero_()
 
 
 # ---- Muon (Jordan, 2024), written out for the references ---------------------------------------
@@ -347,7 +388,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     gammas = {n: _pipemare_gamma(n, depth, microbatches, layers, discrepancy_decay)
               for n in params} if rule == "pipemare" and discrepancy_decay else {}
     delta = {n: torch.zeros_like(p) for n, p in params.items() if gammas.get(n) is not None}
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for t in range(iterations):
         current = snapshot()  # W(t)
         history.append(current)
@@ -377,7 +418,17 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                 gpt, params, t, replicas, microbatches, model, weights_of=pipedream_weights,
                 backward_weights=newest_weights if rule == "pipemare" else None)
         elif sizes is None:
-            grads, batch_losses = _gradients(gpt, params, t, replicas, microbatches, model)
+            replica_aux: list = []  # a MoE model's aux losses, per replica
+            if model.moe:
+                _clear_aux_losses()
+            grads, batch_losses = _gradients(
+                gpt, params, t, replicas, microbatches, model,
+                after_replica=(lambda: replica_aux.append(_aux_losses(model, microbatches)))
+                if model.moe else None)
+            if model.moe:
+                aux.append(replica_aux)
+            if (model.moe or {}).get("moe_router_enable_expert_bias"):
+                update_expert_bias(gpt, model.moe.get("moe_router_bias_update_rate", 1e-3))
         else:
             first = sum(sizes[:t])  # batch t's first microbatch in each replica's stream
             grads, batch_losses = _gradients(
@@ -423,7 +474,34 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     if split_tie:
         copy = weights.pop("output_layer.weight")
         assert torch.equal(copy, weights["embedding.word_embeddings.weight"]), "tied copies apart"
-    return {"weights": weights, "losses": losses, "grad_norms": norms}
+    return {"weights": weights, "losses": losses, "grad_norms": norms, "aux_losses": aux}
+
+
+def _clear_aux_losses() -> None:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def _aux_losses(model: Model, microbatches: int) -> dict[str, float]:
+    """One replica's aux losses of the batch: per name the model tracks, the mean over the
+    replica's microbatches of each MoE layer's loss (over its coefficient), summed over the
+    layers and divided by their number; read from megatron-core's tracker (each router adds
+    its forward's), which is then cleared."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    freq = model.moe.get("moe_layer_freq", 1)
+    layers = sum(freq) if isinstance(freq, list) else len(range(0, model.num_layers, freq))
+    kinds = model.moe.get("moe_router_load_balancing_type", "aux_loss")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    names = [name for kind, name in (("aux_loss", "load_balancing_loss"),
+                                     ("seq_aux_loss", "seq_load_balancing_loss")) if kind in kinds]
+    names += ["z_loss"] if model.moe.get("moe_z_loss_coeff") is not None else []
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = {name: float(tracker[name]["values"].sum()) / microbatches / layers
+              for name in names}
+    _clear_aux_losses()
+    return values
 
 
 def _read_version(history: list[dict], version: int, model: Model) -> dict:
@@ -440,19 +518,35 @@ def _initial_weights(model: Model) -> dict:
     from megatron_2bw.runtime import distributed
 
     distributed.set_seed(model.seed)
-    return {n: p.detach().clone() for n, p in _gpt(model, tie=False).named_parameters()}
+    gpt = _gpt(model, tie=False)
+    if model.moe:  # each expert from its own generator, as megatron-2bw draws them on the CPU
+        from megatron_2bw.training.moe import init_experts_by_global_index
+
+        init_experts_by_global_index(gpt, gpt.config, model.seed)
+    return {n: p.detach().clone() for n, p in gpt.named_parameters()}
 
 
 LLAMA_PREFIX = "llama:"
 """Where the initial weights file keeps the Llama-style model's weights (``initial_weights_of``)."""
 
 
+def init_prefix(model: Model) -> str:
+    """Where the initial weights file keeps `model`'s style: "" for the GPT-2-style model,
+    LLAMA_PREFIX for the Llama-style one, and a prefix naming the MoE fields for a MoE model
+    (its parameters depend on them)."""
+    if not model.moe:
+        return LLAMA_PREFIX if model.llama else ""
+    fields = json.dumps(model.moe, sort_keys=True, separators=(",", ":"))
+    return f"moe{fields}{'-llama' if model.llama else ''}:"
+
+
 def initial_weights_of(init: dict, model: Model) -> dict:
     """The initial weights of `model`'s style from a file ``run_jobs`` wrote: the GPT-2-style
-    model's under their names, the Llama-style model's under LLAMA_PREFIX + name."""
-    if not model.llama:
-        return init
-    return {n.removeprefix(LLAMA_PREFIX): t for n, t in init.items() if n.startswith(LLAMA_PREFIX)}
+    model's under their names, the others' under their ``init_prefix`` + name."""
+    prefix = init_prefix(model)
+    if not prefix:
+        return {n: t for n, t in init.items() if ":" not in n}
+    return {n.removeprefix(prefix): t for n, t in init.items() if n.startswith(prefix)}
 
 
 def run_jobs(init_path: str, out: str, jobs: dict) -> None:
@@ -470,6 +564,17 @@ def run_jobs(init_path: str, out: str, jobs: dict) -> None:
     if any(job.get("model", {}).get("llama") for job in jobs.values()):
         llama = _initial_weights(replace(MODEL, num_layers=layers, llama=True))
         init.update({LLAMA_PREFIX + n: t for n, t in llama.items()})
+    styles: dict = {}  # MoE models: prefix -> the deepest job's model of that style
+    for job in jobs.values():
+        fields = job.get("model", {})
+        if fields.get("moe"):
+            model = replace(MODEL, moe=fields["moe"], llama=fields.get("llama", False),
+                            num_layers=fields.get("num_layers", MODEL.num_layers))
+            known = styles.get(init_prefix(model))
+            if known is None or known.num_layers < model.num_layers:
+                styles[init_prefix(model)] = model
+    for prefix, model in styles.items():
+        init.update({prefix + n: t for n, t in _initial_weights(model).items()})
     torch.save(init, init_path + ".partial")
     Path(init_path + ".partial").rename(init_path)  # whole, for a reader that waits for it
     for name, job in jobs.items():

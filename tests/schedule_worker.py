@@ -28,9 +28,10 @@ With "count_host_syncs" the launcher installs the host-sync counter (tests/stric
 before it forks, and each rank's result holds its syncs per iteration by site ("host_syncs").
 Without "init" the runs keep megatron-core's initial weights (from the seed).
 
-A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "split"?,
-"fail"?} ("split": its layers per virtual stage in model order, where its flags split them
-unevenly);
+A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?,
+"from_seed"?, "split"?}; "from_seed": the run keeps its own initial weights (from --seed) and
+saves them; "split": its layers per virtual stage in model order, where its flags split them
+unevenly;
 "model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
 flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
 exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
@@ -93,8 +94,29 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
     if model.correction != "none":
         flags += ["--stale-weight-correction", model.correction,
                   "--stale-weight-correction-coeff", model.correction_coeff]
+    flags += moe_flags(model.moe)
     flags += run.get("flags", [])
     return [str(f) for f in flags]
+
+
+def moe_flags(fields: dict | None) -> list:
+    """Megatron-LM's flags for megatron-core's MoE config fields (tests/reference.py
+    ``Model.moe``): --num-experts for num_moe_experts, every other field's own flag; a list
+    value as several arguments (--moe-layer-freq: as its pattern text)."""
+    flags: list = []
+    for name, value in (fields or {}).items():
+        flag = "--num-experts" if name == "num_moe_experts" else "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list) and name == "moe_layer_freq":
+            flags += [flag, "[" + ",".join(str(v) for v in value) + "]"]
+        elif isinstance(value, list):
+            flags += [flag, *value]
+        else:
+            flags += [flag, value]
+    return flags
 
 
 def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int = 0,
@@ -111,7 +133,42 @@ def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int 
     parts = name.removeprefix("module.").split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + offset)
-    return ".".join(parts)
+    return _global_expert(".".join(parts))
+
+
+def _global_expert(name: str) -> str:
+    """A MoE layer's local expert i on expert-parallel rank r is global expert r E/EP + i."""
+    from megatron.core import parallel_state as ps
+
+    marker = ".experts.local_experts."
+    if marker not in name:
+        return name
+    head, tail = name.split(marker)
+    local, rest = tail.split(".", 1)
+    per_rank = MOE_EXPERTS_PER_RANK[0]
+    return f"{head}{marker}{ps.get_expert_model_parallel_rank() * per_rank + int(local)}.{rest}"
+
+
+MOE_EXPERTS_PER_RANK = [0]
+"""The run's experts per expert-parallel rank (set by ``_run``)."""
+
+
+def _tp_slice(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of ``full`` along the dimension tensor parallelism splits ``param``
+    on: the expert-tensor-parallel group's for expert parameters, the tensor-parallel one's
+    otherwise."""
+    from megatron.core import parallel_state as ps
+
+    dim = _split_dim(param)
+    if dim is None:
+        return full
+    if not getattr(param, "allreduce", True):  # megatron-core marks expert parameters so
+        world, rank = (ps.get_expert_tensor_parallel_world_size(),
+                       ps.get_expert_tensor_parallel_rank())
+    else:
+        world, rank = (ps.get_tensor_model_parallel_world_size(),
+                       ps.get_tensor_model_parallel_rank())
+    return full.chunk(world, dim=dim)[rank]
 
 
 def _split_dim(param: torch.nn.Parameter) -> int | None:
@@ -127,17 +184,13 @@ def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str,
 
     stage = ps.get_pipeline_model_parallel_rank()
     depth = ps.get_pipeline_model_parallel_world_size()
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for c, name, p in _chunk_params(model):
             chunks = len(model) if isinstance(model, (list, tuple)) else 1
             full_name = _global_name(name, stage, depth, num_layers, c, chunks, schedule, split)
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
-            full = init[full_name]
-            dim = _split_dim(p)
-            if dim is not None:
-                full = full.chunk(tp, dim=dim)[tp_rank]
+            full = _tp_slice(p, init[full_name])
             if full.shape != p.shape:
                 raise ValueError(f"{name}: slice {tuple(full.shape)} != parameter {tuple(p.shape)}")
             p.copy_(full)
@@ -214,19 +267,29 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     args = parse_args(training_flags(run, model_spec, world), world_size=world)
     info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
                                   timeout_minutes=timeout_minutes,
-                                  virtual_stages=args.virtual_pipeline_model_parallel_size)
+                                  virtual_stages=args.virtual_pipeline_model_parallel_size,
+                                  expert_parallel=args.expert_model_parallel_size,
+                                  expert_tensor_parallel=args.expert_tensor_parallel_size)
+    MOE_EXPERTS_PER_RANK[0] = (args.num_experts or 0) // args.expert_model_parallel_size
     config = build.transformer_config(args, info.device)
     provider = partial(pretrain_gpt_2bw.model_provider, args=args,
                        vocab_size=model_spec.vocab_size)
     model = build.build_model(args, config, provider)
     tie = run.get("tie", True)
-    if init_path:  # else megatron-core's own initialization from the seed
+    initial = None
+    if run.get("from_seed"):  # megatron-2bw's own initialization: keep it, save it
+        initial = {_global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c,
+                                len(model), run["schedule"], run.get("split")):
+                   (p.detach().clone(), _split_dim(p))
+                   for c, name, p in _chunk_params(model)}
+    elif init_path:  # else megatron-core's own initialization from the seed
         _load_slice(model, initial_weights_of(torch.load(init_path), model_spec), tie,
                     model_spec.num_layers, run["schedule"], run.get("split"))
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
     param_gathers = _count_param_gathers(config, model)
+    all_to_alls = _count_all_to_alls_by_pass() if run.get("count_all_to_alls") else None
     executor.reset_runners()
     megatron_2bw.install(run["schedule"])
     fb = pipeline_parallel.get_forward_backward_func()
@@ -239,11 +302,12 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     data = [_data(model_spec, args.num_microbatches) for _ in model]  # one stream per chunk
     data = data[0] if len(data) == 1 else data
     host_syncs = []
-    losses = [record["lm loss"] for record in train_iterations(
+    logged = train_iterations(
         run["name"], args, fb, pretrain_gpt_2bw.forward_step, data, model, optimizer, scheduler,
         defer=run.get("deferred", True), drains=tuple(run.get("drains", ())),
         host_syncs=host_syncs,
-        round_trip=out / run["name"] / "versions" if run.get("round_trip") else None)]
+        round_trip=out / run["name"] / "versions" if run.get("round_trip") else None)
+    losses = [record["lm loss"] for record in logged]
     with build.forward_pre_hook_paused(model):  # --overlap-param-gather: the last all-gather
         seconds = time.perf_counter() - started
 
@@ -258,14 +322,50 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     torch.save({"tp": info.tp_rank, "pp": info.pp_rank, "dp": info.dp_rank, "params": params,
                 "losses": losses, "seconds": seconds,
                 "step_mode": getattr(fb, "step_mode", None),
+                "deferred_launched": dict(getattr(getattr(fb, "deferred", None), "launched",
+                                                  None) or {}),
                 # DDP's hooks ran with the reductions on at some backward (a bucket group
                 # records its per-parameter readiness then and leaves its first-batch mode)
                 "hooks_reduced": all(not group.is_first_batch for chunk in model
                                      for group in getattr(chunk, "bucket_groups", ())),
-                "param_gathers": param_gathers, "host_syncs": host_syncs},
+                "param_gathers": param_gathers, "host_syncs": host_syncs, "logged": logged,
+                "initial_params": initial, "all_to_alls": all_to_alls},
                out / run["name"] / f"rank{info.rank}.pt")
     print(f"rank {info.rank}: {run['name']} finished {args.train_iters} iterations in "
           f"{seconds:.1f} s", flush=True)
+
+
+def _count_all_to_alls_by_pass() -> dict:
+    """Count torch.distributed.all_to_all_single calls (MoE's token dispatch) by the pass that
+    issues them: a zero-bubble input-gradient pass ("I"), weight-gradient pass ("W"), or
+    elsewhere ("other": forwards, fused backwards)."""
+    import torch.distributed as dist
+
+    from megatron_2bw.schedules.wgrad import WeightGradStore
+
+    counts, phase = {"I": 0, "W": 0, "other": 0, "W_expert_gemms": 0}, ["other"]
+    original = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        counts[phase[0]] += 1
+        return original(*args, **kwargs)
+
+    def in_phase(name, function):
+        def run(*args, **kwargs):
+            if name == "W":  # the experts' GEMMs among the deferred ones (allreduce False)
+                counts["W_expert_gemms"] += sum(not getattr(item.weight, "allreduce", True)
+                                                for item in args[0].pending)
+            phase[0] = name
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phase[0] = "other"
+        return run
+
+    dist.all_to_all_single = counted
+    WeightGradStore.input_pass = in_phase("I", WeightGradStore.input_pass)
+    WeightGradStore.weight_pass = staticmethod(in_phase("W", WeightGradStore.weight_pass))
+    return counts
 
 
 def _count_param_gathers(config, model: list) -> list[dict]:
@@ -359,9 +459,10 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         if not succeeded:
             raise RuntimeError(f"{name}: optimizer step {iteration} was skipped")
         scheduler.step(increment=args.global_batch_size)  # counts samples
+        moe_logged = _moe_logged(args)  # a collective: every rank
         if loss_dicts:
             losses.append({key: float(torch.stack([d[key] for d in loss_dicts]).mean())
-                           for key in loss_dicts[0]})
+                           for key in loss_dicts[0]} | moe_logged)
         if iteration in drains and hasattr(fb, "drain"):
             fb.drain()
             if round_trip is not None:
@@ -373,6 +474,17 @@ def train_iterations(name: str, args, fb, forward_step, data, model, optimizer,
         host_syncs.extend({site: n - before.get(site, 0) for site, n in after.items()
                            if n != before.get(site, 0)} for before, after in zip(marks, marks[1:]))
     return losses
+
+
+def _moe_logged(args) -> dict:
+    """A MoE model's load-balancing losses of the iteration, as the training loop logs them
+    (``training.moe.moe_metrics``); {} for a dense model."""
+    from megatron_2bw.training import moe
+
+    if not moe.is_moe(args):
+        return {}
+    return {name: moe.logged_value(args, layers)
+            for name, layers in moe.moe_metrics(args, args.num_microbatches).items()}
 
 
 def run_group(spec: dict, group: str) -> None:

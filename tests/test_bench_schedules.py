@@ -126,3 +126,32 @@ def test_bench_splits_rows_follow_the_planners_split(tmp_path):
     assert "over even:" in line and "x measured (rounds" in line and "x predicted" in line, line
     assert "--decoder-last-pipeline-num-layers" in line or "--pipeline-model-parallel-layout" \
         in line, line
+
+
+def _moe_layer_params(h: int, experts: int = 4) -> int:
+    """One MoE GPT layer without linear biases (the rows' --disable-bias-linear): two layer
+    norms (2h each), QKV (3h^2), attention projection (h^2), the router (experts x h), and per
+    expert an FFN h -> 4h -> h (8h^2)."""
+    return 2 * 2 * h + 3 * h * h + h * h + experts * h + experts * 8 * h * h
+
+
+def test_moe_rows(tmp_path):
+    """--moe-variants: "2bw +moe" and "flush +moe" run the same GPT with MoE FFNs (4 experts,
+    top-2, all on each stage): each stage holds the parameters counted here by hand, flush one
+    version of them and 2BW two (experts and router included), measured."""
+    measurements = tmp_path / "bench.json"
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw", "--moe-variants",
+                  "--iters", "2", "--warmup", "1", "--num-layers", str(LAYERS),
+                  "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+                  "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
+                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=600)
+    assert run.returncode == 0, run.output[-3000:]
+    rows = {line[:17].strip() for line in run.output.splitlines()}
+    assert {"2bw", "2bw +moe", "flush +moe"} <= rows, run.output
+    per_layer = _moe_layer_params(HIDDEN)
+    expected = [VOCAB * HIDDEN + SEQ * HIDDEN + per_layer, per_layer + 2 * HIDDEN + VOCAB * HIDDEN]
+    data = json.loads(measurements.read_text())
+    for name, versions in (("2bw +moe", 2), ("flush +moe", 1)):
+        by_stage = sorted(data["runs"][name][0]["ranks"], key=lambda r: r["stage"])
+        assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
+        assert [r["weight_bytes"] for r in by_stage] == [versions * 4 * n for n in expected]

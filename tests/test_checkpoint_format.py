@@ -138,7 +138,7 @@ def test_our_checkpoint_holds_megatron_lm_state(run):
     assert (saved_args.consumed_train_samples, saved_args.consumed_valid_samples) == (32, 0)
     assert (saved_args.tensor_model_parallel_size, saved_args.pipeline_model_parallel_size,
             saved_args.data_parallel_size, saved_args.world_size) == (1, 2, 1, 2)
-    assert common["layout"] == {"tensor": 1, "pipeline": 2, "data": 1}  # our extra
+    assert common["layout"] == {"tensor": 1, "pipeline": 2, "data": 1, "expert": 1}  # ours
     assert common["rng_device"] == "cpu"  # ours: the "cuda" RNG states are the CPU generator's
 
     sharded = load_sharded_metadata(str(path))

@@ -70,6 +70,14 @@ FLAG_CASES = {
         ["--tensor-model-parallel-size", "2"],
         ["--tensor-model-parallel-size", "1"],
         3, "--tensor-model-parallel-size", ["world size 3"]),
+    "moe-experts-not-divisible-by-expert-parallel": (
+        ["--num-experts", "3", "--expert-model-parallel-size", "2", "--disable-bias-linear"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear"],
+        2, "--expert-model-parallel-size", ["3 experts", "2 expert-parallel ranks"]),
+    "moe-cuda-kernel-on-cpu": (
+        ["--num-experts", "4", "--disable-bias-linear", "--moe-permute-fusion"],
+        ["--num-experts", "4", "--disable-bias-linear"],
+        1, "--moe-permute-fusion", ["CUDA kernel"]),
     "unknown-flag": (
         ["--no-such-flag", "3"],
         [],

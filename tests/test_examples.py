@@ -1,5 +1,6 @@
 """Megatron-LM's example launch scripts, shrunk (scripts/examples/), run through bash on 2 CPU
-processes as a user runs them: each exits 0 and its training loss falls.
+processes (Mixtral's on 4: pipeline 2 x expert parallel 2) as a user runs them: each exits 0
+and its training loss falls.
 
 The data (tokenizer files and indexed datasets) comes from scripts/examples/prepare_data.py,
 built once for the session (conftest.py's example_data, shared with test_export_hf.py). Each
@@ -83,7 +84,8 @@ def _strict_runs(port: int) -> set[int]:
     return ranks
 
 
-def _run_example(script: str, args: list[str], schedule: str, **env: str) -> launch.Launch:
+def _run_example(script: str, args: list[str], schedule: str, ranks: int = 2,
+                 **env: str) -> launch.Launch:
     """``bash scripts/examples/<script> args`` from the repository root, on a free port, with
     the test environment (one thread per process, strict mode) and this venv's torchrun."""
     port = launch.free_port()
@@ -92,7 +94,7 @@ def _run_example(script: str, args: list[str], schedule: str, **env: str) -> lau
         MASTER_PORT=str(port), SCHEDULE=schedule, PATH=path, **env), timeout=150)
     assert done.returncode == 0, done.tail(60)
     if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":
-        assert _strict_runs(port) == {0, 1}, "strict mode did not reach the bash launch"
+        assert _strict_runs(port) == set(range(ranks)), "strict mode did not reach the launch"
     return done
 
 
@@ -161,3 +163,29 @@ def test_llama3_8b_shrunk(example_data, tmp_path, schedule):
         str(example_data / "llama3-tokenizer"), str(example_data / "llama3" / "my-llama3_text_document"),
         *FASTER, "--decoupled-lr", "1e-2"], schedule, DATA_CACHE_PATH=str(tmp_path / "cache"))
     _assert_loss_falls(done, 8)  # --train-samples 64 at 8 per batch
+
+
+# training_log's tags with the Mixtral example's flags: those of test_llama3's run less the
+# decoupled schedule's, plus track_moe_metrics' (no "vs samples" variant)
+MOE_TAGS = {"load_balancing_loss"}
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_mixtral_8x7b_shrunk(tiny_gpt_data, tmp_path, schedule):
+    """Megatron-LM's Mixtral example (8 experts, top-2, aux loss, alltoall, grouped GEMM,
+    the distributed optimizer with both overlaps, bf16) on 4 processes, PP = 2 x EP = 2: its
+    loss falls, and the log line and TensorBoard hold the load-balancing loss as Megatron-LM's
+    training_log writes them. Llama2Tokenizer over the session's sentencepiece model (the
+    dataset was tokenized by GPTSentencePieceTokenizer: megatron-core gives both the same
+    ids); its 12 documents need --split 8,2,0 for a validation split (the original's
+    99990,8,2 assumes a large corpus)."""
+    done = _run_example("train_mixtral_8x7b_distributed.sh", [
+        str(tmp_path / "checkpoints"), tiny_gpt_data.tokenizer_model, tiny_gpt_data.data_prefix,
+        "--lr", "1e-2", "--data-cache-path", tiny_gpt_data.index_cache, "--split", "8,2,0"],
+        schedule, ranks=4)
+    _assert_loss_falls(done, 8, rows=tiny_gpt_data.vocab_size)
+    assert "training " + schedule + " schedule on 4 cpu processes: TP=1 PP=2 DP=2" in done.output
+    assert "note: --moe-grouped-gemm has no effect on CPU" in done.output
+    lines = [line for line in done.output.splitlines() if " consumed samples: " in line]
+    assert lines and all(" load_balancing_loss: " in line for line in lines), lines[-1:]
+    assert MOE_TAGS <= set(_tensorboard_tags(tmp_path / "checkpoints" / "tensorboard"))

@@ -94,17 +94,23 @@ def _flags(kind: str, data) -> list[str]:
             "--data-path", str(data / "llama3" / "my-llama3_text_document")]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(example_data, tmp_path_factory):
-    """{kind: checkpoint root} of the two runs."""
+def _trained(script: str, flags_of, kinds, data, tmp_path_factory) -> dict:
+    """{kind: checkpoint root} of one 4-process run of ``script`` per kind."""
     roots = {}
-    for kind in ("gpt2", "llama"):
+    for kind in kinds:
         root = tmp_path_factory.mktemp(kind) / "checkpoints"
-        done = launch.torchrun(["pretrain_gpt_2bw.py", *SIZES, *_flags(kind, example_data),
-                                "--save", str(root)], 4, timeout=240)
+        done = launch.torchrun([script, *SIZES, *flags_of(kind, data), "--save", str(root)], 4,
+                               timeout=240)
         assert done.returncode == 0, done.tail(60)
         roots[kind] = root
     return roots
+
+
+@pytest.fixture(scope="module")
+def checkpoints(example_data, tmp_path_factory):
+    """{kind: checkpoint root} of the two runs."""
+    return _trained("pretrain_gpt_2bw.py", _flags, ("gpt2", "llama"), example_data,
+                    tmp_path_factory)
 
 
 BERT_FILE_TOKENS = 512  # scripts/examples/prepare_data.py's bert-vocab.txt
@@ -123,14 +129,8 @@ def _bert_flags(kind: str, data) -> list[str]:
 @pytest.fixture(scope="module")
 def bert_checkpoints(example_data, tmp_path_factory):
     """{kind: checkpoint root} of the two BERT runs."""
-    roots = {}
-    for kind in BERT_KINDS:
-        root = tmp_path_factory.mktemp(kind) / "checkpoints"
-        done = launch.torchrun(["pretrain_bert_2bw.py", *SIZES, *_bert_flags(kind, example_data),
-                                "--save", str(root)], 4, timeout=240)
-        assert done.returncode == 0, done.tail(60)
-        roots[kind] = root
-    return roots
+    return _trained("pretrain_bert_2bw.py", _bert_flags, BERT_KINDS, example_data,
+                    tmp_path_factory)
 
 
 def _common(root):

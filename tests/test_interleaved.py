@@ -88,6 +88,20 @@ def _resume_dir(saved: Path, iteration: int, into: Path) -> str:
     return str(into)
 
 
+def train_saving(rank: int, flags: list[str], root: Path, saved_at: int, train=None) -> tuple:
+    """(the run of ``flags`` saving at ``saved_at`` and at its end, root/saved, root/start: a
+    --load directory holding only the ``saved_at`` checkpoint), on every rank; ``train``: the
+    trainer (default ``_train``)."""
+    import torch.distributed as dist
+
+    saved, start = root / "saved", root / "start"
+    full = (train or _train)([*flags, "--save", str(saved), "--save-interval", str(saved_at)])
+    if rank == 0:
+        _resume_dir(saved, saved_at, start)
+    dist.barrier()
+    return full, saved, start
+
+
 def _chunked_worker(rank: int, world: int, out: str) -> dict:
     """V = 2 from scratch (saved at iteration 2), then V = 1 and V = 2 resumed from that
     checkpoint, one after the other on the same processes."""

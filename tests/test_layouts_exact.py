@@ -19,13 +19,10 @@ layer and the loss.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
-from tests.test_schedules_exact import (WORKER, Case, Launch, _check_against_reference,
-                                        _reference_jobs_of, _run_bounded)
+from tests.test_schedules_exact import (Case, Launch, _check_against_reference,
+                                        _reference_jobs_of, groups_by_world, launch_worker)
 
 LAST1 = ("--decoder-last-pipeline-num-layers", "1")
 CASES = [
@@ -62,21 +59,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("layouts_exact")
-    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs_of(CASES),
-            "groups": {"uneven": {"world": 2, "timeout_s": max(150, 15 * len(CASES)),
-                                  "runs": [case.run() for case in CASES]}}}
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=600)
-    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
-    summary = json.loads((out / "launch.json").read_text())
-    launched = Launch(out, summary, output)
-    assert summary["reference"]["exit_codes"] == [0], launched.log("reference")
-    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
-        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
-    launched.finished("uneven")
+    groups = groups_by_world(CASES, prefix="uneven-world")
+    groups["uneven-world2"]["timeout_s"] = 20 * len(CASES)  # a run ~3 s on 2 idle cores
+    launched = launch_worker(tmp_path_factory.mktemp("layouts_exact"), _reference_jobs_of(CASES),
+                             groups, timeout_s=600)
+    launched.finished("uneven-world2")
     return launched
 
 

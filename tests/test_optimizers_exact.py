@@ -17,16 +17,14 @@ the correction (or with Adam instead of Muon), so a correction that does nothing
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.test_schedules_exact import (DISTINCT, GROUP_DEADLINE_S, RUN_DEADLINE_S, TOLERANCE,
-                                        TWO_CHUNKS, WORKER, Case, Launch, _gather, _reference,
-                                        _run_bounded, _worst_tensor, relative_error)
+from tests.test_schedules_exact import (DISTINCT, TOLERANCE, TWO_CHUNKS, Case, Launch, _gather,
+                                        _reference, _worst_tensor, groups_by_world,
+                                        launch_worker, reference_job, relative_error)
 
 DISTOPT = ("--use-distributed-optimizer",)
 CHANGED = 1e-5
@@ -67,44 +65,19 @@ def _plain(case: Case) -> Case:
         replace(case, correction="none")
 
 
-def _job(case: Case, rule: str) -> dict:
-    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
-            "tie": case.tie, "model": case.model, "depth": case.d}
-
-
 def _reference_jobs() -> dict:
     jobs = {}
     for case in CASES:
-        jobs[case.reference()] = _job(case, case.rule)
+        jobs[case.reference()] = reference_job(case, case.rule)
         plain = _plain(case)
-        jobs[plain.reference()] = _job(plain, plain.rule)
+        jobs[plain.reference()] = reference_job(plain, plain.rule)
     return jobs
-
-
-def _groups() -> dict:
-    groups: dict = {}
-    for case in CASES:
-        group = groups.setdefault(f"world{case.world}", {"world": case.world, "runs": []})
-        group["runs"].append(case.run())
-        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
-    return groups
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("optimizers_exact")
-    spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs(), "groups": _groups()}
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=480)
-    assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
-    summary = json.loads((out / "launch.json").read_text())
-    assert summary["reference"]["exit_codes"] == [0], \
-        f"reference failed:\n{Launch(out, summary, output).log('reference')}"
-    print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
-        f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
-    return Launch(out, summary, output)
+    return launch_worker(tmp_path_factory.mktemp("optimizers_exact"), _reference_jobs(),
+                         groups_by_world(CASES), timeout_s=480)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

@@ -465,7 +465,7 @@ def test_infeasible_memory_rejected_with_reason(tmp_path):
     # A family refused at t alone: 4 heads do not split 8 ways; its other fields stay open.
     small = search(PlanRequest(SMALL, cluster, global_batch_size=64, simulate_top=0))
     heads = [r for r in small.rejected if "attention heads" in r.reason]
-    assert [(r.layout, r.values()) for r in heads] == [(None, (8,) + (None,) * 6)]
+    assert [(r.layout, r.values()) for r in heads] == [(None, (8,) + (None,) * 7)]
     paths = write_plan(plan, tmp_path)
     rows = paths["rejected"].read_text().splitlines()
     assert rows[0].split(",")[:3] == ["t", "d", "w"] and len(rows) == len(plan.rejected) + 1

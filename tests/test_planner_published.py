@@ -210,6 +210,10 @@ def test_evaluate_prints_the_layout_beside_the_choice(capsys):
     (["--evaluate", "t3d1b1:megatron", "--num-layers", "4", "--hidden-size", "64",
       "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8",
       "--cluster", "dgx-a100"], "t x d x w"),
+    (["--cluster", "dgx-h100", "--evaluate", "pretrain_gpt.py --micro-batch-size 1 "
+      "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
+      "--global-batch-size 256 --num-experts 8 --expert-model-parallel-size 8"],
+     "add --moe-token-dispatcher-type alltoall"),
     (["--cluster", "paper", "--precision", "bf16", "--num-layers", "4", "--hidden-size", "64",
       "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8"],
      "no bf16"),

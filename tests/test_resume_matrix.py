@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests import dist as launch
-from tests.test_interleaved import _resume_dir, _same, _train
+from tests.test_interleaved import _resume_dir, _same, _train, train_saving
 from tests.test_model_features import LLAMA
 
 SAVED_AT = 2
@@ -116,11 +116,7 @@ def _matrix_worker(rank: int, world: int, out: str) -> dict:
 
     out, runs, uninterrupted = Path(out), {}, {}
     for name, flags in CASES.items():
-        saved, start = out / _dir(name) / "saved", out / _dir(name) / "start"
-        full = _train([*flags, "--save", str(saved), "--save-interval", str(SAVED_AT)])
-        if rank == 0:
-            _resume_dir(saved, SAVED_AT, start)
-        dist.barrier()
+        full, _, start = train_saving(rank, flags, out / _dir(name), SAVED_AT)
         uninterrupted[name] = full
         runs[name] = _with(full, _resumed(flags, start))
     for name, (saved, resumer) in CROSS.items():

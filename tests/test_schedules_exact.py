@@ -124,6 +124,15 @@ class Case:
     """2bw's --stale-weight-correction, in the run and its reference."""
     coeff: float = 1.0
     """--stale-weight-correction-coeff."""
+    moe: tuple = ()
+    """Mixture of Experts: (megatron-core MoE config field, value) pairs, in the run (as
+    Megatron-LM's flags) and its reference (tests/reference.py ``Model.moe``)."""
+    tag: str = ""
+    """Names the MoE model in the run's and the reference's names (tests/test_moe_exact.py)."""
+    ep: int = 1
+    """--expert-model-parallel-size of the run (the reference holds every expert)."""
+    clip: float | None = None
+    """--clip-grad, in the run and its reference (None: ``MODEL.clip_grad``)."""
     split: tuple[int, ...] | None = None
     """The layers per virtual stage (model order) that ``flags`` split unevenly, as the test
     states them: the run's chunks load and report their layers by it (tests/
@@ -143,13 +152,17 @@ class Case:
                 **({"optimizer": "muon", "tensor_parallel": self.tp}
                    if self.optimizer == "muon" else {}),
                 **({"correction": self.correction, "correction_coeff": self.coeff}
-                   if self.correction != "none" else {})}
+                   if self.correction != "none" else {}),
+                **({"moe": dict(self.moe)} if self.moe else {}),
+                **({"clip_grad": self.clip} if self.clip is not None else {})}
 
     @property
     def _update_suffix(self) -> str:
         """The optimizer and correction in names (none for Adam without a correction)."""
         return (f"{'-muon' if self.optimizer == 'muon' else ''}"
-                f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}")
+                f"{f'-{self.correction}{self.coeff:g}' if self.correction != 'none' else ''}"
+                f"{f'-{self.tag}' if self.tag else ''}"
+                f"{f'-clip{self.clip:g}' if self.clip is not None else ''}")
 
     @property
     def name(self) -> str:
@@ -160,7 +173,8 @@ class Case:
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}{f'-split{self.split_label}' if self.split else ''}"
+                f"{self._update_suffix}{f'-ep{self.ep}' if self.ep > 1 else ''}"
+                f"{f'-split{self.split_label}' if self.split else ''}"
                 ).replace("|", "_").replace("*", "x")  # layout strings, in directory names
 
     @property
@@ -200,7 +214,9 @@ class Case:
         return {"name": self.name, "schedule": self.schedule, "tp": self.tp, "pp": self.d,
                 "m": self.m, "iters": self.iters, "recompute": self.recompute, "tie": self.tie,
                 "deferred": self.deferred, "model": self.model,
-                "flags": list(self.flags + self.pipemare_flags), "drains": list(self.drains),
+                "flags": list(self.flags + self.pipemare_flags + (
+                    ("--expert-model-parallel-size", str(self.ep)) if self.ep > 1 else ())),
+                "drains": list(self.drains),
                 "round_trip": self.round_trip,
                 **({"split": list(self.split)} if self.split else {})}
 
@@ -325,6 +341,22 @@ def _groups() -> dict:
     return groups
 
 
+def reference_job(case: Case, rule: str) -> dict:
+    """The tests/reference.py job of ``case``'s model and batches under ``rule``."""
+    return {"rule": rule, "replicas": case.w, "microbatches": case.m, "iterations": case.iters,
+            "tie": case.tie, "model": case.model, "depth": case.d}
+
+
+def groups_by_world(cases: list[Case], prefix: str = "world") -> dict:
+    """Launch groups of ``cases``: those of one world size one after another in one group."""
+    groups: dict = {}
+    for case in cases:
+        group = groups.setdefault(f"{prefix}{case.world}", {"world": case.world, "runs": []})
+        group["runs"].append(case.run())
+        group["timeout_s"] = max(GROUP_DEADLINE_S, RUN_DEADLINE_S * len(group["runs"]))
+    return groups
+
+
 def _far_references(case: Case) -> dict[str, tuple[str, float]]:
     """What a run must lie far from: label -> (reference job, least relative distance). The
     other rule; for pipemare also the stashing rule and the same run without its T2 or W."""
@@ -353,9 +385,7 @@ def _reference_jobs_of(cases: list[Case]) -> dict:
     for case in cases:
         for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
-                "rule": rule, "replicas": case.w, "microbatches": case.m,
-                "iterations": case.iters, "tie": case.tie, "model": case.model,
-                "depth": case.d, **case.pipemare_options(rule),
+                **reference_job(case, rule), **case.pipemare_options(rule),
                 **({"split": list(case.split)} if case.split and rule in PER_STAGE else {})}
     return jobs
 
@@ -422,14 +452,13 @@ class Launch:
         assert ok, f"group {name}: {result}\n{self.log(name)}"
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> Launch:
-    out = tmp_path_factory.mktemp("schedules_exact")
+def launch_worker(out: Path, reference_jobs: dict, groups: dict, timeout_s: float) -> Launch:
+    """Run tests/schedule_worker.py on a spec of these reference jobs and launch groups."""
     spec = {"out": str(out), "init": str(out / "init.pt"), "timeout_minutes": 1.0,
-            "reference": _reference_jobs(), "groups": _groups()}
+            "reference": reference_jobs, "groups": groups}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     code, output, seconds = _run_bounded([sys.executable, str(WORKER), str(out / "spec.json")],
-                                         timeout_s=600)
+                                         timeout_s=timeout_s)
     assert code == 0, f"launcher exited with {code}:\n{output[-4000:]}"
     summary = json.loads((out / "launch.json").read_text())
     assert summary["reference"]["exit_codes"] == [0], \
@@ -437,6 +466,12 @@ def launch(tmp_path_factory) -> Launch:
     print(f"\nlauncher: {seconds:.1f} s; " + ", ".join(
         f"{name} {result['seconds']:.1f} s" for name, result in summary.items()))
     return Launch(out, summary, output)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Launch:
+    return launch_worker(tmp_path_factory.mktemp("schedules_exact"), _reference_jobs(),
+                         _groups(), timeout_s=600)
 
 
 # ---- gathering a run's weights back into the PP=1, TP=1 model ---------------------------------
@@ -474,11 +509,21 @@ def _gather(out: Path, case: Case) -> tuple[dict, dict]:
                 f"{case.name}: the last stage's tied output layer left the word embeddings"
         gathered[dp] = weights
     assert sorted(gathered) == list(range(case.w))
+    merged = dict(gathered[0])
     for dp in range(1, case.w):
-        for name, tensor in gathered[0].items():
-            assert torch.equal(tensor, gathered[dp][name]), \
+        for name, tensor in gathered[dp].items():  # experts: each replica holds its EP rank's
+            if name not in merged:
+                merged[name] = tensor
+            assert torch.equal(tensor, merged[name]), \
                 f"{case.name}: data-parallel replica {dp} differs in {name}"
-    return gathered[0], losses
+        dense = [name for name in gathered[0] if EXPERT not in name]
+        assert all(name in gathered[dp] for name in dense), \
+            f"{case.name}: replica {dp} lacks dense parameters"
+    return merged, losses
+
+
+EXPERT = ".experts.local_experts."
+"""In the name of an expert's parameter (expert parallelism splits these over replicas)."""
 
 
 def relative_error(weights: dict, reference: dict) -> float:

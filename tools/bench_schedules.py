@@ -45,7 +45,8 @@ and the last stage synchronises all stages at every optimizer step, which the ot
 pay anyway in their flush; under 2BW it would add a (d-1) x backward stall per batch, which the
 deferred step removes (``megatron_2bw.deferred``; ``--no-deferred-step`` keeps the stall).
 ``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them:
-2bw deferred, 2bw with the step where the loop calls it, and flush.
+2bw deferred, 2bw with the step where the loop calls it, and flush. ``--moe-variants`` adds
+"2bw +moe" and "flush +moe": the same GPT with every FFN a Mixture of Experts (``MOE_FLAGS``).
 megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
 the model-parallel group) even with clipping off; the training code steps its one inner optimizer
 instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
@@ -349,13 +350,19 @@ def _action_seconds(records: list, measured: list[Iteration], start: float) -> d
     """From the executor's timeline records: each measured iteration's ``busy_seconds`` (set
     here), and per action kind the median duration over the measured iterations."""
     durations: dict[str, list[float]] = {}
+    totals: dict[str, list[float]] = {}  # per iteration, the kind's summed time
     for iteration in measured:
         inside = [r for r in records if start <= r.start and r.end <= iteration.end]
         iteration.busy_seconds = sum(r.end - r.start for r in inside)
         for r in inside:
             durations.setdefault(r.kind, []).append(r.end - r.start)
+        for kind in {r.kind for r in inside}:
+            totals.setdefault(kind, []).append(sum(r.end - r.start for r in inside
+                                                   if r.kind == kind))
         start = iteration.end
-    return {kind: statistics.median(values) for kind, values in durations.items()}
+    return {**{kind: statistics.median(values) for kind, values in durations.items()},
+            **{f"{kind} per iteration": statistics.median(values)
+               for kind, values in totals.items()}}
 
 
 def worker(argv: list[str]) -> int:
@@ -650,6 +657,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="share input and output embeddings (an all-reduce at every step)")
     p.add_argument("--sync-variants", action="store_true",
                    help="also run 2bw and flush with --clip-grad 1.0 and tied embeddings")
+    p.add_argument("--moe-variants", action="store_true",
+                   help="also run 2bw and flush with every FFN a Mixture of Experts (MOE_FLAGS: "
+                        f"{' '.join(MOE_FLAGS)}; all experts on each stage, no biases)")
     p.add_argument("--chained-optimizer", action="store_true",
                    help="step the optimizer wrapped in megatron-core's ChainedOptimizer (as "
                         "get_megatron_optimizer returns it), which all-reduces the grad norm "
@@ -699,12 +709,22 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
         return configs + [_split_config(a, s, split) for s in schedules for split in a.splits]
     configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
                 if s == "2bw" and below else _run_config(a, s) for s in schedules]
+    if a.moe_variants:
+        configs += [Config(f"{s} +moe", s, a.depth, clip, tied, f"{s}_moe", extra=MOE_FLAGS)
+                    for s in ("2bw", "flush")]
     if a.sync_variants:
         configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
                     Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
                            "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
                     Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
     return configs
+
+
+MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+             "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear")
+"""The --moe-variants rows' experts: the model's FFN (4h) in each of 4 experts, 2 per token, so
+a token's FFN FLOPs double and each stage holds 4 FFNs' weights; expert parallelism 1 (the
+benchmark runs one process per stage)."""
 
 
 def _run_config(a: argparse.Namespace, name: str) -> Config:
@@ -900,7 +920,7 @@ def _table(table: Table, schedules: list[str]) -> str:
     rows = [header, "-" * len(header)]
     rows += [_row(table, name, width) for name in table.runs]
     return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table)
-                     + _split_comparison(table, schedules))
+                     + _over_flush(table) + _split_comparison(table, schedules))
 
 
 def _split_comparison(table: Table, schedules: list[str]) -> list[str]:
@@ -943,6 +963,27 @@ def _slowest_cpu(runs: list[Run]) -> float:
     but does not add to."""
     return max(statistics.median(v for r in results for v in r.values("cpu_seconds"))
                for results in _stages(runs))
+
+
+def _over_flush(table: Table) -> list[str]:
+    """Each row's speed over flush with its optimizer, paired within rounds: the median and
+    the rounds' range, and on each stage the median time per iteration in the optimizer step's
+    actions (the S action, and where the step is deferred its application: 2bw, pipedream,
+    pipemare; elsewhere the step runs in the loop, outside the actions)."""
+    lines = []
+    for name, rounds in table.runs.items():
+        try:
+            reference = RunName.parse(name.split()[0]).reference("flush")
+        except Exception:  # noqa: BLE001 -- the single-process rows have no run name
+            continue
+        if reference == name or reference not in table.times:
+            continue
+        ratios = [r / x for r, x in zip(table.times[reference], table.times[name])]
+        steps = "/".join(f"{ms:.1f}" for ms in _action_ms(rounds, "S per iteration"))
+        lines.append(f"  {name}: {statistics.median(ratios):.2f}x {reference} "
+                     f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); optimizer step actions "
+                     f"ms per iteration, per stage: {steps}")
+    return ["speed over flush with the same optimizer (paired rounds):", *lines] if lines else []
 
 
 def _action_ms(runs: list[Run], kind: str) -> list[float]:

@@ -359,8 +359,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{rule}-coeff", type=positive_float, default=None,
                        help=f"2bw-{rule} runs: --stale-weight-correction-coeff ({what})")
     p.add_argument("--speedup", action="append", default=[], type=_speedup, metavar="RUN=S",
-                   help="RUN's per-iteration speed over its reference measured apart (tools/"
-                        "bench_schedules.py): time ratios then use S, not the logged ms")
+                   help="RUN's per-iteration speed over the reference run (--reference, with "
+                        "Adam) measured apart (tools/bench_schedules.py, on an idle machine): "
+                        "time ratios then use these speeds, not the logged ms")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print one markdown row per run: final validation loss and the "
+                        "ratios at the end of its run")
     add_model_size_flags(p, num_layers=4, micro_batch_size=4, hidden_size=128)
     p.add_argument("--global-batch-size", type=positive_int, default=16)
     p.add_argument("--lr", type=positive_float, default=3e-4,
@@ -416,33 +420,54 @@ def read_log(path: Path, plot_only: bool) -> ParsedLog:
 
 
 def _matches(logs: dict[str, ParsedLog], ms: dict[str, float], reference: str,
-             best: bool = False) -> list[Match]:
+             against: str | None = None) -> list[Match]:
     """Every other run's checkpoints matched on the validation curve of the reference with
-    its optimizer, or with ``best`` of the reference run that ends lowest (none without a
-    reference or a validation)."""
+    its optimizer, or of the run ``against`` (none without it or a validation)."""
     curves = {s: validation_curve(log) for s, log in logs.items()}
-    references = [s for s, curve in curves.items()
-                  if curve and RunName.parse(s).schedule == reference]
-    if best and references:
-        references = [min(references, key=lambda s: curves[s][-1][1])]
     matches = []
     for s, curve in curves.items():
-        mine = references[0] if best and references else RunName.parse(s).reference(reference)
+        mine = against or RunName.parse(s).reference(reference)
         if s != mine and curve and curves.get(mine):
             matches += match_losses(s, curve, ms[s], curves[mine], ms[mine])
     return matches
 
 
+def best_reference(logs: dict[str, ParsedLog], reference: str) -> str | None:
+    """The run of the reference schedule (any optimizer) whose validation ends lowest."""
+    ends = {s: validation_curve(log)[-1][1] for s, log in logs.items()
+            if RunName.parse(s).schedule == reference and validation_curve(log)}
+    return min(ends, key=ends.get) if ends else None
+
+
 def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: str
                    ) -> dict[str, float]:
-    """ms/iteration where a run's speed-up over its reference is given: the reference's
-    logged ms over the speed-up."""
+    """ms/iteration where a run's speed over the reference run is given: the reference's
+    logged ms over that speed (the reference's own is 1)."""
+    if not speedups:
+        return dict(ms)
+    if reference not in ms:
+        raise ToolError("--speedup", f"speeds are over the {reference} run, which is not among "
+                                     "--schedules")
     out = dict(ms)
-    for run, speedup in speedups.items():
-        base = RunName.parse(run).reference(reference)
-        if run in out and base in ms:
-            out[run] = ms[base] / speedup
+    for run, speedup in {reference: 1.0, **speedups}.items():
+        if run in out:
+            out[run] = ms[reference] / speedup
     return out
+
+
+def markdown_rows(finals: dict, matches: list[Match], best: list[Match]) -> list[str]:
+    """| run | final validation loss | ratio, time ratio vs its optimizer's reference | the same
+    vs the lowest-ending reference |, at the end of each run."""
+    def last(found: list[Match], run: str) -> str:
+        mine = [m for m in found if m.schedule == run]
+        if not mine or mine[-1].iteration_ratio is None:
+            return "- | -"
+        m = mine[-1]
+        bound = "<=" if m.reference_bound else ""
+        return f"{bound}{m.iteration_ratio:.2f} | {m.time_ratio:.2f}"
+
+    return [f"| {run} | {f['valid']:.3f} | {last(matches, run)} | {last(best, run)} |"
+            for run, f in finals.items() if f["valid"] is not None]
 
 
 def _report_epochs(a: argparse.Namespace, data_prefix: str) -> float:
@@ -504,13 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     matches = _matches(logs, ms, a.reference)
     if matches:
         print(format_matches(matches, a.reference, ms))
-    best = _matches(logs, ms, a.reference, best=True)
-    if best and len({RunName.parse(s).optimizer for s in logs}) > 1:
-        print("against the reference run that ends lowest:")
-        print(format_matches(best, a.reference, ms))
+    lowest = best_reference(logs, a.reference)
+    several = len({RunName.parse(s).optimizer for s in logs}) > 1
+    best = _matches(logs, ms, a.reference, against=lowest) if lowest and several else []
+    if best:
+        print(f"against the {a.reference} run that ends lowest, {lowest}:")
+        print(format_matches(best, lowest, ms))
+    if a.markdown:
+        print("| run | valid loss | ratio | time ratio | ratio vs best | time ratio vs best |")
+        print("\n".join(markdown_rows(finals, matches, best)))
     result.update(ms_per_iteration=ms, reference=a.reference, speedups=dict(a.speedup),
                   matches=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
                             "time_ratio": m.time_ratio} for m in matches],
+                  best_reference=lowest,
                   matches_best=[{**asdict(m), "iteration_ratio": m.iteration_ratio,
                                  "time_ratio": m.time_ratio} for m in best])
     status = 0

@@ -4,6 +4,8 @@
            launch.sh (torchrun) and plan.sbatch (Slurm) under --out, print table and scripts
       tools/plan.py --cluster dgx-h100 --nodes 128 --global-batch-size 1536 \\
           --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+      (Mixture of Experts: add Megatron-LM's --num-experts 8 --moe-router-topk 2 ...
+       --disable-bias-linear; --expert-model-parallel-size fixes or limits e)
   profile  measure one transformer layer (and the embedding, head, optimizer step, local
            links) on this device; writes tools/profiles/<device>.json
       tools/plan.py profile --num-layers 4 --hidden-size 128 --num-attention-heads 4 \\
@@ -48,10 +50,10 @@ from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
 from megatron_2bw.planner.search import ITERATION_FACTOR, Candidate, Plan  # noqa: E402
 from megatron_2bw.corrections import RULES  # noqa: E402
-from megatron_2bw.arguments import ATTENTION_BACKENDS  # noqa: E402
+from megatron_2bw.arguments import ATTENTION_BACKENDS, moe_freq_type  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
-from megatron_2bw.planner.evaluate import (MODEL_FLAGS, Evaluation, evaluate,  # noqa: E402
-                                           parse_evaluate)
+from megatron_2bw.planner.evaluate import (MODEL_FLAGS, MODEL_SWITCHES,  # noqa: E402
+                                           Evaluation, evaluate, parse_evaluate)
 
 _Gb = 1e9 / 8
 
@@ -80,6 +82,20 @@ def _add_model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="key/value heads with --group-query-attention")
     g.add_argument("--no-dropout", action="store_true",
                    help="the run uses --hidden-dropout 0 --attention-dropout 0")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="linear layers without biases (Megatron-LM's MoE examples)")
+    g = p.add_argument_group("Mixture of Experts (Megatron-LM's flags)")
+    g.add_argument("--num-experts", type=positive_int, default=None,
+                   help="E experts in each MoE layer (default: a dense model)")
+    g.add_argument("--moe-router-topk", type=positive_int, default=None,
+                   help="k experts per token (default 2)")
+    g.add_argument("--moe-ffn-hidden-size", type=positive_int, default=None,
+                   help="an expert's FFN size (default: --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=None,
+                   help="an MoE layer every N layers, or a pattern like '([1]*3+[0])*8' "
+                        "(default 1)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
+                   help="a shared expert's FFN size (default: none)")
 
 
 def _model(args) -> ModelSpec:
@@ -97,12 +113,33 @@ def _model(args) -> ModelSpec:
         raise ToolError("--swiglu", f"the default FFN size int((4 x {args.hidden_size} x 2/3) "
                                     f"/ 64) x 64 is 0; give --ffn-hidden-size")
     vocab = args.vocab_size or (30592 if args.model == "bert" else 51200)
-    return ModelSpec(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
-                     args.seq_length, vocab, ffn_hidden_size=args.ffn_hidden_size,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     untie_embeddings=args.untie_embeddings_and_output_weights,
-                     dropout=not args.no_dropout,
-                     num_query_groups=groups, gated_linear_unit=args.swiglu)
+    moe = {}
+    if args.num_experts:
+        if args.model != "gpt":
+            raise ToolError("--num-experts", "Mixture-of-Experts models are GPTs here")
+        moe = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk or 2,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_layer_freq=args.moe_layer_freq or 1,
+                   moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size)
+    else:
+        for flag in _MOE_MODEL_FLAGS:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise ToolError(flag, "only with --num-experts (a Mixture-of-Experts model)")
+    try:
+        return ModelSpec(args.model, args.num_layers, args.hidden_size,
+                         args.num_attention_heads, args.seq_length, vocab,
+                         ffn_hidden_size=args.ffn_hidden_size,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         untie_embeddings=args.untie_embeddings_and_output_weights,
+                         dropout=not args.no_dropout, num_query_groups=groups,
+                         gated_linear_unit=args.swiglu,
+                         add_bias_linear=not args.disable_bias_linear, **moe)
+    except ValueError as err:
+        raise ToolError("--num-experts" if moe else "--num-layers", str(err)) from None
+
+
+_MOE_MODEL_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq",
+                    "--moe-shared-expert-intermediate-size")
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -238,6 +275,9 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="only megatron-core's even split of the layers (by default each layout "
                         "is also tried with the split that evens out its stages' work, the "
                         "embedding, the output layer and the loss counted where they sit)")
+    g.add_argument("--expert-model-parallel-size", type=_ints, default=None,
+                   help="expert-parallel size, or sizes to try (comma-separated); default: "
+                        "every size the experts and the layout allow")
     g.add_argument("--virtual-stages", type=_ints, default=(1,),
                    help="V values the search tries under the schedules that interleave "
                         "(megatron, flush, 2bw): virtual stages when V > 1")
@@ -264,14 +304,17 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def format_table(plan: Plan, top: int) -> str:
-    head = (f"{'#':>3} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'schedule':<8} {'rc':<3} "
+    moe = plan.request.model.is_moe
+    head = (f"{'#':>3} {'t':>3} {'d':>3} {'w':>4} " + (f"{'e':>3} " if moe else "")
+            + f"{'b':>3} {'m':>4} {'schedule':<8} {'rc':<3} "
             f"{'samples/s':>10} {'s/iter':>9} {'bubble':>7} {'GiB/dev':>8} {'stage':>5}  "
             f"{'time':<11}  layers")
     lines = [head]
     for i, c in enumerate(plan.ranked[:top], 1):
         L = c.layout
         lines.append(
-            f"{i:>3} {L.t:>3} {L.d:>3} {L.w:>4} {L.b:>3} {L.m:>4} {L.schedule:<8} "
+            f"{i:>3} {L.t:>3} {L.d:>3} {L.w:>4} " + (f"{L.e:>3} " if moe else "")
+            + f"{L.b:>3} {L.m:>4} {L.schedule:<8} "
             f"{'yes' if L.recompute else '-':<3} {c.samples_per_s:>10.2f} {c.time.iteration:>9.4f} "
             f"{c.time.bubble_fraction:>7.1%} {c.memory.peak / GiB:>8.2f} "
             f"{c.memory.peak_stage.stage:>5}  {c.time.method:<11}  {short_split(L.split)}")
@@ -323,11 +366,12 @@ def format_rejections(plan: Plan) -> str:
     def show(v):
         return "*" if v is None else str(v)
 
-    lines = [f"{'t':>4} {'d':>4} {'w':>5} {'b':>4} {'m':>5} {'rc':>5} {'schedule':<8} reason"]
+    lines = [f"{'t':>4} {'d':>4} {'w':>5} {'b':>4} {'m':>5} {'rc':>5} {'schedule':<8} "
+             f"{'e':>3} reason"]
     for r in plan.rejected:
-        t, d, w, b, m, recompute, schedule = map(show, r.values())
+        t, d, w, b, m, recompute, schedule, e = map(show, r.values())
         lines.append(f"{t:>4} {d:>4} {w:>5} {b:>4} {m:>5} {recompute:>5} {schedule:<8} "
-                     f"{r.reason}")
+                     f"{e:>3} {r.reason}")
     return "\n".join(lines)
 
 
@@ -349,6 +393,15 @@ def _forced_layout(args, cluster):
         forced = parse_evaluate(args.evaluate, cluster.num_gpus, args.global_batch_size)
     except ValueError as err:
         raise ToolError("--evaluate", str(err)) from None
+    for dest in MODEL_SWITCHES:
+        if dest in forced.model_switches:
+            setattr(args, dest, True)
+    if (forced.layout.e > 1 and args.expert_model_parallel_size is not None
+            and forced.layout.e not in args.expert_model_parallel_size):
+        raise ToolError("--evaluate", f"the command's --expert-model-parallel-size "
+                                      f"{forced.layout.e} is not among "
+                                      f"--expert-model-parallel-size "
+                                      f"{','.join(map(str, args.expert_model_parallel_size))}")
     for dest in MODEL_FLAGS:
         given, ours = forced.model_flags.get(dest), getattr(args, dest)
         if given is None:
@@ -382,6 +435,20 @@ def _forced_layout(args, cluster):
     return forced, cluster
 
 
+def _check_moe_flags(args, model: ModelSpec) -> None:
+    """What the training refuses with or without experts, before anything is planned."""
+    sizes = args.expert_model_parallel_size
+    if sizes and not model.is_moe and set(sizes) != {1}:
+        raise ToolError("--expert-model-parallel-size", "needs --num-experts (a "
+                                                        "Mixture-of-Experts model)")
+    if model.is_moe and args.optimizer == "muon":
+        raise ToolError("--optimizer", "muon is not supported with --num-experts (the training "
+                                       "refuses it): use adam or sgd")
+    if model.is_moe and args.stale_weight_correction != "none":
+        raise ToolError("--stale-weight-correction", "not supported with --num-experts (the "
+                                                     "training refuses it)")
+
+
 def run_plan(argv) -> int:
     args = plan_parser().parse_args(argv)
     started = time.perf_counter()
@@ -395,6 +462,7 @@ def run_plan(argv) -> int:
     if args.stale_weight_correction != "none" and precision != "fp32":
         raise ToolError("--stale-weight-correction", f"{args.stale_weight_correction} runs on "
                         f"fp32 weights, not {precision}: give --precision fp32")
+    _check_moe_flags(args, model)
     profile = _load_profile(args, cluster)
     e2e = _load(E2EProfile, args.measured, "--measured") if args.measured else None
     request = PlanRequest(
@@ -408,7 +476,7 @@ def run_plan(argv) -> int:
         simulate_top=0 if args.closed_form else args.simulate_top,
         virtual_stages=args.virtual_stages, selective_recompute=args.selective_recompute,
         sequence_parallel=args.sequence_parallel, iteration_factor=args.iteration_factor,
-        uneven=not args.no_uneven)
+        uneven=not args.no_uneven, expert_parallel=args.expert_model_parallel_size)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      correction=args.stale_weight_correction,
                      distributed_optimizer=args.use_distributed_optimizer,
@@ -464,7 +532,9 @@ def _factors(request: PlanRequest) -> str:
 
 
 def _describe(model: ModelSpec, cluster, batch: int, precision: str, cost: CostModel) -> str:
-    return (f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters "
+    experts = (f" ({model.num_active_parameters() / 1e9:.2f}B active: {model.num_experts} "
+               f"experts, top-{model.moe_router_topk})" if model.is_moe else "")
+    return (f"{model.kind.upper()} {model.num_parameters() / 1e9:.2f}B parameters{experts} "
             f"(L={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
             f"s={model.seq_length} V={model.padded_vocab()}) on {cluster.num_gpus} devices "
             f"({cluster.nodes} x {cluster.gpus_per_node} {cluster.name}, "
@@ -646,6 +716,11 @@ def _check_profile_flags(args, argv, model: ModelSpec) -> None:
 
 def run_profile(argv) -> int:
     args = profile_parser().parse_args(argv)
+    if args.num_experts:
+        raise ToolError("--num-experts", "profiles measure dense layers: profile the model "
+                                         "without its MoE flags (the planner derives an MoE "
+                                         "layer's time and memory from the dense layer's "
+                                         "profile by the closed forms)")
     model = _model(args)
     _check_profile_flags(args, argv, model)
     if args.end_to_end:

@@ -182,6 +182,29 @@ class Cluster:
         bandwidth = min(crossing, self.intra_node.bandwidth) if k > 1 else crossing
         return Link(bandwidth, max(self.nic.latency, self.intra_node.latency))
 
+    def all_to_all(self, nbytes: float, size: int, stride: int) -> float:
+        """Seconds of an all-to-all over {r, r + stride, ...} in which each of the `size`
+        ranks holds `nbytes` and keeps 1/size of it, while every group of its kind (every
+        expert-parallel group) does the same.
+
+        Pairwise exchange, the long-message all-to-all (Thakur, Rabenseifner and Gropp 2005,
+        "Optimization of Collective Communication Operations in MPICH"): size - 1 steps of
+        alpha, and the (size - 1)/size of the buffer that leaves the rank at beta. Across
+        nodes a rank's k - 1 node mates take (k - 1)/size of its buffer over NVLink while the
+        size - k others take the rest over its NIC share, all G devices of the node sending
+        across at once; the two parts run at the same time (NCCL posts every peer's send
+        together)."""
+        if size <= 1:
+            return 0.0
+        if not self.crosses_nodes(size, stride):
+            link = self.intra_node
+            return (size - 1) * link.latency + (size - 1) / size * nbytes / link.bandwidth
+        k = self.ranks_per_node(size, stride)
+        inside = (k - 1) / size * nbytes / self.intra_node.bandwidth
+        across = (size - k) / size * nbytes / self.nic_share(self.gpus_per_node)
+        latency = max(self.nic.latency, self.intra_node.latency)
+        return (size - 1) * latency + max(inside, across)
+
     def p2p_link(self, depth: int, stride: int) -> Link:
         """Between neighbouring pipeline stages, `stride` = t w ranks apart: NVLink when the
         whole pipeline lies in one node; else the slowest boundary crosses nodes, where the

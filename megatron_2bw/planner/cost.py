@@ -5,7 +5,10 @@ and the choice of pipeline schedule.
 A layout is (t, d, w, b, m, recompute, schedule): t-way tensor parallelism inside each of d
 pipeline stages, w data-parallel pipelines, microbatches of b sequences, m microbatches per
 iteration (global batch B = b w m). Ranks are placed as megatron-core places them (tensor
-fastest, then data, then pipeline: rank = tp + t (dp + w pp)).
+fastest, then data, then pipeline: rank = tp + t (dp + w pp)). A Mixture-of-Experts model adds
+e expert-parallel ranks, carved as megatron-core carves them from the t w ranks of a stage with
+expert tensor parallelism 1 (order tp-ep-dp-pp of its expert groups: e consecutive ranks; their
+experts' gradients reduced over the t w / e expert-data-parallel ranks, e apart).
 
     cm = CostModel(model, cluster, precision="bf16")            # closed forms
     cm = CostModel(model, cluster, "fp32", profile=Profile.load("tools/profiles/cpu.json"))
@@ -38,7 +41,8 @@ from .model import ModelSpec
 if TYPE_CHECKING:
     from .profile import Profile
 
-__all__ = ["Layout", "RankParts", "rank_parts", "StageMemory", "MemoryEstimate",
+__all__ = ["Layout", "RankParts", "rank_parts", "moe_layers_of", "expert_problem",
+           "moe_placement_problem", "StageMemory", "MemoryEstimate",
            "TimeEstimate", "CostModel", "PRECISIONS", "OPTIMIZERS", "SCHEDULE_NOTES",
            "ALL_SCHEDULES", "NO_RECOMPUTE",
            "simulated_iteration", "kernels"]
@@ -132,6 +136,9 @@ class Layout:
     """Selective recomputation (`--recompute-granularity selective`): the attention core is
     replayed in the backward and keeps nothing (Korthikanti et al. 2022, Section 5); exclusive
     with `recompute`."""
+    e: int = 1
+    """Expert-parallel size (`--expert-model-parallel-size`; Mixture of Experts only): e
+    consecutive ranks of a stage's t w share out the experts."""
     split: tuple[int, ...] | None = None
     """Transformer layers per virtual stage in model order (`schedules.LayerSplit`); None:
     megatron-core's even split. Written as Megatron-LM's layout flags (`flags.layout_flags`)."""
@@ -147,7 +154,7 @@ class Layout:
     def label(self) -> str:
         return (f"t{self.t} d{self.d} w{self.w} b{self.b} m{self.m} {self.schedule}"
                 + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else "")
-                + (" sel" if self.selective else "")
+                + (" sel" if self.selective else "") + (f" e{self.e}" if self.e > 1 else "")
                 + (f" split {'|'.join(map(str, self.split))}" if self.split else ""))
 
     @property
@@ -254,6 +261,63 @@ def rank_parts(layout: Layout, rank: int) -> RankParts:
     return _rank_parts(layout.schedule, layout.d, layout.v, rank)
 
 
+@functools.lru_cache(maxsize=4096)
+def _moe_layers_of(pattern: tuple[int, ...], schedule: str, d: int, v: int,
+                   rank: int, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    placement = placement_of(schedule, d, v if d > 1 else 1)
+    layers = (LayerSplit(split, d) if split is not None
+              else LayerSplit.even(len(pattern), d, placement.chunks))
+    virtual = [placement.virtual(rank, c) for c in range(placement.chunks)]
+    return tuple(sum(pattern[layers.offset(s):layers.offset(s) + layers.count(s)])
+                 for s in virtual)
+
+
+def moe_layers_of(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, ...]:
+    """MoE layers in each model chunk of pipeline rank `rank` (the chunk holding virtual stage
+    v has the layers `layout.layers` gives it, as megatron-core numbers them: v L/(d V) ...
+    (v + 1) L/(d V) - 1 with the even split; the placement as `rank_parts`); zeros for a
+    dense model."""
+    return _moe_layers_of(model.moe_pattern, layout.schedule, layout.d, layout.v, rank,
+                          layout.split)
+
+
+def expert_problem(model: ModelSpec, t: int, w: int, e: int, device: str = "cuda"
+                   ) -> str | None:
+    """Why the training refuses expert-parallel size e with tensor size t and w data-parallel
+    pipelines (None: it runs it), the rules of megatron_2bw.arguments._validate_moe and
+    megatron-core: E a multiple of e; e divides a stage's t w ranks (Megatron-LM: world
+    divisible by expert tensor x expert x pipeline size, expert tensor size 1 here); experts
+    with biases need e > 1 (a megatron-core 0.16.1 bug at e = 1); tensor parallelism needs
+    sequence parallelism (megatron-core's MoE layer raises without it), which runs on CUDA
+    only."""
+    if not model.is_moe:
+        return None if e == 1 else f"expert-parallel size {e} needs a Mixture-of-Experts model"
+    if model.num_experts % e:
+        return f"{model.num_experts} experts do not split over e={e} expert-parallel ranks"
+    if (t * w) % e:
+        return (f"e={e} does not divide the t x w = {t} x {w} ranks of a stage (expert tensor "
+                f"parallelism 1)")
+    if model.add_bias_linear and e == 1:
+        return ("experts with biases at expert-parallel size 1 hit a megatron-core 0.16.1 bug: "
+                "plan with --disable-bias-linear (as Megatron-LM's MoE examples)")
+    if t > 1 and device != "cuda":
+        return (f"t={t} with experts needs --sequence-parallel (megatron-core's MoE layer), "
+                f"which runs on CUDA only")
+    return None
+
+
+def moe_placement_problem(model: ModelSpec, layout: Layout) -> str | None:
+    """A pipeline rank without an MoE layer (megatron_2bw.arguments._validate_moe_placement:
+    the expert optimizer's grad-norm all-reduce spans the pipeline)."""
+    if not model.is_moe or layout.d == 1:
+        return None
+    for rank in range(layout.d):
+        if not sum(moe_layers_of(model, layout, rank)):
+            return (f"pipeline stage {rank} holds no MoE layer (--moe-layer-freq); every stage "
+                    f"needs one")
+    return None
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """Bytes on one device of one pipeline stage."""
@@ -282,6 +346,8 @@ class StageMemory:
     batch's accumulate (megatron_2bw.deferred)."""
     pending_weight_grads: int = 0
     """Most microbatches (chunk passes in the V) whose I ran and whose W has not, at once."""
+    expert_parameters: int = 0
+    """Of `parameters`, the experts' (E/e per MoE layer)."""
 
     @property
     def total(self) -> float:
@@ -337,6 +403,9 @@ class TimeEstimate:
     global_batch: int
     method: str
     """"closed-form" or "simulated"."""
+    expert_parallel: tuple[float, ...] = ()
+    """Of F_i + B_i, the experts' all-to-alls (dispatch and combine, forward and backward);
+    empty for a dense model."""
     chunk_forward: tuple[tuple[float, ...], ...] = ()
     """Per rank, F of each of its model chunks (its layers, and the embedding or the head
     where the chunk holds them; sums to `forward`)."""
@@ -436,7 +505,8 @@ class CostModel:
         Each rank's pieces follow the placement (`rank_parts`)."""
         split = layout.layers(self.model.num_layers)
         stage = self._stage_memory(layout)
-        ranks = range(layout.d) if every_stage or layout.split else sorted({0, layout.d - 1})
+        ranks = (range(layout.d) if every_stage or layout.split
+                 else sorted({0, layout.d - 1} | self._most_experts(layout)))
         return MemoryEstimate(tuple(stage(i, split.of_rank(layout.placement, i))
                                     for i in ranks))
 
@@ -445,9 +515,9 @@ class CostModel:
         `memory`'s parts; a split backward's activations bounded from above): the lines
         `balanced_split` fits layers under."""
         stage, chunks = self._stage_memory(layout, bound=True), layout.placement.chunks
-        lines = []
+        lines, none = [], (0,) * chunks  # dense layers (`balanced_split` is for dense models)
         for i in range(layout.d):
-            empty, full = stage(i, (0,) * chunks).total, stage(i, (1,) * chunks).total
+            empty, full = stage(i, none, none).total, stage(i, (1,) * chunks, none).total
             lines.append((empty, (full - empty) / chunks))
         return lines
 
@@ -460,28 +530,41 @@ class CostModel:
         spec = _schedule_spec(layout.schedule)
         mixed = self.precision != "fp32"
         optimizer_bytes = (MASTER_BYTES if mixed else 0) + MOMENT_BYTES[self.optimizer]
-        if self.distributed_optimizer:
-            optimizer_bytes /= layout.w
+        # The distributed optimizer shards over the data-parallel ranks: the w replicas of a
+        # stage, the t w / e expert-data-parallel ones for the experts (megatron-core's
+        # expert optimizer over its expert data-parallel group).
+        dense_shard = layout.w if self.distributed_optimizer else 1
+        expert_shard = t * layout.w // layout.e if self.distributed_optimizer else 1
         layer_full = self._activation_bytes("layer", b, t, recompute=False)
         layer_kept = (self._activation_bytes("layer", b, t, recompute=True) if layout.recompute
                       else self._layer_options(layer_full, layout, "bytes"))
+        # An MoE layer: the dense layer's bytes scaled by the closed forms' ratio; with
+        # recomputation it keeps its input alone, as a dense layer.
+        moe_whole = layer_full * self._moe_scale(layout, "bytes", selective=False)
+        moe_kept = (layer_kept if layout.recompute
+                    else layer_full * self._moe_scale(layout, "bytes"))
         overhead = self.profile.runtime_overhead_bytes if self.profile else 0.0
         embedding = self._activation_bytes("embedding", b, t)
         if self._sequence_parallel(t):
             embedding /= t  # its dropout runs on 1/t of the sequence
         head = self._activation_bytes("head", b, t)
         logits_gradient = model.logits_gradient_bytes(b, t)
-        def stage(i: int, chunk_layers: tuple[int, ...]) -> StageMemory:
+        def stage(i: int, chunk_layers: tuple[int, ...],
+                  moe: tuple[int, ...] | None = None) -> StageMemory:
             parts = rank_parts(layout, i)
             first, last = parts.embedding, parts.head
-            params = model.rank_parameters(t, sum(chunk_layers), embedding=first, head=last)
+            moe = moe_layers_of(model, layout, i) if moe is None else moe
+            params = model.rank_parameters(t, sum(chunk_layers), embedding=first, head=last,
+                                           moe_layers=sum(moe), e=layout.e)
+            expert_params = sum(moe) * (model.moe_layer_parameters(t, layout.e)[1]
+                                        if model.is_moe else 0)
             deferred = self._deferred(layout.schedule, d) and (
                 self.clip_grad or (model.tied and (first or last)))
             # Activations one microbatch leaves in each chunk: each layer's (its input only
             # with recomputation; Section 4.1), plus the embedding's and the head's.
-            chunk_bytes = [layers * layer_kept + has_embedding * embedding + has_head * head
-                           for layers, (has_embedding, has_head) in zip(chunk_layers,
-                                                                         parts.chunks)]
+            chunk_bytes = [(layers - n) * layer_kept + n * moe_kept + has_embedding * embedding
+                           + has_head * head for layers, n, (has_embedding, has_head)
+                           in zip(chunk_layers, moe, parts.chunks)]
             per_microbatch = sum(chunk_bytes)
             # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
@@ -490,7 +573,7 @@ class CostModel:
             if d > 1 and _splits_backward(layout.schedule) and bound:
                 # at most: the stash's peak and the pending W's peak, each in its fullest chunk
                 pending = _weight_grads(layout.schedule, d, min(m, 2 * d + 1), i)
-                waiting = self._weight_grad_bytes(layout, parts, chunk_layers)
+                waiting = self._weight_grad_bytes(layout, parts, chunk_layers, moe)
                 activations = (stash * len(chunk_bytes) * max(chunk_bytes)
                                + pending * max(waiting))
             elif d > 1 and _splits_backward(layout.schedule):
@@ -498,10 +581,13 @@ class CostModel:
                 held = _held_counts(layout.schedule, d, min(m, 2 * d + 1), i)
                 pending = max(sum(counts[len(chunk_bytes):]) for counts in held)
                 activations = _split_peak(held, chunk_bytes,
-                                          self._weight_grad_bytes(layout, parts, chunk_layers))
+                                          self._weight_grad_bytes(layout, parts, chunk_layers,
+                                                                  moe))
             # A recomputed layer (or attention core) exists again during its backward.
             whole_layer = self._layer_options(layer_full, layout, "bytes", selective=False)
             replayed = whole_layer if layout.recompute else whole_layer - layer_kept
+            if sum(moe):
+                replayed = max(replayed, moe_whole if layout.recompute else moe_whole - moe_kept)
             transient = replayed + last * logits_gradient
             return StageMemory(
                 stage=i, parameters=params,
@@ -511,28 +597,55 @@ class CostModel:
                 extra_versions=(spec.versions_on(d, m, i) - 1) * params * e
                 + self._correction_bytes(layout.schedule, params),
                 gradients=params * GRAD_BYTES,
-                optimizer=params * optimizer_bytes,
+                optimizer=((params - expert_params) / dense_shard
+                           + expert_params / expert_shard) * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),
                 activations=activations,
                 transient=transient,
                 overhead=overhead,
                 gradient_copy=deferred * params * GRAD_BYTES,
-                pending_weight_grads=pending)
+                pending_weight_grads=pending,
+                expert_parameters=expert_params)
 
         return stage
 
     def _weight_grad_bytes(self, layout: Layout, parts: RankParts,
-                           chunk_layers: tuple[int, ...]) -> list[float]:
+                           chunk_layers: tuple[int, ...], moe: tuple[int, ...]) -> list[float]:
         """Per chunk of the rank: bytes one microbatch's pending W keeps (its layers' and, on
         the output layer's chunk, that layer's inputs and output gradients;
-        ModelSpec.layer_weight_grad_bytes)."""
+        ModelSpec.layer_weight_grad_bytes, moe_layer_weight_grad_bytes for the chunk's `moe`
+        MoE layers)."""
         b, t, e = layout.b, layout.t, self.element_bytes
         sp = self._sequence_parallel(t)
         layer = self.model.layer_weight_grad_bytes(b, t, e, sequence_parallel=sp)
+        moe_layer = self.model.moe_layer_weight_grad_bytes(b, t, e) if any(moe) else 0.0
         head = self.model.head_weight_grad_bytes(b, t, e, sequence_parallel=sp,
                                                  with_embedding=parts.embedding)
-        return [layers * layer + has_head * head
-                for layers, (_, has_head) in zip(chunk_layers, parts.chunks)]
+        return [(layers - n) * layer + n * moe_layer + has_head * head
+                for layers, n, (_, has_head) in zip(chunk_layers, moe, parts.chunks)]
+
+    def _most_experts(self, layout: Layout) -> set[int]:
+        """The pipeline rank holding the most MoE layers (a middle one can hold more than the
+        first and the last under a --moe-layer-freq pattern); none for a dense model."""
+        if not self.model.is_moe:
+            return set()
+        counts = [sum(moe_layers_of(self.model, layout, i)) for i in range(layout.d)]
+        return {counts.index(max(counts))}
+
+    def _moe_scale(self, layout: Layout, what: str, selective: bool | None = None) -> float:
+        """An MoE layer's activation bytes (`what="bytes"`) or forward seconds ("time") over a
+        plain dense layer's (no sequence parallelism, no selective recomputation), by the
+        closed forms: a dense layer's profiled numbers carry over to the MoE layers."""
+        if not self.model.is_moe:
+            return 1.0
+        model, b, t, e = self.model, layout.b, layout.t, self.element_bytes
+        selective = layout.selective if selective is None else selective
+        if what == "bytes":
+            return (model.moe_layer_activation_bytes(b, t, e, selective_recompute=selective,
+                                                     flash_attention=self.flash_attention)
+                    / model.layer_activation_bytes(b, t, e))
+        return (self.kernel_time("moe_layer", b, t, flash_attention=self.flash_attention,
+                                 e=layout.e) / self.kernel_time("layer", b, t))
 
     def _correction_bytes(self, schedule: str, params: int) -> float:
         """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
@@ -579,46 +692,79 @@ class CostModel:
         p2p = pp_link.latency if d > 1 else 0.0
 
         lf, lb = self._compute("layer", b, t, rc)
+        # An MoE layer: the dense layer's times scaled by the closed forms' ratio (its router,
+        # k experts per token, permutation; moe_layer_gemms), the attention's additions alike.
+        mf, mb = lf * self._moe_scale(layout, "time"), lb * self._moe_scale(layout, "time")
         lf, lb = self._layer_options(lf, layout, "time"), self._layer_options(lb, layout, "time")
-        lb += self._replayed_core(lf, layout) + self._flash_scores(lf, layout)
+        attention_extra = self._replayed_core(lf, layout) + self._flash_scores(lf, layout)
+        lb, mb = lb + attention_extra, mb + attention_extra
         ef, eb = self._compute("embedding", b, t, False)
         hf, hb = self._compute("head", b, t, False)
+        # Expert parallelism (megatron-core's alltoall dispatcher): each MoE layer sends its
+        # rank's k bs/t token copies to their experts' ranks and the results back, dispatch and
+        # combine, in the forward and again (their gradients) in the backward, and once more
+        # forward when recomputing; not overlapped with compute (megatron-core overlaps them
+        # only with --overlap-moe-expert-parallel-comm). The e ranks are consecutive
+        # (Cluster.all_to_all: NVLink inside a node, the NICs across).
+        a2a = cluster.all_to_all(model.dispatch_bytes(b, t, e), layout.e, stride=1) \
+            if model.is_moe else 0.0
+        shared = bool(model.shared_ffn)
         # Per model chunk (virtual stage): its layers (`layout.layers`), the embedding on the
         # first virtual stage, the head on the last, a send where the next (previous) virtual
         # stage is on another rank; a rank's F_i and B_i are its chunks' sums.
-        chunk_forward, chunk_backward, tp_time = [], [], []
+        chunk_forward, chunk_backward, tp_time, ep_time = [], [], [], []
         ranks = [rank_parts(layout, i) for i in range(d)]
-        rank_layers = []
+        rank_layers, moe_counts = [], []
         for i, chunks in enumerate(_chunk_parts(layout.schedule, d, layout.v)):
-            fs, bs, tps = [], [], 0.0
-            counts = split.of_rank(placement, i)
+            fs, bs, tps, eps = [], [], 0.0, 0.0
+            counts, moes = split.of_rank(placement, i), moe_layers_of(model, layout, i)
             rank_layers.append(sum(counts))
-            for layers, (first, last, ahead, behind) in zip(counts, chunks):
-                tp_f = layers * 2 * tp_ar + first * tp_ar + last * 3 * tp_small
-                tp_b = layers * (2 + 2 * rc) * tp_ar + last * tp_ar
-                fs.append(layers * lf + first * ef + last * hf + tp_f + ahead * send)
-                bs.append(layers * lb + first * eb + last * hb + tp_b + behind * send)
-                tps += tp_f + tp_b
+            moe_counts.append(sum(moes))
+            for layers, moe, (first, last, ahead, behind) in zip(counts, moes, chunks):
+                # A dense layer all-reduces twice per pass; an MoE layer once (the attention's;
+                # its experts hold whole weights) and once more for a shared expert.
+                collectives = 2 * (layers - moe) + (1 + shared) * moe
+                tp_f = collectives * tp_ar + first * tp_ar + last * 3 * tp_small
+                tp_b = collectives * (1 + rc) * tp_ar + last * tp_ar
+                ep_f, ep_b = moe * 2 * a2a, moe * (2 + 2 * rc) * a2a
+                fs.append((layers - moe) * lf + moe * mf + first * ef + last * hf + tp_f
+                          + ep_f + ahead * send)
+                bs.append((layers - moe) * lb + moe * mb + first * eb + last * hb + tp_b
+                          + ep_b + behind * send)
+                tps, eps = tps + tp_f + tp_b, eps + ep_f + ep_b
             chunk_forward.append(tuple(fs))
             chunk_backward.append(tuple(bs))
             tp_time.append(tps)
+            ep_time.append(eps)
         forward = [sum(fs) for fs in chunk_forward]
         backward = [sum(bs) for bs in chunk_backward]
 
         # Step: data-parallel ring all-reduce of each stage's fp32 gradients over its w
         # replicas, t apart (PipeDream-2BW Section 4.3: all_reduce(|W|/d) over w workers; not
         # overlapped with the backward: megatron-core's DDP default overlap_grad_reduce=False);
-        # the tied embedding's gradient between first and last stage; the optimizer.
+        # the experts' over their t w / e expert-data-parallel replicas, e apart
+        # (megatron-core's expert DDP buffer); the tied embedding's gradient between first and
+        # last stage; the optimizer.
         dp_link = cluster.group_link(w, stride=t)
-        stage_params = [model.rank_parameters(t, n, embedding=p.embedding, head=p.head)
-                        for n, p in zip(rank_layers, ranks)]
-        data_parallel = max(dp_link.all_reduce(p * GRAD_BYTES, w) for p in stage_params)
+        stage_params = [model.rank_parameters(t, n, embedding=p.embedding, head=p.head,
+                                              moe_layers=moe, e=layout.e)
+                        for n, p, moe in zip(rank_layers, ranks, moe_counts)]
+        expert_params = [moe * model.moe_layer_parameters(t, layout.e)[1] if moe else 0
+                         for moe in moe_counts]
+        expert_dp = t * w // layout.e
+        edp_link = cluster.group_link(expert_dp, stride=layout.e)
+        data_parallel = max(dp_link.all_reduce((p - x) * GRAD_BYTES, w)
+                            + (edp_link.all_reduce(x * GRAD_BYTES, expert_dp) if x else 0.0)
+                            for p, x in zip(stage_params, expert_params))
         embedding_sync = 0.0
         if model.tied and not ranks[0].head:  # the output layer's copy is on another rank
             embedding = model.padded_vocab(t) // t * model.hidden_size
             embedding_sync = cluster.group_link(2, stride=t * w * (d - 1)).all_reduce(
                 embedding * GRAD_BYTES, 2)
-        optimizer = max(self._optimizer_step(p, w) for p in stage_params) \
+        # The experts have an optimizer of their own (megatron-core's chain of two).
+        optimizer = max(self._optimizer_step(p - x, w)
+                        + (self._optimizer_step(x, expert_dp) if x else 0.0)
+                        for p, x in zip(stage_params, expert_params)) \
             + max(self._orthogonalization(n, t) for n in rank_layers)
         pp_group = cluster.group_link(d, stride=t * w)
         # Muon's chain of two optimizers takes the norm also without clipping
@@ -649,6 +795,7 @@ class CostModel:
         return TimeEstimate(
             forward=tuple(forward), backward=tuple(backward), tensor_parallel=tuple(tp_time),
             chunk_forward=tuple(chunk_forward), chunk_backward=tuple(chunk_backward),
+            expert_parallel=tuple(ep_time) if model.is_moe else (),
             p2p=p2p, data_parallel=data_parallel, embedding_sync=embedding_sync,
             optimizer=optimizer, step=step, iteration=iteration,
             bubble_fraction=max(bubble, 0.0), global_batch=layout.global_batch, method=method)
@@ -781,7 +928,9 @@ class CostModel:
 
     # ---- parts ----------------------------------------------------------------------------
     def _sequence_parallel(self, t: int) -> bool:
-        return self.sequence_parallel and t > 1
+        """--sequence-parallel at t > 1; always for an MoE model (megatron-core's MoE layer
+        refuses tensor parallelism without it)."""
+        return (self.sequence_parallel or self.model.is_moe) and t > 1
 
     def _layer_options(self, plain: float, layout: Layout, what: str,
                        selective: bool | None = None) -> float:
@@ -847,13 +996,13 @@ class CostModel:
         return forward, backward
 
     def kernel_time(self, part: str, b: int, t: int, sequence_parallel: bool = False,
-                    flash_attention: bool = False) -> float:
-        """Forward seconds of a part on one of t ranks from its kernels: each GEMM's FLOPs at
-        the rate of its shape (Cluster.gemm_flops), plus element-wise bytes at the sustained
-        memory bandwidth."""
+                    flash_attention: bool = False, e: int = 1) -> float:
+        """Forward seconds of a part on one of t ranks (e expert-parallel ranks for
+        "moe_layer") from its kernels: each GEMM's FLOPs at the rate of its shape
+        (Cluster.gemm_flops), plus element-wise bytes at the sustained memory bandwidth."""
         gemms, streamed = kernels(self.model, part, b, t, self.element_bytes,
                                   sequence_parallel=sequence_parallel,
-                                  flash_attention=flash_attention)
+                                  flash_attention=flash_attention, experts=e)
         rate = self.cluster.gemm_flops
         return (sum(flops / rate(self.precision, n) for flops, n in gemms)
                 + streamed / self.cluster.stream_bandwidth)
@@ -995,9 +1144,13 @@ def _closed_form_bytes(model: ModelSpec, part: str, b: int, t: int, recompute: b
 
 def kernels(model: ModelSpec, part: str, b: int, t: int, e: int,
             sequence_parallel: bool = False,
-            flash_attention: bool = False) -> tuple[list[tuple[float, int]], float]:
+            flash_attention: bool = False, experts: int = 1
+            ) -> tuple[list[tuple[float, int]], float]:
     """(GEMMs as (FLOPs, smallest dimension), streamed bytes) of one part's forward on one of t
-    ranks."""
+    ranks ("moe_layer": of `experts` expert-parallel ranks)."""
+    if part == "moe_layer":
+        return model.moe_layer_gemms(b, t, experts), model.moe_layer_streamed_bytes(
+            b, t, e, flash_attention=flash_attention)
     if part == "layer":
         return model.layer_gemms(b, t), model.layer_streamed_bytes(
             b, t, e, sequence_parallel=sequence_parallel, flash_attention=flash_attention)

@@ -18,19 +18,29 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from megatron_2bw.arguments import moe_freq_type
 from megatron_2bw.schedules import V_SCHEDULES, LayoutError, LayoutFlags, layer_split
 from megatron_2bw.schedules.split import layout_stages
 
-from .cost import CostModel, Layout, MemoryEstimate, TimeEstimate
+from .cost import (CostModel, Layout, MemoryEstimate, TimeEstimate, expert_problem,
+                   moe_placement_problem)
 from .model import ModelSpec
 
-__all__ = ["ForcedLayout", "Evaluation", "parse_evaluate", "evaluate", "MODEL_FLAGS"]
+__all__ = ["ForcedLayout", "Evaluation", "parse_evaluate", "evaluate", "MODEL_FLAGS",
+           "MODEL_SWITCHES"]
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-               "ffn_hidden_size", "make_vocab_size_divisible_by")
-"""Model flags a command may carry (argparse dest names)."""
+               "ffn_hidden_size", "make_vocab_size_divisible_by", "num_query_groups",
+               "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+               "moe_shared_expert_intermediate_size")
+"""Model flags with a value a command may carry (argparse dest names)."""
 
-_SHORT = re.compile(r"t(\d+)d(\d+)(?:w(\d+))?b(\d+)(?:v(\d+))?:([a-z0-9-]+)(\+rc)?")
+MODEL_SWITCHES = ("swiglu", "group_query_attention", "untie_embeddings_and_output_weights",
+                  "disable_bias_linear", "no_dropout")
+"""Model switches a command may turn on (no_dropout: --hidden-dropout 0 and
+--attention-dropout 0)."""
+
+_SHORT = re.compile(r"t(\d+)d(\d+)(?:w(\d+))?(?:e(\d+))?b(\d+)(?:v(\d+))?:([a-z0-9-]+)(\+rc)?")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class ForcedLayout:
     """--sequence-parallel in the command."""
     attention_backend: str | None = None
     """--attention-backend in the command (None: not said)."""
+    model_switches: tuple[str, ...] = ()
+    """MODEL_SWITCHES the command turns on."""
 
 
 @dataclass(frozen=True)
@@ -68,16 +80,19 @@ class Evaluation:
     @property
     def time_parts(self) -> dict[str, float]:
         """Seconds of one iteration by cause: the bottleneck stage's compute and sends, its
-        tensor-parallel all-reduces, the schedule's bubble, the step (data-parallel and
-        embedding all-reduces, optimizer)."""
+        tensor-parallel all-reduces, its experts' all-to-alls (MoE), the schedule's bubble,
+        the step (data-parallel and embedding all-reduces, optimizer)."""
         t = self.time
         slowest = max(range(len(t.forward)), key=lambda i: t.forward[i] + t.backward[i])
         pipeline = t.iteration - t.step
         bubble = t.bubble_fraction * pipeline
         tensor_parallel = self.layout.m * t.tensor_parallel[slowest]
-        return {"compute and p2p": pipeline - bubble - tensor_parallel,
-                "tensor-parallel all-reduces": tensor_parallel,
-                "pipeline bubble": bubble, "step (all-reduce, optimizer)": t.step}
+        experts = self.layout.m * t.expert_parallel[slowest] if t.expert_parallel else 0.0
+        parts = {"compute and p2p": pipeline - bubble - tensor_parallel - experts,
+                 "tensor-parallel all-reduces": tensor_parallel}
+        if t.expert_parallel:
+            parts["expert-parallel all-to-alls"] = experts
+        return parts | {"pipeline bubble": bubble, "step (all-reduce, optimizer)": t.step}
 
     @property
     def time_limit(self) -> str:
@@ -114,8 +129,16 @@ def _command_parser() -> argparse.ArgumentParser:
     add("--pipeline-model-parallel-layout", default=None)
     add("--nnodes", type=str, default=None)
     add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--expert-tensor-parallel-size", type=int, default=None)
+    add("--moe-token-dispatcher-type", default="allgather")  # Megatron-LM's default
+    add("--hidden-dropout", type=float, default=0.1)
+    add("--attention-dropout", type=float, default=0.1)
     for dest in MODEL_FLAGS:
-        add("--" + dest.replace("_", "-"), type=int, default=None)
+        add("--" + dest.replace("_", "-"), type=moe_freq_type if dest == "moe_layer_freq" else int,
+            default=None)
+    for dest in MODEL_SWITCHES[:-1]:
+        add("--" + dest.replace("_", "-"), action="store_true")
     return p
 
 
@@ -130,21 +153,21 @@ def _world_of(nnodes: str | None, nproc: int | None, world: int) -> int:
 
 def _from_short(text: str, world: int, global_batch: int | None) -> ForcedLayout:
     match = _SHORT.fullmatch(text.strip())
-    t, d, w, b, v = (int(x) if x else None for x in match.groups()[:5])
+    t, d, w, e, b, v = (int(x) if x else None for x in match.groups()[:6])
     w = w or world // (t * d)
     if global_batch is None:
         raise ValueError(f"{text!r}: give --global-batch-size")
-    layout = _layout(t, d, w, b, v or 1, match.group(6), bool(match.group(7)), global_batch,
-                     world)
+    layout = _layout(t, d, w, b, v or 1, match.group(7), bool(match.group(8)), global_batch,
+                     world, e=e or 1)
     return ForcedLayout(layout)
 
 
 def _layout(t: int, d: int, w: int, b: int, v: int, schedule: str, recompute: bool,
-            global_batch: int, world: int, selective: bool = False) -> Layout:
+            global_batch: int, world: int, selective: bool = False, e: int = 1) -> Layout:
     from .search import ALL_SCHEDULES
 
-    if min(t, d, w, b, v) < 1:
-        raise ValueError(f"sizes must be >= 1, got t={t} d={d} w={w} b={b} v={v}")
+    if min(t, d, w, b, v, e) < 1:
+        raise ValueError(f"sizes must be >= 1, got t={t} d={d} w={w} b={b} v={v} e={e}")
     if t * d * w != world:
         raise ValueError(f"t x d x w = {t} x {d} x {w} = {t * d * w} is not the {world} "
                          f"devices of the cluster (--nodes x --gpus-per-node)")
@@ -153,7 +176,7 @@ def _layout(t: int, d: int, w: int, b: int, v: int, schedule: str, recompute: bo
     if global_batch % (b * w):
         raise ValueError(f"global batch {global_batch} is not a multiple of micro batch x data "
                          f"parallel = {b} x {w}")
-    return Layout(t, d, w, b, global_batch // (b * w), recompute, schedule, v, selective)
+    return Layout(t, d, w, b, global_batch // (b * w), recompute, schedule, v, selective, e)
 
 
 def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> ForcedLayout:
@@ -170,6 +193,19 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
         args, _ = _command_parser().parse_known_args(words)
     except SystemExit:
         raise ValueError("a flag of the command lacks its value or has a bad one") from None
+    e = args.expert_model_parallel_size
+    if args.num_experts:
+        etp = args.expert_tensor_parallel_size
+        if etp not in (None, 1) or (etp is None and args.tensor_model_parallel_size > 1):
+            raise ValueError(f"expert tensor-parallel size {etp or args.tensor_model_parallel_size}"
+                             f" (Megatron-LM's default is the tensor-parallel size): the planner "
+                             f"models experts whole on each rank; add "
+                             f"--expert-tensor-parallel-size 1")
+        if e > 1 and args.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(f"the {args.moe_token_dispatcher_type} token dispatcher "
+                             f"(--moe-token-dispatcher-type; Megatron-LM's default is "
+                             f"allgather): the planner prices alltoall's; add "
+                             f"--moe-token-dispatcher-type alltoall")
     if args.micro_batch_size is None:
         raise ValueError("the command has no --micro-batch-size (expected a Megatron launch "
                          "command, or a layout like t8d4b1v2:megatron+rc)")
@@ -189,16 +225,19 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
     if args.pipeline_model_parallel_layout is not None:
         v = layout_stages(args.pipeline_model_parallel_layout) // d
     layout = _layout(t, d, w, args.micro_batch_size, v, args.pipeline_schedule, recompute, B,
-                     world, selective=args.recompute_granularity == "selective")
+                     world, selective=args.recompute_granularity == "selective", e=e)
     if split is not None:
         layout = dataclasses.replace(layout, split=split)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     kind = ("bert" if re.search(r"pretrain_bert", text) else
             "gpt" if re.search(r"pretrain_gpt", text) else None)
     given = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
+    args.no_dropout = args.hidden_dropout == 0 and args.attention_dropout == 0
+    switches = tuple(k for k in MODEL_SWITCHES if getattr(args, k))
     return ForcedLayout(layout, given, precision, args.use_distributed_optimizer,
                         args.clip_grad > 0, kind, args.sequence_parallel,
-                        args.attention_backend or ("flash" if args.use_flash_attn else None))
+                        args.attention_backend or ("flash" if args.use_flash_attn else None),
+                        switches)
 
 
 def _split_of(args, d: int) -> tuple[int, ...] | None:
@@ -228,7 +267,9 @@ def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluat
     if model.num_attention_heads % layout.t:
         raise ValueError(f"{model.num_attention_heads} attention heads are not divisible by "
                          f"t={layout.t}")
-    problem = layout.problem(model.num_layers, model.tied)
+    problem = (expert_problem(model, layout.t, layout.w, layout.e, cost.cluster.device)
+               or layout.problem(model.num_layers, model.tied)
+               or moe_placement_problem(model, layout))
     if problem:
         raise ValueError(problem)
     time = cost.time(layout, simulate=simulate and layout.d * 3 * (2 * layout.m + 1) <= 4000)

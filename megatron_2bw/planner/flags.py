@@ -139,6 +139,9 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
     if model.untie_embeddings and model.kind == "gpt":
         flags.append("--untie-embeddings-and-output-weights")
+    if not model.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    flags += _moe_flags(layout, model)
     if not model.dropout:
         flags += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     if precision in ("bf16", "fp16"):
@@ -148,8 +151,8 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
                   "--recompute-num-layers", "1"]
     if layout.selective:
         flags += ["--recompute-granularity", "selective"]
-    if sequence_parallel and layout.t > 1:
-        flags.append("--sequence-parallel")
+    if (sequence_parallel or model.is_moe) and layout.t > 1:
+        flags.append("--sequence-parallel")  # megatron-core's MoE layer needs it at t > 1
     split = layout_flags(layout, model.num_layers)
     if layout.v > 1 and "--pipeline-model-parallel-layout" not in split:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.v)]
@@ -197,6 +200,31 @@ def layout_flags(layout: Layout, num_layers: int) -> list[str]:
             return [x for k, n in given.items()
                     for x in (f"--decoder-{k}-pipeline-num-layers", str(n))]
     return ["--pipeline-model-parallel-layout", split.layout()]
+
+
+def _moe_flags(layout: Layout, model: ModelSpec) -> list[str]:
+    """Megatron-LM's MoE flags of the model and the layout's expert parallelism: the alltoall
+    dispatcher the cost model prices (Megatron-LM's default is allgather), expert tensor
+    parallelism 1 where t > 1 (its default is t)."""
+    if not model.is_moe:
+        return []
+    flags = ["--num-experts", str(model.num_experts),
+             "--moe-router-topk", str(model.moe_router_topk),
+             "--moe-token-dispatcher-type", "alltoall"]
+    if model.moe_ffn_hidden_size:
+        flags += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
+    if model.moe_layer_freq != 1:
+        freq = model.moe_layer_freq
+        flags += ["--moe-layer-freq",
+                  str(freq) if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]"]
+    if model.moe_shared_expert_intermediate_size:
+        flags += ["--moe-shared-expert-intermediate-size",
+                  str(model.moe_shared_expert_intermediate_size)]
+    if layout.e > 1:
+        flags += ["--expert-model-parallel-size", str(layout.e)]
+    if layout.t > 1:
+        flags += ["--expert-tensor-parallel-size", "1"]
+    return flags
 
 
 def _flags_for(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> list[str]:
@@ -387,6 +415,8 @@ def plan_to_json(plan: Plan, top: int = 20, training: Sequence[str] = ()) -> dic
             "iteration_factors": {s: r.factor_of(s) for s in r.schedules},
             "distributed_optimizer": r.distributed_optimizer,
             "selective_recompute": r.selective_recompute,
+            "expert_parallel": (None if r.expert_parallel is None
+                                else list(r.expert_parallel)),
             "sequence_parallel": r.sequence_parallel,
             "training_flags": list(training),
         },

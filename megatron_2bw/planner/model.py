@@ -10,12 +10,24 @@ given), b microbatch size, t tensor-parallel size, e bytes per activation elemen
     spec.num_parameters()                 # 174.6e9 (GPT-3 175B)
     spec.layer_forward_flops(b=1)         # 24bsh^2 + 4bs^2h
     spec.layer_activation_bytes(b=1, t=8, element_bytes=2)
+
+Mixture of Experts (Megatron-LM's flags, docs/planner.md "Mixture of Experts"): E experts of
+FFN size f_e (`--moe-ffn-hidden-size`), k of them per token (`--moe-router-topk`), in the layers
+`--moe-layer-freq` names; e expert-parallel ranks each hold E/e experts whole (expert tensor
+parallelism 1) and a rank's s b/t tokens (sequence parallelism splits them over t) reach their
+experts by an all-to-all.
+
+    mixtral = ModelSpec("gpt", 32, 4096, 32, 4096, 32000, ffn_hidden_size=14336,
+                        num_query_groups=8, gated_linear_unit=True, untie_embeddings=True,
+                        add_bias_linear=False, num_experts=8, moe_router_topk=2)
+    mixtral.num_parameters(), mixtral.num_active_parameters()   # 46.7e9, 12.9e9
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -54,6 +66,20 @@ class ModelSpec:
     query head."""
     gated_linear_unit: bool = False
     """`--swiglu`: FC1 makes the gate and the value, 2f wide, the activation multiplies them."""
+    add_bias_linear: bool = True
+    """Linear layers with biases (`--disable-bias-linear` turns them off, as Megatron-LM's MoE
+    examples do)."""
+    num_experts: int | None = None
+    """E (`--num-experts`): an MoE layer's MLP is a router and E experts; None: dense."""
+    moe_router_topk: int = 2
+    """k (`--moe-router-topk`): the experts each token passes through."""
+    moe_ffn_hidden_size: int | None = None
+    """f_e (`--moe-ffn-hidden-size`); None: f, as Megatron-LM sets it."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """`--moe-layer-freq`: an MoE layer every N layers from the first, or one 0/1 per layer."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """f_s (`--moe-shared-expert-intermediate-size`): a shared expert every token passes
+    through, beside the routed ones; None: none."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpt", "bert"):
@@ -71,6 +97,19 @@ class ModelSpec:
         if self.num_attention_heads % self.query_groups:
             raise ValueError(f"{self.num_attention_heads} attention heads do not split into "
                              f"{self.query_groups} query groups")
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if self.num_experts is not None:
+            if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"need 1 <= top-k {self.moe_router_topk} <= "
+                                 f"{self.num_experts} experts")
+            pattern = self.moe_layer_freq
+            if isinstance(pattern, tuple) and (len(pattern) != self.num_layers
+                                               or set(pattern) - {0, 1}):
+                raise ValueError(f"--moe-layer-freq pattern {list(pattern)}: one 0 or 1 per "
+                                 f"layer of {self.num_layers}")
+            if isinstance(pattern, int) and pattern < 1:
+                raise ValueError(f"--moe-layer-freq must be >= 1, got {pattern}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, kind: str = "gpt") -> "ModelSpec":
@@ -82,15 +121,29 @@ class ModelSpec:
                    untie_embeddings=getattr(args, "untie_embeddings_and_output_weights", False),
                    num_query_groups=(args.num_query_groups
                                      if getattr(args, "group_query_attention", False) else None),
-                   gated_linear_unit=getattr(args, "swiglu", False))
+                   gated_linear_unit=getattr(args, "swiglu", False),
+                   add_bias_linear=getattr(args, "add_bias_linear", True),
+                   **({} if not getattr(args, "num_experts", None) else dict(
+                       num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                       moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                       moe_layer_freq=args.moe_layer_freq,
+                       moe_shared_expert_intermediate_size=(
+                           args.moe_shared_expert_intermediate_size))))
+
+    _OPTIONAL = ("num_query_groups", "gated_linear_unit", "add_bias_linear", "num_experts",
+                 "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                 "moe_shared_expert_intermediate_size")
 
     def to_json(self) -> dict:
-        """The fields, less grouped-query attention and the gated unit where they are off (a
-        file written before they existed reads back the same)."""
+        """The fields, less those added after the first files (grouped-query attention, the
+        gated unit, biases, experts) where they hold their defaults: a file written before
+        they existed reads back the same."""
         data = dataclasses.asdict(self)
-        for name in ("num_query_groups", "gated_linear_unit"):
+        for name in self._OPTIONAL:
             if data[name] == getattr(ModelSpec, name):
                 del data[name]
+        if isinstance(data.get("moe_layer_freq"), tuple):
+            data["moe_layer_freq"] = list(data["moe_layer_freq"])
         return data
 
     # ---- sizes ----------------------------------------------------------------------------
@@ -117,6 +170,41 @@ class ModelSpec:
     def fc1_width(self) -> int:
         """FC1's output features, all ranks: f, or 2f with a gated unit (SwiGLU)."""
         return self.ffn * (2 if self.gated_linear_unit else 1)
+
+    # ---- Mixture of Experts ---------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @functools.cached_property
+    def moe_pattern(self) -> tuple[int, ...]:
+        """1 for each MoE layer, 0 for each dense one (megatron-core's
+        ``get_gpt_decoder_layer_specs``: --moe-layer-freq N puts one at every N-th layer from
+        the first); all 0 for a dense model."""
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq
+        return tuple(int(i % self.moe_layer_freq == 0) for i in range(self.num_layers))
+
+    @property
+    def expert_ffn(self) -> int:
+        """f_e: an expert's FFN size (`--moe-ffn-hidden-size`, default f)."""
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def expert_fc1_width(self) -> int:
+        """An expert's FC1 output features: f_e, or 2 f_e with a gated unit."""
+        return self.expert_ffn * (2 if self.gated_linear_unit else 1)
+
+    @property
+    def shared_ffn(self) -> int:
+        """f_s: the shared expert's FFN size, 0 without one."""
+        return self.moe_shared_expert_intermediate_size or 0
+
+    @property
+    def shared_fc1_width(self) -> int:
+        return self.shared_ffn * (2 if self.gated_linear_unit else 1)
 
     def layer_matrices(self, t: int = 1) -> list[tuple[int, int]]:
         """(rows, columns) of one layer's weight matrices on one of t tensor-parallel ranks,
@@ -147,7 +235,27 @@ class ModelSpec:
         (Megatron-LM SC'21, Section 5.1). Grouped-query attention and SwiGLU widen QKV and FC1
         to `qkv_width` and `fc1_width`."""
         h, f, qkv, fc1 = self.hidden_size, self.ffn, self.qkv_width, self.fc1_width
+        if not self.add_bias_linear:  # --disable-bias-linear: the two LayerNorms alone
+            return (h * qkv + h * h + h * fc1 + f * h) // t + 4 * h
         return (h * qkv + qkv + h * h + h * fc1 + fc1 + f * h) // t + 6 * h
+
+    @functools.lru_cache(maxsize=256)
+    def moe_layer_parameters(self, t: int = 1, e: int = 1) -> tuple[int, int]:
+        """(parameters outside the experts, the experts' parameters) of one MoE layer on one of
+        t tensor- and e expert-parallel ranks. Outside: the attention and the two LayerNorms
+        as `layer_parameters`, the router's E x h weight (replicated; megatron-core's
+        ``TopKRouter``), the shared expert's FC1 and FC2 split over t like a dense MLP. The
+        experts: E/e on the rank, each FC1 h x f_e' and FC2 f_e x h whole (expert tensor
+        parallelism 1), with their biases where the linear layers have them (megatron-core's
+        ``SequentialMLP``/``TEGroupedMLP``)."""
+        h, qkv, fe, fe1 = self.hidden_size, self.qkv_width, self.expert_ffn, self.expert_fc1_width
+        fs, fs1 = self.shared_ffn, self.shared_fc1_width
+        bias = int(self.add_bias_linear)
+        attention = (h * qkv + bias * qkv + h * h) // t + bias * h + 2 * 2 * h
+        shared = (h * fs1 + bias * fs1 + fs * h) // t + bias * h * (fs > 0)
+        router = self.num_experts * h
+        experts = self.num_experts // e * (h * fe1 + fe * h + bias * (fe1 + h))
+        return attention + router + shared, experts
 
     def embedding_parameters(self, t: int = 1) -> int:
         """First stage: word embedding (V/t rows per rank), learned positions (s x h,
@@ -176,11 +284,14 @@ class ModelSpec:
         return self.rank_parameters(t, self.num_layers // d, embedding=stage == 0,
                                     head=stage == d - 1)
 
-    def rank_parameters(self, t: int, layers: int, *, embedding: bool, head: bool) -> int:
-        """Parameters on one GPU holding `layers` layers, and the embedding and the output
-        layer where it holds them (the output layer reads the embedding's matrix when tied and
-        on the same rank)."""
-        params = layers * self.layer_parameters(t)
+    def rank_parameters(self, t: int, layers: int, *, embedding: bool, head: bool,
+                        moe_layers: int = 0, e: int = 1) -> int:
+        """Parameters on one GPU holding `layers` layers, `moe_layers` of them MoE layers (e
+        expert-parallel ranks), and the embedding and the output layer where it holds them
+        (the output layer reads the embedding's matrix when tied and on the same rank)."""
+        params = (layers - moe_layers) * self.layer_parameters(t)
+        if moe_layers:
+            params += moe_layers * sum(self.moe_layer_parameters(t, e))
         if embedding:
             params += self.embedding_parameters(t)
         if head:
@@ -189,7 +300,17 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """The whole model, each tensor counted once."""
-        return self.stage_parameters(1, 1, 0)
+        return self.rank_parameters(1, self.num_layers, embedding=True, head=True,
+                                    moe_layers=sum(self.moe_pattern))
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through: the whole model less, in each MoE layer, the
+        E - k experts the router did not choose."""
+        if not self.is_moe:
+            return self.num_parameters()
+        one_expert = self.moe_layer_parameters(1, self.num_experts)[1]
+        idle = (self.num_experts - self.moe_router_topk) * one_expert
+        return self.num_parameters() - sum(self.moe_pattern) * idle
 
     # ---- FLOPs ----------------------------------------------------------------------------
     def layer_forward_flops(self, b: int) -> float:
@@ -201,6 +322,19 @@ class ModelSpec:
         h, s, f = self.hidden_size, self.seq_length, self.ffn
         dense = h * self.qkv_width + h * h + h * self.fc1_width + f * h
         return 2 * b * s * dense + 4 * b * s * s * h
+
+    def moe_layer_forward_flops(self, b: int, router: bool = True) -> float:
+        """Forward FLOPs of one MoE layer for b sequences (all ranks together): the attention's
+        of `layer_forward_flops`, the router's logits 2bshE, k experts per token
+        2bs k(h f_e' + f_e h) and the shared expert 2bs(h f_s' + f_s h) (megatron-core's MoE
+        layer; Megatron-LM's ``num_floating_point_operations`` counts the same experts, k per
+        token, and the shared expert, and no router: `router=False`)."""
+        h, s, k = self.hidden_size, self.seq_length, self.moe_router_topk
+        attention = h * self.qkv_width + h * h
+        experts = k * (h * self.expert_fc1_width + self.expert_ffn * h)
+        shared = h * self.shared_fc1_width + self.shared_ffn * h
+        logits = h * self.num_experts if router else 0
+        return 2 * b * s * (attention + experts + shared + logits) + 4 * b * s * s * h
 
     def head_forward_flops(self, b: int, t: int = 1) -> float:
         """Logits on one of t ranks: 2bsh V/t (the output GEMM; Eq. 3's V/(16lh) term), V
@@ -217,8 +351,11 @@ class ModelSpec:
         96 B s l h^2 (1 + s/(6h) + V/(16 l h)) for f = 4h with recomputation, V unpadded."""
         passes = 4 if recompute else 3
         logits = 2 * self.seq_length * self.hidden_size * self.vocab_size
-        return global_batch * (passes * self.num_layers * self.layer_forward_flops(1)
-                               + 3 * logits)
+        moe = sum(self.moe_pattern)
+        layers = (self.num_layers - moe) * self.layer_forward_flops(1)
+        if moe:  # k experts per token and the shared expert, no router (Megatron-LM's count)
+            layers += moe * self.moe_layer_forward_flops(1, router=False)
+        return global_batch * (passes * layers + 3 * logits)
 
     # ---- kernels: what the time model charges ---------------------------------------------
     def layer_gemms(self, b: int, t: int) -> list[tuple[float, int]]:
@@ -269,6 +406,56 @@ class ModelSpec:
         scores = a * s * s * b / t
         streamed = scores * (2 * e + ((2 * e + masks) if self.dropout else 0))
         return self.layer_gemms(b, t)[-2:], streamed
+
+    def moe_layer_gemms(self, b: int, t: int, e: int) -> list[tuple[float, int]]:
+        """(FLOPs, smallest dimension) of each matrix multiply of one MoE layer's forward on
+        one of t tensor- and e expert-parallel ranks: the attention's of `layer_gemms`; the
+        router over the rank's bs/t tokens (sequence parallelism) h -> E; the rank's E/e
+        experts over the k bs/t token copies it receives on average (uniform routing: k bs
+        e/(tE) per expert, the GEMMs' short side), FC1 h -> f_e' and FC2 f_e -> h whole; the
+        shared expert h -> f_s'/t and f_s/t -> h over all bs tokens. Their FLOPs sum to
+        moe_layer_forward_flops(b) / t."""
+        h, s, k, E = self.hidden_size, self.seq_length, self.moe_router_topk, self.num_experts
+        tokens = b * s / t  # the rank's tokens
+        per_expert = k * tokens * e / E
+        fe, fe1 = self.expert_ffn, self.expert_fc1_width
+        attention = self.layer_gemms(b, t)
+        gemms = attention[:2] + [
+            (2 * tokens * h * E, min(tokens, h, E)),
+            (2 * k * tokens * h * fe1, min(per_expert, h, fe1)),
+            (2 * k * tokens * fe * h, min(per_expert, fe, h))]
+        if self.shared_ffn:
+            fs, fs1 = self.shared_ffn, self.shared_fc1_width
+            gemms += [(2 * b * s * h * fs1 / t, min(b * s, h, fs1 // t)),
+                      (2 * b * s * fs * h / t, min(b * s, fs // t, h))]
+        return gemms + attention[4:]
+
+    def moe_layer_streamed_bytes(self, b: int, t: int, element_bytes: int, *,
+                                 flash_attention: bool = False) -> float:
+        """Bytes the element-wise kernels of one MoE layer's forward read and write on one of
+        t ranks (sequence parallelism on when t > 1: megatron-core's MoE layer refuses tensor
+        parallelism without it): the LayerNorms, bias-dropout-adds and attention core of
+        `layer_streamed_bytes`; the router's fp32 scores (write, read: 2 x 4 sbE/t); the
+        permutation of the bs/t tokens into k copies by expert and the weighted sum back
+        (read sbh/t, write k sbh/t, and the reverse: megatron-core's ``permute`` and
+        ``unpermute``); the experts' activation over the k copies (read, write k sbf_e/t) and
+        the shared expert's (2 sbf_s/t)."""
+        h, s, k, e = self.hidden_size, self.seq_length, self.moe_router_topk, element_bytes
+        tokens = b * s / t
+        dense = self.layer_streamed_bytes(b, t, e, sequence_parallel=t > 1,
+                                          flash_attention=flash_attention)
+        gelu = 2 * b * s * self.ffn // t * e  # the dense MLP's, not in an MoE layer
+        router = 2 * 4 * tokens * self.num_experts
+        permutation = 2 * (1 + k) * tokens * h * e
+        activation = 2 * k * tokens * self.expert_ffn * e + 2 * tokens * self.shared_ffn * e
+        return dense - gelu + router + permutation + activation
+
+    def dispatch_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """What one rank's all-to-all of an MoE layer moves (the dispatch; the combine moves
+        the same back): its bs/t tokens, k copies each, h elements a copy
+        (megatron-core's ``MoEAlltoAllTokenDispatcher``; the routing probabilities it sends
+        beside them, k fp32 numbers a token, are left out)."""
+        return self.moe_router_topk * b * self.seq_length / t * self.hidden_size * element_bytes
 
     def head_gemms(self, b: int, t: int) -> list[tuple[float, int]]:
         """The output layer's logits GEMM (bs x h -> V/t); BERT adds its LM-head dense h x h."""
@@ -324,6 +511,46 @@ class ModelSpec:
             attention = 0
         split = (s * b * (self.qkv_width + h + self.fc1_width + f) * e + attention) / t
         return replicated + split
+
+    def moe_layer_activation_bytes(self, b: int, t: int, element_bytes: int, *,
+                                   selective_recompute: bool = False,
+                                   flash_attention: bool = False) -> float:
+        """Bytes one MoE layer keeps for its backward, per microbatch of b sequences on one of
+        t ranks (sequence parallelism on when t > 1): `layer_activation_bytes` with the dense
+        MLP's own tensors (its GeLU input and output, sb(f' + f) e/t) taken out and, in their
+        place, what the router and the experts keep (Korthikanti et al. 2022's accounting
+        applied to megatron-core's MoE layer): the router's fp32 scores (4 sbE/t); the k bs/t
+        dispatched token copies, the experts' FC1 input; their FC1 output and activation, the
+        FC2 input (k sb/t (f_e' + f_e) e); the shared expert's FC1 output and activation
+        (sb(f_s' + f_s) e/t). The FC1 input the dense MLP kept (the LayerNorm's output) is the
+        router's and the shared expert's input: still counted."""
+        h, s, k, e = self.hidden_size, self.seq_length, self.moe_router_topk, element_bytes
+        tokens = b * s / t
+        dense = self.layer_activation_bytes(b, t, e, sequence_parallel=t > 1,
+                                            selective_recompute=selective_recompute,
+                                            flash_attention=flash_attention)
+        mlp = s * b * (self.fc1_width + self.ffn) * e / t
+        router = 4 * tokens * self.num_experts
+        experts = k * tokens * (h + self.expert_fc1_width + self.expert_ffn) * e
+        shared = tokens * (self.shared_fc1_width + self.shared_ffn) * e
+        return dense - mlp + router + experts + shared
+
+    def moe_layer_weight_grad_bytes(self, b: int, t: int, element_bytes: int) -> float:
+        """`layer_weight_grad_bytes` for an MoE layer (sequence parallelism when t > 1): the
+        attention's QKV and projection as there; each expert's FC1 and FC2 keep their input and
+        output gradient over the k bs/t token copies: k sb/t (h + f_e' + f_e + h) e; the
+        shared expert's as a dense MLP's over sb/t tokens with f_s/t wide; the router's
+        weight takes its gradient in I (megatron-core's gating function is not one of its
+        linear layers)."""
+        h, s, k, e = self.hidden_size, self.seq_length, self.moe_router_topk, element_bytes
+        tokens = b * s / t
+        # QKV's input and output gradient, the projection's input and output gradient
+        attention = tokens * (3 * h + self.qkv_width) * e
+        experts = k * tokens * (2 * h + self.expert_fc1_width + self.expert_ffn) * e
+        shared = 0.0
+        if self.shared_ffn:
+            shared = tokens * (2 * h + self.shared_fc1_width + self.shared_ffn) * e
+        return attention + experts + shared
 
     def layer_weight_grad_bytes(self, b: int, t: int, element_bytes: int, *,
                                 sequence_parallel: bool = False) -> float:

@@ -9,7 +9,8 @@ with the reason, the feasible ones ranked by predicted samples/s.
 Feasible: t d w = N; t divides the heads; d divides the layers; B = b w m for a microbatch
 size b from the list; what the training accepts (Layout.problem: 2BW needs m >= d,
 Section 3.1; zb-h1 runs without recomputation; V > 1 only under megatron); the fullest device
-within memory.
+within memory. A Mixture-of-Experts model adds the expert-parallel size e, a divisor of a
+stage's t w ranks and of the experts (cost.expert_problem), with an MoE layer on every stage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.schedules import VIRTUAL_STAGE_SCHEDULES, keeps_versions
 
 from .cluster import GiB, Cluster
-from .cost import ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate
+from .cost import (ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimate,
+                   expert_problem, moe_placement_problem)
 from .model import ModelSpec
 
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES",
@@ -80,6 +82,9 @@ class PlanRequest:
     deferred_step: bool = True
     """2BW defers its step when clipping or tied embeddings would make it pipeline-wide."""
     max_tensor_parallel: int | None = None
+    expert_parallel: tuple[int, ...] | None = None
+    """Expert-parallel sizes e to try (`--expert-model-parallel-size`); None: every e the
+    model and the layout allow (1 for a dense model)."""
     virtual_stages: tuple[int, ...] = (1,)
     """V values tried under the schedules that interleave (VIRTUAL_STAGE_SCHEDULES)."""
     simulate_top: int = 5
@@ -107,6 +112,17 @@ class PlanRequest:
             raise ValueError(f"iteration factor must be > 0, got {self.iteration_factor}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory fraction must lie in (0, 1], got {self.memory_fraction}")
+        if self.expert_parallel is not None:
+            if not self.expert_parallel or min(self.expert_parallel) < 1:
+                raise ValueError(f"expert-parallel sizes must be >= 1, got "
+                                 f"{self.expert_parallel}")
+            if not self.model.is_moe and set(self.expert_parallel) != {1}:
+                raise ValueError(f"expert-parallel size {max(self.expert_parallel)} needs a "
+                                 f"Mixture-of-Experts model (--num-experts)")
+        if self.model.is_moe and (self.optimizer == "muon" or self.correction != "none"):
+            raise ValueError("Mixture-of-Experts models train with adam or sgd and no "
+                             "--stale-weight-correction (megatron_2bw.arguments refuses the "
+                             "others with --num-experts)")
 
     def factor_of(self, schedule: str) -> float:
         """The iteration factor ``schedule`` is ranked with (1 for the exact schedules)."""
@@ -146,13 +162,18 @@ class Rejection:
     memory_bytes: float | None = None
     """Peak memory of a layout refused for memory."""
 
-    FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule")
+    expert: int | None = None
+    """A family's expert-parallel size e, where the family fixes it."""
+
+    FIELDS = ("t", "d", "w", "b", "m", "recompute", "schedule", "e")
     """The layout's fields a rejection names (rejected.csv, `plan.py --explain`)."""
 
     def value(self, name: str):
         """The layout's field `name` (one of FIELDS); None where the family leaves it open."""
         if self.layout is not None:
             return getattr(self.layout, name)
+        if name == "e":
+            return self.expert
         i = self.FIELDS.index(name)
         return self.family[i] if i < len(self.family) else None
 
@@ -247,20 +268,28 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                 rejected.append(Rejection(f"{model.num_layers} layers do not split into d={d} "
                                           f"equal stages", family=(t, d, w)))
                 continue
-            for b in request.micro_batch_sizes:
-                if B % (b * w):
-                    rejected.append(Rejection(f"B={B} is not a multiple of b x w = {b} x {w}",
-                                              family=(t, d, w, b)))
+            for e in _expert_sizes(t, w, request):
+                problem = expert_problem(model, t, w, e, cluster.device)
+                if problem:
+                    rejected.append(Rejection(problem, family=(t, d, w), expert=e))
                     continue
-                m = B // (b * w)
-                for rc, selective in _recomputations(request):
-                    for schedule, v in _schedules_at(d, request):
-                        considered += 1
-                        layout = Layout(t, d, w, b, m, rc, schedule, v, selective)
-                        found = _judge(layout, request, cost)
-                        (rejected if isinstance(found, Rejection) else feasible).append(found)
-                        if _splits(layout, request):
-                            to_split.append(layout)
+                for b in request.micro_batch_sizes:
+                    if B % (b * w):
+                        rejected.append(Rejection(f"B={B} is not a multiple of b x w = {b} x "
+                                                  f"{w}", family=(t, d, w, b), expert=e))
+                        continue
+                    m = B // (b * w)
+                    for rc, selective in _recomputations(request):
+                        for schedule, v in _schedules_at(d, request):
+                            considered += 1
+                            layout = Layout(t, d, w, b, m, rc, schedule, v, selective, e)
+                            candidate = _candidate(layout, request, cost)
+                            if isinstance(candidate, Rejection):
+                                rejected.append(candidate)
+                            else:
+                                feasible.append(candidate)
+                            if _splits(layout, request):
+                                to_split.append(layout)
     feasible.sort(key=partial(_rank_key, request=request))
     if to_split:
         _add_splits(to_split, feasible, rejected, request, cost)
@@ -276,10 +305,11 @@ of the fastest (`_add_splits`)."""
 
 
 def _splits(layout: Layout, request: PlanRequest) -> bool:
-    """Whether `layout` may get a balanced split: the request tries them, it has stages, and
-    the training refuses it for nothing but its layers' count (checked with one that splits
-    evenly)."""
-    return (request.uneven and layout.d > 1
+    """Whether `layout` may get a balanced split: the request tries them, the model is dense
+    (the balance assumes identical layers; an MoE model keeps the even split), it has stages,
+    and the training refuses it for nothing but its layers' count (checked with one that
+    splits evenly)."""
+    return (request.uneven and layout.d > 1 and not request.model.is_moe
             and layout.problem(layout.d * layout.placement.chunks, request.model.tied) is None)
 
 
@@ -305,7 +335,7 @@ def _add_splits(layouts: list[Layout], feasible: list[Candidate], rejected: list
             continue
         split = cost.balanced_split(layout, request.memory_limit)
         if split is not None:
-            found = _judge(replace(layout, split=split), request, cost)
+            found = _candidate(replace(layout, split=split), request, cost)
             (rejected if isinstance(found, Rejection) else feasible).append(found)
 
 
@@ -314,17 +344,27 @@ def _rate(candidate: Candidate, request: PlanRequest) -> float:
     return candidate.samples_per_s / request.factor_of(candidate.layout.schedule)
 
 
-def _judge(layout: Layout, request: PlanRequest, cost: CostModel) -> Candidate | Rejection:
-    """A feasible candidate with its memory and time, or why it is not."""
-    model, limit, cluster = request.model, request.memory_limit, request.cluster
-    problem = layout.problem(model.num_layers, model.tied)
+def _expert_sizes(t: int, w: int, request: PlanRequest) -> list[int]:
+    """The expert-parallel sizes to try at (t, w): the request's, or every divisor of the t w
+    ranks of a stage for an MoE model (expert_problem refuses those the experts do not
+    divide); 1 for a dense model."""
+    if request.expert_parallel is not None:
+        return list(request.expert_parallel)
+    return _divisors(t * w) if request.model.is_moe else [1]
+
+
+def _candidate(layout: Layout, request: PlanRequest, cost: CostModel) -> Candidate | Rejection:
+    """The layout priced, or why it cannot run (the training's refusal, or its memory)."""
+    model, cluster, limit = request.model, request.cluster, request.memory_limit
+    problem = (layout.problem(model.num_layers, model.tied)
+               or moe_placement_problem(model, layout))
     if problem:
         return Rejection(problem, layout)
     memory = cost.memory(layout, every_stage=False)
     if memory.peak > limit:
-        return Rejection(f"memory {memory.peak / GiB:.2f} GiB on stage "
-                         f"{memory.peak_stage.stage} > {limit / GiB:.2f} GiB "
-                         f"({request.memory_fraction:.0%} of "
+        worst = memory.peak_stage
+        return Rejection(f"memory {memory.peak / GiB:.2f} GiB on stage {worst.stage} > "
+                         f"{limit / GiB:.2f} GiB ({request.memory_fraction:.0%} of "
                          f"{cluster.memory_bytes / GiB:.0f} GiB)", layout,
                          memory_bytes=memory.peak)
     return Candidate(layout, memory, cost.time(layout))

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "uninstall", "is_installed", "cuda_usable"]
+__all__ = ["install", "uninstall", "is_installed", "cuda_usable", "install_moe"]
 
 _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {
@@ -246,6 +246,31 @@ def install(force: bool = False) -> None:
                 _engine_with_mode(state.mode, torch.autograd._engine_run_backward))
     state.mode.__enter__()
     _installed = state
+
+
+def install_moe() -> None:
+    """The MoE token dispatcher's host copies on the CPU (after :func:`install`; idempotent).
+
+    megatron-core's alltoall dispatcher moves its split sizes to the host with
+    ``moe_utils.maybe_move_tensor_to_cpu``, which converts CUDA tensors only (to numpy when
+    asked): on the CPU they stay tensors, and gloo's ``all_to_all_single`` refuses tensors as
+    split sizes. Here a CPU tensor gets what a CUDA one gets: the numpy array when asked,
+    itself otherwise."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if _installed is None:
+        raise RuntimeError("install_moe() before install()")
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_cpu_runtime", False):
+        return
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_runtime = True
+    _installed.patch(token_dispatcher, "maybe_move_tensor_to_cpu", to_host)
 
 
 def _entered(mode: "_CudaToCpuMode | None"):

@@ -48,6 +48,7 @@ class ProcessInfo:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep_rank: int = 0
 
 
 _timeout: datetime.timedelta | None = None  # set by initialize()
@@ -209,12 +210,16 @@ def _bound_every_group(bound: datetime.timedelta) -> None:
 
 def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cpu: bool = False,
                timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
-               virtual_stages: int | None = None) -> ProcessInfo:
+               virtual_stages: int | None = None, expert_parallel: int = 1,
+               expert_tensor_parallel: int | None = None) -> ProcessInfo:
     """Pick the device (set_device first on CUDA), start the default process group and
     megatron-core's model-parallel groups, all with ``timeout_minutes``; seed.
     ``virtual_stages`` (V model chunks per pipeline rank, None for one) is recorded in
     parallel_state, where megatron-core's ``get_forward_backward_func()`` reads it to choose
-    its interleaved schedule."""
+    its interleaved schedule. ``expert_parallel`` and ``expert_tensor_parallel`` (None: the
+    tensor-parallel size) make megatron-core's expert groups (expert parallel, expert tensor
+    parallel, expert data parallel and their products), created with the rest, in its order
+    (tp-cp-ep-dp-pp: an expert-parallel group is ranks of one pipeline stage)."""
     from megatron.core import parallel_state as ps
 
     global _timeout
@@ -226,6 +231,8 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cp
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_stages,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
         distributed_timeout_minutes=timeout_minutes,
     )
     _bound_every_group(bound)
@@ -239,6 +246,7 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, seed: int, force_cp
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

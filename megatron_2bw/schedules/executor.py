@@ -94,6 +94,8 @@ from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, cor
                                              forward_delay, lr_factor)
 from megatron_2bw.schedules.version_state import version_entries
 from megatron_2bw.schedules.wgrad import PendingWeightGrads, WeightGradStore
+from megatron_2bw.schedules.moe_microbatches import (AuxLossLedger,
+                                                   aux_loss_scale_for_backward)
 from megatron_2bw.weights import WeightVersions
 
 __all__ = ["PipelineRunner", "forward_backward_func_for", "reset_runners", "TimelineRecord"]
@@ -184,6 +186,7 @@ class PipelineRunner:
         self.loading: dict = {}  # checkpoint key -> VersionEntries being loaded
         # (microbatch, chunk) -> the version its forward read, until its backward
         self.forward_read: dict[tuple[int, int], int] = {}
+        self.aux_losses: AuxLossLedger | None = None  # a MoE model's, by batch
 
     # ---- Megatron's forward_backward_func signature ---------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -294,6 +297,8 @@ class PipelineRunner:
             self.bind(models)
         if keeps_versions(self.schedule) and self.step_mode is None:
             self._choose_step_mode(models, config)
+        if getattr(config, "num_moe_experts", None) and self.aux_losses is None:
+            self.aux_losses = AuxLossLedger()
         seq = seq_length // ps.get_context_parallel_world_size()
         if config.sequence_parallel:
             seq //= ps.get_tensor_model_parallel_world_size()
@@ -373,6 +378,8 @@ class PipelineRunner:
             # step's collectives that its neighbours' first forwards wait for
             self._apply_deferred()
         self._execute(program, call, self._run)
+        if self.aux_losses is not None:
+            self.aux_losses.settle(batch)  # the tracker holds this call's batch's aux losses
         self._reschedule_lr(m, batch)
         self.batches_done += 1
         self.pipeline_empty = drain
@@ -540,10 +547,17 @@ class PipelineRunner:
         if call.gathers_next_chunk_at.get(c + 1) is action:
             call.config.param_sync_func[c + 1](call.models[c + 1].parameters())
         input_tensor = self._input(k, c)
-        output, num_tokens = forward_step(
-            call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
-            call.losses, call.config, 1, is_first_microbatch=k % m == 0,
-            current_microbatch=k % m, vp_stage=self._vp_stage(c), is_last_stage=self._last(c))
+
+        def run():
+            return forward_step(
+                call.forward_step_func, call.data_iterators[c], call.models[c], m, input_tensor,
+                call.losses, call.config, 1, is_first_microbatch=k % m == 0,
+                current_microbatch=k % m, vp_stage=self._vp_stage(c),
+                is_last_stage=self._last(c))
+
+        # a MoE model's aux losses booked to the microbatch's batch (training.moe)
+        output, num_tokens = run() if self.aux_losses is None else \
+            self.aux_losses.forward(k // m, run)
         call.num_tokens += num_tokens
         self._give("activation", k, c, 1, output)
         self.stash[k, c] = (input_tensor, output)
@@ -553,12 +567,16 @@ class PipelineRunner:
         """megatron-core's ``vp_stage`` of a chunk: None without virtual stages."""
         return chunk if self.chunks > 1 else None
 
-    def _backward_inputs(self, action: Action) -> tuple:
+    def _backward_inputs(self, action: Action, call: _Call) -> tuple:
         """For a B or an I: the microbatch's version in use, and its stashed (input, output)
         with the received output gradient (None on the last stage: the output is the loss).
         Under PipeMare's T2 a backward reading a newer version than its forward reads the
-        corrected weights, W(version) - (tau_fwd - tau_bkwd) * delta."""
+        corrected weights, W(version) - (tau_fwd - tau_bkwd) * delta. A MoE model's aux-loss
+        gradient scale is set for this backward (``training.moe``: not the one the last
+        forward left, which under 2BW may be another step's)."""
         k, c = action.microbatch, action.chunk
+        if getattr(call.config, "num_moe_experts", None):
+            aux_loss_scale_for_backward(call.config, call.num_microbatches)
         scale = action.version - self.forward_read.pop((k, c))  # tau_fwd - tau_bkwd
         if self.correction is not None and scale > 0:
             self.correction.use(action.version, scale)
@@ -573,7 +591,7 @@ class PipelineRunner:
         from megatron.core.pipeline_parallel.schedules import backward_step
 
         k = action.microbatch
-        input_tensor, output, output_grad = self._backward_inputs(action)
+        input_tensor, output, output_grad = self._backward_inputs(action, call)
         with self._param_grads(action, call):
             input_grad = backward_step(input_tensor, output, output_grad,
                                        ModelType.encoder_or_decoder, call.config)
@@ -584,7 +602,7 @@ class PipelineRunner:
         """I: the input gradient and the small parameters' gradients; the linear layers'
         weight-gradient GEMMs wait in the chunk's store for the W."""
         k, c = action.microbatch, action.chunk
-        input_tensor, output, output_grad = self._backward_inputs(action)
+        input_tensor, output, output_grad = self._backward_inputs(action, call)
         if output_grad is None:  # the loss, scaled as Megatron's backward_step does
             if call.config.grad_scale_func is not None:
                 output = call.config.grad_scale_func(output)

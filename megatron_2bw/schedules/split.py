@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
 from .actions import Placement
 
 __all__ = ["LayerSplit", "LayoutFlags", "LayoutError", "layer_split", "parse_layout",

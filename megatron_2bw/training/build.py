@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from megatron_2bw.training import moe
+
 __all__ = ["transformer_config", "build_model", "virtual_stages", "build_optimizer",
            "build_scheduler", "attach_config_hooks", "params_dtype", "scheduler_steps",
            "ddp_config", "forward_pre_hook_paused"]
@@ -84,6 +86,7 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         **_activation(args, on_gpu),
+        **moe.config_fields(args),
     )
     if on_gpu:  # Megatron-LM's GPU-only flags, given: copied as Megatron-LM copies them
         from megatron_2bw.megatron_lm_flags import cuda_config_fields
@@ -93,9 +96,24 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
     if placement.shape == "loop":
         fields.update(_layout_fields(args))
     fields.update(overrides)
-    config = TransformerConfig(**fields)
+    config = _config_or_flag_error(TransformerConfig, fields)
     _number_layers_by_placement(args, config, placement)
     return config
+
+
+def _config_or_flag_error(config_class, fields: dict):
+    """TransformerConfig(**fields); for a MoE model a rule of its own megatron-core checks there
+    that arguments.py does not mirror becomes a one-line FlagError."""
+    if not fields.get("num_moe_experts"):
+        return config_class(**fields)
+    from megatron_2bw.flag_types import FlagError
+
+    try:
+        return config_class(**fields)
+    except (ValueError, AssertionError) as error:
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise FlagError("--num-experts", f"megatron-core's TransformerConfig refuses these MoE "
+                        f"flags: {text}") from None
 
 
 def _placement(args: argparse.Namespace):
@@ -203,6 +221,9 @@ def build_model(args: argparse.Namespace, config, provider: Callable) -> list:
         modules = _v_chunks_as_flush(args, config, provider)
     else:
         modules = [_model_chunk(args, config, provider, stage) for stage in _chunk_stages(args)]
+    if moe.is_moe(config) and config.use_cpu_initialization:
+        for module in modules:  # experts by global index, not by expert-parallel rank
+            moe.init_experts_by_global_index(module, config, args.seed)
     ddp = ddp_config(args, modules)
     one_bucket = getattr(args, "overlap_param_gather_with_optimizer_step", False)
     chunks = []

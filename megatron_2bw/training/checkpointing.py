@@ -183,7 +183,8 @@ def _layout() -> dict:
 
     return {"tensor": ps.get_tensor_model_parallel_world_size(),
             "pipeline": ps.get_pipeline_model_parallel_world_size(),
-            "data": ps.get_data_parallel_world_size()}
+            "data": ps.get_data_parallel_world_size(),
+            "expert": ps.get_expert_model_parallel_world_size()}
 
 
 def _saved_layout(common: dict) -> dict | None:
@@ -196,11 +197,30 @@ def _saved_layout(common: dict) -> dict | None:
         return None
     return {"tensor": getattr(saved_args, "tensor_model_parallel_size", 1),
             "pipeline": getattr(saved_args, "pipeline_model_parallel_size", 1),
-            "data": getattr(saved_args, "data_parallel_size", None)}
+            "data": getattr(saved_args, "data_parallel_size", None),
+            "expert": getattr(saved_args, "expert_model_parallel_size", 1)}
 
 
 def _describe(layout: dict) -> str:
-    return f"TP={layout['tensor']} PP={layout['pipeline']} DP={layout['data']}"
+    expert = layout.get("expert", 1)
+    return (f"TP={layout['tensor']} PP={layout['pipeline']} DP={layout['data']}"
+            + (f" EP={expert}" if expert > 1 else ""))
+
+
+def _check_expert_optimizer(path: str, common: dict) -> None:
+    """megatron-core gives expert parameters an optimizer of their own only at expert-parallel
+    size > 1 (``allreduce`` False on their parameters), so between EP = 1 and EP > 1 the
+    optimizer's chain and its parameter groups differ and its state does not map: refused,
+    naming --no-load-optim (the weights reshard over any EP; between two EP > 1 the
+    optimizer's state does too)."""
+    saved = (_saved_layout(common) or {}).get("expert", 1)
+    now = _layout()["expert"]
+    if (saved > 1) != (now > 1):
+        raise CheckpointRefused(
+            f"--load: {path} was saved at expert-parallel size {saved}, this run is at {now}: "
+            "megatron-core builds a separate expert optimizer only at expert-parallel size > 1, "
+            "so the optimizer state does not map; pass --no-load-optim to load the weights "
+            "alone")
 
 
 def _content_metadata(args: argparse.Namespace) -> dict:
@@ -595,6 +615,7 @@ def _load_one(path: str, model, optimizer, scheduler, args: argparse.Namespace, 
     _check_vocabulary(path, common.get("args"), args, load_optim, warn)
     saved_scheduler = None
     if load_optim:
+        _check_expert_optimizer(path, common)
         saved_scheduler = common["opt_param_scheduler"]  # in samples, ours and Megatron-LM's
         _check_scheduler(path, saved_scheduler, scheduler, args)
     load_rng = not release and not args.no_load_rng and _rng_keyed_alike(
@@ -649,7 +670,7 @@ def _rng_keyed_alike(path: str, common: dict, warn: Callable[[str], None]) -> bo
     if saved is None:
         return True
     keyed_alike = all(saved[k] == layout[k] for k in ("tensor", "pipeline"))
-    if saved != layout:
+    if {**saved, "expert": saved.get("expert", 1)} != layout:
         rng = ("RNG state kept" if keyed_alike else
                "RNG state re-seeded from --seed (it is kept per TP and PP rank)")
         warn(f" warning: {path} was saved with {_describe(saved)}, this run is "

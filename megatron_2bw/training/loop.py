@@ -24,7 +24,7 @@ from megatron_2bw.corrections import StaleCorrection
 from megatron_2bw.runtime import distributed
 from megatron_2bw.schedules import keeps_versions, placement_of
 from megatron_2bw.schedules.pipemare import PipeMareOptions
-from megatron_2bw.training import build, checkpointing, logs
+from megatron_2bw.training import build, checkpointing, logs, moe
 from megatron_2bw.training.checkpointing import TrainState
 from megatron_2bw.training.guard import Divergence, RunGuard, Verdict, nonfinite
 from megatron_2bw.training.housekeeping import Housekeeping
@@ -93,7 +93,9 @@ class Trainer:
         self.info = distributed.initialize(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
             force_cpu=args.cpu, timeout_minutes=args.distributed_timeout_minutes,
-            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None))
+            virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            expert_parallel=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None))
         self.config = build.transformer_config(args, self.info.device)
         self.model = build.build_model(args, self.config, model_provider)
         self.optimizer = build.build_optimizer(args, self.model)
@@ -318,7 +320,7 @@ class Trainer:
 
         a, iteration = self.args, self.state.iteration
         batch_size = get_current_global_batch_size()  # the batch just run (set before it ran)
-        self.interval.add(loss, succeeded, losses)
+        self.interval.add(loss, succeeded, self._moe_log(iteration, losses))
         line_due, scalars_due = self._due(a.log_interval), self._due(a.tensorboard_log_interval)
         if not (line_due or scalars_due):
             return None
@@ -348,6 +350,24 @@ class Trainer:
                 log_throughput=a.log_throughput, losses=interval.mean_losses()))
         self.logger.timers(self.timers, iteration, self._schedule_scalars())
         return interval.mean_loss
+
+    def _moe_log(self, iteration: int, losses: dict | None) -> dict | None:
+        """A MoE model's load-balancing losses, as Megatron-LM's training_log tracks them
+        every iteration (``training.moe.moe_metrics``, a collective): written to TensorBoard
+        as '<name>' (and 'moe/<name>_layer_<i>' with --moe-per-layer-logging), and returned
+        beside ``losses`` for the log line's interval means."""
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        if not moe.is_moe(self.args):
+            return losses
+        per_layer = moe.moe_metrics(self.args, get_num_microbatches())
+        values = {name: moe.logged_value(self.args, layers) for name, layers in per_layer.items()}
+        scalars = dict(values)
+        if self.args.moe_per_layer_logging:
+            scalars.update({f"moe/{name}_layer_{i}": value for name, layers in per_layer.items()
+                            for i, value in enumerate(layers)})
+        self.logger.scalars(scalars, iteration)
+        return None if losses is None else {**losses, **values}
 
     def _schedule_scalars(self) -> dict:
         """Our schedule's tags next to Megatron-LM's (logs.SCHEDULE_TAGS), read on this rank

@@ -44,15 +44,27 @@ def _choose_layer_spec(args: argparse.Namespace, have_te: bool) -> bool:
     return use_te
 
 
-def gpt_layer_spec(args: argparse.Namespace, config=None):
+def gpt_layer_spec(args: argparse.Namespace, config=None, vp_stage: int | None = None):
     """transformer-engine's layer spec when :func:`use_transformer_engine` says so, the local
     spec otherwise, with the arguments Megatron-LM's gpt_builders.py passes them
     (``_get_transformer_layer_spec``: qk_layernorm to both, normalization to the local one; TE's
-    norms read ``config.normalization``). No experts, no multi-latent attention."""
+    norms read ``config.normalization``). With --num-experts, as there, megatron-core's
+    per-layer block spec (``get_gpt_decoder_block_spec``: MoE or dense layers by
+    --moe-layer-freq, this chunk's layers; ``vp_stage`` the chunk's virtual stage). No
+    multi-latent attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = _choose_layer_spec(args, gpt_layer_specs.HAVE_TE)
     _check_sequence_parallel_norm(args, use_te, gpt_layer_specs.HAVE_APEX)
+    if getattr(args, "num_experts", None):
+        from megatron_2bw.training import moe
+
+        if config is None:
+            raise ValueError("a MoE model's block spec needs its TransformerConfig")
+        moe.close_gaps()
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=args.normalization,
+            vp_stage=vp_stage)
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_layernorm)

@@ -17,7 +17,9 @@ communication functions so that:
    ``StrictModeError`` naming the call and the thread.
 3. **Every member of a group issues the same collectives**: each process appends one JSON line
    per collective (op, group, shape, dtype) to ``$MEGATRON_2BW_STRICT_DIR``; :func:`check`
-   compares the members' sequences per run (``MASTER_ADDR:MASTER_PORT``) and group.
+   compares the members' sequences per run (``MASTER_ADDR:MASTER_PORT``) and group. An
+   ``all_to_all_single`` with split sizes (all-to-all-v: MoE's token dispatch) records its
+   first dimension as ``"v"``, each member's own.
 4. **Communicators are created lazily**, as NCCL creates them unless ``init_process_group`` got
    ``device_id`` (the default group then has a bound device, and every ``new_group`` inherits
    it and connects at once): a group's first collective or first ``batch_isend_irecv`` (which
@@ -356,10 +358,14 @@ def _record(name: str, arguments: dict) -> None:
 
     group = arguments.get("group")
     tensor = _first_tensor(arguments)
+    shape = None if tensor is None else list(tensor.shape)
+    if name == "all_to_all_single" and shape and (
+            arguments.get("output_split_sizes") is not None
+            or arguments.get("input_split_sizes") is not None):
+        shape[0] = "v"  # all-to-all-v (MoE token dispatch): each member's own row count
     _write({"op": name, "group": _group_name(group),
             "ranks": dist.get_process_group_ranks(group or _default_group()),
-            "shape": None if tensor is None else list(tensor.shape),
-            "dtype": None if tensor is None else str(tensor.dtype)})
+            "shape": shape, "dtype": None if tensor is None else str(tensor.dtype)})
 
 
 class Records:
