@@ -289,7 +289,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stale-weight-correction-coeff", type=number_in(0, low_open=True),
                    default=None, metavar="C",
                    help="predict's look-ahead s (default 1), dc's lambda (default 1e5), ef's "
-                        "beta (default 1)")
+                        "beta (default 2)")
     g.add_argument("--no-deferred-step", action="store_true",
                    help="2bw: run the optimizer step where the training loop calls it; by "
                         "default a step with gradient clipping or tied embeddings is deferred "

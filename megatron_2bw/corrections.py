@@ -32,8 +32,10 @@ __all__ = ["RULES", "StaleCorrection", "PredictedVersions", "DelayCompensation",
            "ErrorFeedback"]
 
 RULES = ("none", "predict", "dc", "ef")
-DEFAULT_COEFFICIENT = {"predict": 1.0, "dc": 1e5, "ef": 1.0}
-"""s, lambda and beta when --stale-weight-correction-coeff is not given. dc's lambda multiplies
+DEFAULT_COEFFICIENT = {"predict": 1.0, "dc": 1e5, "ef": 2.0}
+"""s, lambda and beta when --stale-weight-correction-coeff is not given (docs/convergence.md's
+sweeps). ef's beta 2 trained better than 1 (and 0.5, 3, 4) with Adam and Muon on both of its
+models at lr 1e-3; predict's s 1 is PipeOptim's one step. dc's lambda multiplies
 g * g * (W(t) - W(t-1)), which is tiny at a clipped gradient's per-element size (~1e-3) and one
 step's change (~lr): 1e5 trained best of 1e3 ... 1e6 on docs/convergence.md's small model at lr
 1e-3 (1e6 diverged); it scales with the model (the gradient's elements shrink as it grows)."""
