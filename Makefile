@@ -2,6 +2,7 @@
 #   make demo   small GPT, PipeDream-2BW, 2 pipeline stages on 2 CPU processes
 #   make test   the test suite (CPU, gloo)
 #   make bench  schedules side by side on 2 CPU processes
+#   make bench-splits   even against the planner's layer split at vocabulary 32,000 (idle machine)
 #   make compare / make convergence   the paper's baseline table and Figure 5 on CPU
 #   make gpu-wheels   the wheels scripts/gpu_check.py needs on a bare GPU machine, into wheels/
 
@@ -14,7 +15,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench compare convergence data clean-venv gpu-wheels
+.PHONY: demo test bench bench-splits compare convergence data clean-venv gpu-wheels
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -34,6 +35,13 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_schedules.py --rounds 3 --json runs/bench/schedules.json
+
+# this CPU's layer profile first (the planner predicts from it), then 3 paired rounds
+bench-splits: $(VENV)/.installed
+	$(PY) tools/plan.py profile --cpu --num-layers 8 --hidden-size 512 --num-attention-heads 8 \
+	    --seq-length 128 --vocab-size 32000 --micro-batch-sizes 2 --tensor-parallel-sizes 1
+	$(PY) tools/bench_schedules.py --vocab-size 32000 --microbatches 4 --schedules 2bw,flush \
+	    --splits even,planner --rounds 3 --json runs/bench/splits.json
 
 compare: $(VENV)/.installed
 	$(PY) tools/compare.py

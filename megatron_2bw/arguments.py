@@ -17,6 +17,7 @@ from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOK
                                                missing_tokenizer_input, tokenizer_type)
 from megatron_2bw.corrections import RULES
 from megatron_2bw.flag_types import FlagError, int_at_least, number_in
+from megatron_2bw.schedules import split
 from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
                                                   v_placement_problem, virtual_stage_problem)
 
@@ -232,6 +233,24 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_COUNT, default=None,
                    help="layers per model chunk instead of a number of chunks: V = layers per "
                         "pipeline stage / N")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   metavar="N", help="transformer layers on the first pipeline stage; the "
+                   "stages between the first and the last share the rest evenly (Megatron-LM's "
+                   "uneven split; docs/schedules.md, Uneven layouts)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   metavar="N", help="transformer layers on the last pipeline stage (it also "
+                   "holds the output layer and the loss)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting the layers evenly: "
+                        "the first stage holds one transformer layer less")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer: the last stage holds "
+                        "one transformer layer less")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="every virtual stage's layers in model order, e.g. 'E,t*7|t,L': "
+                        "stages split by '|', E the embedding, t a transformer layer, L the "
+                        "loss, 'x*n' and '(...)*n' repeat; d x V stages give V (under zb-v and "
+                        "dualpipev 2d stages: rank i holds stages i and 2d-1-i)")
     g.add_argument("--no-overlap-p2p-communication", action="store_false",
                    dest="overlap_p2p_comm",
                    help="with virtual stages: megatron-core's batched p2p instead of its "
@@ -614,13 +633,11 @@ def _validate_required(args: argparse.Namespace) -> None:
 
 
 def _validate_layout(args: argparse.Namespace) -> None:
-    """world = TP x PP x DP; layers split evenly over stages; heads over TP ranks."""
+    """world = TP x PP x DP; heads over TP ranks (the layers' split: `_validate_split`)."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     _require(world % (tp * pp) == 0, "--tensor-model-parallel-size",
              f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) = {tp * pp}")
     args.data_parallel_size = world // (tp * pp)
-    _require(args.num_layers % pp == 0, "--num-layers",
-             f"{args.num_layers} layers do not split evenly over {pp} pipeline stages")
     _require(args.num_attention_heads % tp == 0, "--num-attention-heads",
              f"{args.num_attention_heads} heads are not divisible by tensor-parallel size {tp}")
     _require(args.hidden_size % args.num_attention_heads == 0, "--hidden-size",
@@ -667,24 +684,32 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
     set their own two chunks (`_validate_v_placement`)."""
     if _validate_v_placement(args):
         return
-    per_rank, per_chunk = (args.num_virtual_stages_per_pipeline_rank,
-                           args.num_layers_per_virtual_pipeline_stage)
-    _require(per_rank is None or per_chunk is None, "--num-layers-per-virtual-pipeline-stage",
-             "give --num-layers-per-virtual-pipeline-stage or "
-             "--num-virtual-stages-per-pipeline-rank, not both (as in Megatron-LM)")
-    pp, layers = args.pipeline_model_parallel_size, args.num_layers
-    V = per_rank
-    if per_chunk is not None:
-        _require((layers // pp) % per_chunk == 0, "--num-layers-per-virtual-pipeline-stage",
-                 f"{layers} layers / {pp} pipeline stages = {layers // pp} layers per stage "
-                 f"are not divisible by {per_chunk} layers per virtual stage")
-        V = layers // pp // per_chunk
+    per_rank, per_chunk, layout = (args.num_virtual_stages_per_pipeline_rank,
+                                   args.num_layers_per_virtual_pipeline_stage,
+                                   args.pipeline_model_parallel_layout)
+    given = [flag for flag, value in (("--num-virtual-stages-per-pipeline-rank", per_rank),
+                                      ("--num-layers-per-virtual-pipeline-stage", per_chunk),
+                                      ("--pipeline-model-parallel-layout", layout))
+             if value is not None]
+    if len(given) > 1:
+        raise FlagError(given[-1], f"give only one of {' and '.join(given)}, not both (as in "
+                                   "Megatron-LM)")
+    pp = args.pipeline_model_parallel_size
+    if layout is not None:  # d x V stages (Megatron-LM's validate_args)
+        stages = split.layout_stages(layout)
+        _require(stages % pp == 0, "--pipeline-model-parallel-layout",
+                 f"{stages} stages in {layout!r} are not a multiple of {pp} pipeline stages")
+        V = stages // pp
+    elif per_chunk is not None:
+        V = _validate_split(args, "loop").chunks
+    else:
+        V = per_rank
     args.virtual_pipeline_model_parallel_size = V if V is not None and V > 1 else None
     if args.virtual_pipeline_model_parallel_size is None:
         args.overlap_p2p_comm = False
+        _validate_split(args, "loop")
         return
-    flag = ("--num-virtual-stages-per-pipeline-rank" if per_rank is not None
-            else "--num-layers-per-virtual-pipeline-stage")
+    flag = given[0]
     if args.pipeline_schedule in VIRTUAL_STAGE_SCHEDULES and args.pipeline_schedule != "megatron":
         _require(not args.overlap_param_gather_with_optimizer_step,
                  "--overlap-param-gather-with-optimizer-step",
@@ -696,8 +721,31 @@ def _validate_virtual_stages(args: argparse.Namespace) -> None:
     if args.rampup_batch_size is not None:
         batches += [Batch("--rampup-batch-size", size, b, dp)
                     for size in args.rampup_batch_size[:2]]
-    _refuse(virtual_stage_problem(args.pipeline_schedule, pp, V, layers, batches, flag,
+    _refuse(virtual_stage_problem(args.pipeline_schedule, pp, V, None, batches, flag,
                                   args.overlap_p2p_comm))
+    _validate_split(args, "loop")
+
+
+def _validate_split(args: argparse.Namespace, shape: str) -> split.LayerSplit:
+    """The layers of every virtual stage from Megatron-LM's layout flags
+    (``schedules.split.layer_split``, megatron-core's semantics; even without them), kept as
+    ``args.pipeline_layer_split`` (model order). Megatron-LM's one-of rule for the V flags is
+    checked by the caller."""
+    flags = split.LayoutFlags(
+        num_layers=args.num_layers, depth=args.pipeline_model_parallel_size,
+        chunks=args.num_virtual_stages_per_pipeline_rank,
+        layers_per_chunk=args.num_layers_per_virtual_pipeline_stage,
+        first=args.decoder_first_pipeline_num_layers,
+        last=args.decoder_last_pipeline_num_layers,
+        embedding=args.account_for_embedding_in_pipeline_split,
+        loss=args.account_for_loss_in_pipeline_split,
+        layout=args.pipeline_model_parallel_layout, shape=shape)
+    try:
+        layers = split.layer_split(flags)
+    except split.LayoutError as error:
+        raise FlagError(error.flag, error.message) from None
+    args.pipeline_layer_split = layers.layers
+    return layers
 
 
 def _validate_v_placement(args: argparse.Namespace) -> bool:
@@ -708,16 +756,17 @@ def _validate_v_placement(args: argparse.Namespace) -> bool:
     name = args.pipeline_schedule
     if name not in schedules.V_SCHEDULES:
         return False
-    pp, layers, b, dp = (args.pipeline_model_parallel_size, args.num_layers,
-                         args.micro_batch_size, args.data_parallel_size)
+    pp, b, dp = (args.pipeline_model_parallel_size, args.micro_batch_size,
+                 args.data_parallel_size)
     _require(args.num_layers_per_virtual_pipeline_stage is None,
              "--num-layers-per-virtual-pipeline-stage",
              f"--pipeline-schedule {name} runs 2 model chunks per rank (a V); leave it out")
     batches = [Batch("--global-batch-size", args.global_batch_size, b, dp)]
     if args.rampup_batch_size is not None:
         batches += [Batch("--rampup-batch-size", args.rampup_batch_size[0], b, dp)]
-    _refuse(v_placement_problem(name, pp, args.num_virtual_stages_per_pipeline_rank, layers,
+    _refuse(v_placement_problem(name, pp, args.num_virtual_stages_per_pipeline_rank, None,
                                 batches, not args.untie_embeddings_and_output_weights))
+    _validate_split(args, "v")
     args.virtual_pipeline_model_parallel_size = 2
     return True
 
@@ -839,11 +888,8 @@ def _validate_training(args: argparse.Namespace) -> None:
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None, "--recompute-method",
                  "required with --recompute-granularity full (uniform or block)")
-        layers_per_stage = args.num_layers // args.pipeline_model_parallel_size
         args.recompute_num_layers = args.recompute_num_layers or 1
-        _require(1 <= args.recompute_num_layers <= layers_per_stage, "--recompute-num-layers",
-                 f"must lie in [1, {layers_per_stage}] (layers per stage), got "
-                 f"{args.recompute_num_layers}")
+        _validate_recompute_layers(args)
     elif args.recompute_method is not None:
         _require(False, "--recompute-method", "only valid with --recompute-granularity full")
     if args.recompute_granularity is not None:
@@ -858,6 +904,21 @@ def _validate_training(args: argparse.Namespace) -> None:
         _require(args.save is not None, "--save-interval", "needs --save DIR")
     if args.ckpt_keep is not None:
         _require(args.save is not None, "--ckpt-keep", "needs --save DIR")
+
+
+def _validate_recompute_layers(args: argparse.Namespace) -> None:
+    """--recompute-num-layers N within the layers of a model chunk: at most the fullest
+    chunk's; with --recompute-method uniform megatron-core recomputes groups of N layers and
+    indexes past a chunk whose layers are not a multiple of N, so N divides every chunk's."""
+    n, chunks = args.recompute_num_layers, args.pipeline_layer_split
+    most = max(chunks)
+    _require(1 <= n <= most, "--recompute-num-layers",
+             f"must lie in [1, {most}] (layers per model chunk), got {n}")
+    if args.recompute_method == "uniform":
+        odd = sorted({c for c in chunks if c % n})
+        _require(not odd, "--recompute-num-layers",
+                 f"--recompute-method uniform recomputes groups of {n} layers, and model "
+                 f"chunks of {', '.join(map(str, odd))} layers are not a multiple of it")
 
 
 def _validate_low_precision_weights(args: argparse.Namespace, on_cuda: bool) -> None:
@@ -1191,11 +1252,11 @@ def _validate_moe_placement(args: argparse.Namespace) -> None:
     pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     pp, V = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     placement = schedules.placement_of(args.pipeline_schedule, pp, V)
-    per_chunk = args.num_layers // (pp * V)
+    layers_of = split.LayerSplit(args.pipeline_layer_split, pp)  # `_validate_split`'s
     for stage in range(pp):
         layers = [layer for chunk in range(V)
                   for v in [placement.virtual(stage, chunk)]
-                  for layer in range(v * per_chunk, (v + 1) * per_chunk)]
+                  for layer in range(layers_of.offset(v), layers_of.offset(v) + layers_of.count(v))]
         _require(any(pattern[layer] for layer in layers), "--moe-layer-freq",
                  f"pipeline stage {stage} holds layers {layers}, none of them an MoE layer "
                  f"(pattern {pattern}); every stage needs one (the expert optimizer's grad-norm "

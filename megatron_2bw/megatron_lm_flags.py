@@ -83,9 +83,9 @@ CATEGORIES = {
               "input jitter, forced balancing; docs/moe.md lists what runs)"),
     "context-parallel": _C("refused", "context parallelism needs transformer-engine attention "
                            "on CUDA, which megatron-2bw's schedules do not set up"),
-    "pipeline-layout": _C("refused", "megatron-2bw splits the layers evenly over pipeline "
-                          "stages and virtual stages (no uneven layouts, microbatch groups "
-                          "other than the pipeline depth, or multi-token prediction)"),
+    "pipeline-layout": _C("refused", "megatron-2bw runs no encoder-decoder split, microbatch "
+                          "groups other than the pipeline depth, multi-token prediction or "
+                          "another pipeline communication backend"),
     "attention-variant": _C("refused", "multi-latent, linear, sparse and windowed attention "
                             "variants are not in megatron-2bw's layer specs"),
     "model-variant": _C("refused", "a model variant megatron-2bw's model builders do not "
@@ -139,8 +139,8 @@ _BY_FLAG = [
     (r"--(multi-latent|experimental-attention|dsa-|linear-|q-lora|kv-lora|qk-head-dim|"
      r"qk-pos-emb|v-head-dim|rotary-scaling-factor|mscale|cache-mla|window-|rope-type|"
      r"softmax-type|attention-output-gate)", "attention-variant"),
-    (r"--(mtp-|pipeline-model-parallel-(comm-backend|layout)|decoder-(first|last)-pipeline|"
-     r"microbatch-group-size|account-for-|"
+    (r"--(mtp-|pipeline-model-parallel-comm-backend|"
+     r"microbatch-group-size|"
      r"overlap-p2p-communication-warmup|encoder-num-layers|decoder-num-layers)",
      "pipeline-layout"),
     (r"--(is-hybrid|mamba|disable-mamba|hybrid-|heterogeneous|spec)\b", "hybrid"),

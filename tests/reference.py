@@ -301,16 +301,20 @@ def clip_grads(grads: dict, max_norm: float) -> float:
     return total
 
 
-def _stage_of(name: str, depth: int, num_layers: int) -> int:
-    """The pipeline stage of a PP=1 GPTModel parameter (see the module docstring)."""
+def _stage_of(name: str, depth: int, num_layers: int | list[int]) -> int:
+    """The pipeline stage of a PP=1 GPTModel parameter (see the module docstring); with
+    ``num_layers`` a list, stage i holds num_layers[i] layers (an uneven split)."""
     if name.startswith("embedding."):
         return 0
     if name.startswith("decoder.layers."):
-        return int(name.split(".")[2]) // (num_layers // depth)
+        layer = int(name.split(".")[2])
+        if isinstance(num_layers, int):
+            return layer // (num_layers // depth)
+        return next(i for i in range(depth) if layer < sum(num_layers[:i + 1]))
     return depth - 1  # decoder.final_layernorm, output_layer
 
 
-def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: int,
+def _pipedream_reads(name: str, depth: int, m: int, num_layers: int | list[int], t: int, j: int,
                      sync_iters: int = 0) -> int:
     """The version microbatch j of batch t reads of parameter `name` under PipeDream (and in
     PipeMare's forward): t during the `sync_iters` synchronous iterations."""
@@ -318,7 +322,8 @@ def _pipedream_reads(name: str, depth: int, m: int, num_layers: int, t: int, j: 
     return max((t * m + j - warmup) // m, 0) if t >= sync_iters else t
 
 
-def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int, decay: float) -> float | None:
+def _pipemare_gamma(name: str, depth: int, m: int, num_layers: int | list[int],
+                    decay: float) -> float | None:
     """T2's gamma = D ** (1 / s) of the stage holding `name`, s its largest tau_fwd - tau_bkwd:
     1 where the stage has look-ahead forwards (they read t-1, their backward t), else no
     correction (None)."""
@@ -330,12 +335,13 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
                   iterations: int, tie: bool, model: Model = MODEL,
                   lrs: list[float] | None = None, depth: int = 1,
                   discrepancy_decay: float | None = None, sync_iters: int = 0,
-                  lr_warmup_steps: int = 0) -> dict:
+                  lr_warmup_steps: int = 0, split: list[int] | None = None) -> dict:
     """Train the full model from `init` with `rule` ("sync", "2bw", or "pipedream" or
     "pipemare" over `depth` stages); returns the final weights (names as in a PP=1 GPTModel),
     per-iteration losses [t][replica] and grad norms. `microbatches` as a list: batch t has
     microbatches[t] per replica, read from the streams (``stream_microbatch``). `lrs`: step t's
-    learning rate (instead of `model`'s warm-up).
+    learning rate (instead of `model`'s warm-up). `split`: the layers of each of the `depth`
+    stages where a per-stage rule's pipeline splits them unevenly.
 
     "pipemare" options: `sync_iters` N, batches t < N read W(t) in forward and backward;
     `discrepancy_decay` D, a backward whose forward read W(t-1) on its stage reads
@@ -360,7 +366,8 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
             p.copy_(init["embedding.word_embeddings.weight" if split_tie and
                          name == "output_layer.weight" else name])
     stages = range(depth) if per_stage else [None]
-    stage_of = (lambda n: _stage_of(n, depth, model.num_layers)) if per_stage else \
+    layers = list(split) if split else model.num_layers  # per stage where split unevenly
+    stage_of = (lambda n: _stage_of(n, depth, layers)) if per_stage else \
         (lambda n: None)
     muon = {n: p for n, p in params.items() if model.optimizer == "muon" and uses_muon(n, p)}
     adam = {n: p for n, p in params.items() if n not in muon}
@@ -378,7 +385,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
     snapshot = lambda: {n: p.detach().clone() for n, p in params.items()}  # noqa: E731
     previous = snapshot()  # W(t-1), with W(-1) = W(0)
     history = []  # W(0), W(1), ...: the versions PipeDream's stages read
-    gammas = {n: _pipemare_gamma(n, depth, microbatches, model.num_layers, discrepancy_decay)
+    gammas = {n: _pipemare_gamma(n, depth, microbatches, layers, discrepancy_decay)
               for n in params} if rule == "pipemare" and discrepancy_decay else {}
     delta = {n: torch.zeros_like(p) for n, p in params.items() if gammas.get(n) is not None}
     losses, norms, aux = [], [], []
@@ -393,7 +400,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
         @torch.no_grad()
         def pipedream_weights(j: int, t=t) -> None:
             for n, p in params.items():
-                version = _pipedream_reads(n, depth, microbatches, model.num_layers, t, j,
+                version = _pipedream_reads(n, depth, microbatches, layers, t, j,
                                            sync_iters)
                 p.copy_(history[version][n])
 
@@ -402,7 +409,7 @@ def reference_run(init: dict, *, rule: str, replicas: int, microbatches: int | l
             read W(t-1); ``.data`` is re-pointed, not copied into, as autograd holds the
             parameters the forward saved."""
             for n, p in params.items():
-                lag = t - _pipedream_reads(n, depth, microbatches, model.num_layers, t, j,
+                lag = t - _pipedream_reads(n, depth, microbatches, layers, t, j,
                                            sync_iters)
                 p.data = current[n] - lag * delta[n] if n in delta else current[n].clone()
 

@@ -29,7 +29,9 @@ before it forks, and each rank's result holds its syncs per iteration by site ("
 Without "init" the runs keep megatron-core's initial weights (from the seed).
 
 A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?,
-"from_seed"?}; "from_seed": the run keeps its own initial weights (from --seed) and saves them;
+"from_seed"?, "split"?}; "from_seed": the run keeps its own initial weights (from --seed) and
+saves them; "split": its layers per virtual stage in model order, where its flags split them
+unevenly;
 "model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
 flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
 exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
@@ -118,16 +120,19 @@ def moe_flags(fields: dict | None) -> list:
 
 
 def _global_name(name: str, stage: int, depth: int, num_layers: int, chunk: int = 0,
-                 chunks: int = 1, schedule: str = "flush") -> str:
+                 chunks: int = 1, schedule: str = "flush", split: list | None = None) -> str:
     """A chunk's parameter name as it is in the PP=1 model: chunk c of stage s is virtual
     stage v (c*d + s; under zb-v and dualpipev, the V: s, and 2d-1-s for c = 1) and holds
-    global layers v*L/(dV) .. (v+1)*L/(dV) - 1, numbered from 0 inside the chunk."""
+    global layers v*L/(dV) .. (v+1)*L/(dV) - 1, numbered from 0 inside the chunk; with an
+    uneven ``split`` (the run's layers per virtual stage in model order, as the test states
+    them) from split[0] + ... + split[v-1] on."""
     from megatron_2bw.schedules import placement_of
 
     virtual = placement_of(schedule, depth, chunks).virtual(stage, chunk)
+    offset = sum(split[:virtual]) if split else virtual * num_layers // (depth * chunks)
     parts = name.removeprefix("module.").split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + virtual * num_layers // (depth * chunks))
+        parts[2] = str(int(parts[2]) + offset)
     return _global_expert(".".join(parts))
 
 
@@ -171,7 +176,8 @@ def _split_dim(param: torch.nn.Parameter) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
-def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str) -> None:
+def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str,
+                split: list | None = None) -> None:
     """Copy this rank's slice of the full initial weights into its chunks' parameters. With
     tied embeddings the last stage's output_layer.weight is a copy of the word embeddings."""
     from megatron.core import parallel_state as ps
@@ -181,7 +187,7 @@ def _load_slice(model, init: dict, tie: bool, num_layers: int, schedule: str) ->
     with torch.no_grad():
         for c, name, p in _chunk_params(model):
             chunks = len(model) if isinstance(model, (list, tuple)) else 1
-            full_name = _global_name(name, stage, depth, num_layers, c, chunks, schedule)
+            full_name = _global_name(name, stage, depth, num_layers, c, chunks, schedule, split)
             if full_name == "output_layer.weight" and tie:
                 full_name = "embedding.word_embeddings.weight"
             full = _tp_slice(p, init[full_name])
@@ -273,11 +279,12 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     initial = None
     if run.get("from_seed"):  # megatron-2bw's own initialization: keep it, save it
         initial = {_global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c,
-                                len(model), run["schedule"]): (p.detach().clone(), _split_dim(p))
+                                len(model), run["schedule"], run.get("split")):
+                   (p.detach().clone(), _split_dim(p))
                    for c, name, p in _chunk_params(model)}
     elif init_path:  # else megatron-core's own initialization from the seed
         _load_slice(model, initial_weights_of(torch.load(init_path), model_spec), tie,
-                    model_spec.num_layers, run["schedule"])
+                    model_spec.num_layers, run["schedule"], run.get("split"))
     optimizer = build.build_optimizer(args, model)
     scheduler = build.build_scheduler(args, optimizer)
     build.attach_config_hooks(config, model, optimizer, align_grad_reduce=args.align_grad_reduce)
@@ -307,7 +314,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     params = {}
     for c, name, p in _chunk_params(model):
         key = _global_name(name, info.pp_rank, run["pp"], model_spec.num_layers, c, len(model),
-                           run["schedule"])
+                           run["schedule"], run.get("split"))
         if key == "output_layer.weight" and tie:
             key = "tied:output_layer.weight"  # the last stage's copy of the word embeddings
         params[key] = (p.detach().clone(), _split_dim(p))

@@ -96,6 +96,38 @@ def test_bench_rows_and_memory_columns(tmp_path):
     assert math.isclose(printed, flush_iteration / zb_iteration, abs_tol=0.006), predicted
 
 
+def test_bench_splits_rows_follow_the_planners_split(tmp_path):
+    """--splits even,planner: each schedule runs with megatron-core's even split and the
+    planner's; at a vocabulary of 8192 on this 4-layer model the output layer outweighs
+    layers and the planner's split moves them off the last stage. The stages' measured
+    parameters follow the split the row names (its flags reached the runs), and the comparison
+    line prints the measured and predicted ratios."""
+    vocab, layers = 8192, 4
+    measurements = tmp_path / "bench.json"
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw", "--splits", "even,planner",
+                  "--iters", "2", "--warmup", "1", "--num-layers", str(layers),
+                  "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+                  "--seq-length", str(SEQ), "--vocab-size", str(vocab), "--microbatches", "4",
+                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=420)
+    assert run.returncode == 0, run.output[-3000:]
+    data = json.loads(measurements.read_text())
+    rows = [name for name in data["runs"] if name.startswith("2bw ")]
+    assert rows[0] == "2bw even" and len(rows) == 2, rows
+    split = [int(n) for n in rows[1].split()[1].split("|")]
+    assert sum(split) == layers and split[1] < split[0], split
+    per_layer = _layer_params(HIDDEN)
+    for name, (first, last) in (("2bw even", (2, 2)), (rows[1], split)):
+        (run_,) = data["runs"][name]
+        by_stage = sorted(run_["ranks"], key=lambda r: r["stage"])
+        assert [r["param_bytes"] for r in by_stage] == [
+            4 * (vocab * HIDDEN + SEQ * HIDDEN + first * per_layer),
+            4 * (last * per_layer + 2 * HIDDEN + vocab * HIDDEN)], name
+    line = next(line for line in run.output.splitlines() if line.startswith("  2bw: "))
+    assert "over even:" in line and "x measured (rounds" in line and "x predicted" in line, line
+    assert "--decoder-last-pipeline-num-layers" in line or "--pipeline-model-parallel-layout" \
+        in line, line
+
+
 def _moe_layer_params(h: int, experts: int = 4) -> int:
     """One MoE GPT layer without linear biases (the rows' --disable-bias-linear): two layer
     norms (2h each), QKV (3h^2), attention projection (h^2), the router (experts x h), and per

@@ -127,7 +127,10 @@ def test_search_tries_virtual_stages_megatron_core_can_run():
     assert any(c.layout.v == 2 and c.layout.d == 4 for c in plan.ranked)
     # 8 layers do not split into 4 x 3 chunks; at d = 2 with w = 4, m = 4 is whole groups.
     assert any(r.value("d") == 4 and "4 x 3" in r.reason for r in plan.rejected)
-    assert all(8 % (c.layout.d * c.layout.v) == 0 for c in plan.ranked)
+    assert all(8 % (c.layout.d * c.layout.v) == 0 for c in plan.ranked if c.layout.split is None)
+    # an uneven split places the 8 layers over the d x V virtual stages its flags name
+    assert all(len(c.layout.split) == c.layout.d * c.layout.v and sum(c.layout.split) == 8
+               for c in plan.ranked if c.layout.split is not None)
 
 
 # ---- the PipeDream-2BW paper's cluster ---------------------------------------------------

@@ -21,6 +21,13 @@ flush's (CROSS). Numbered by megatron-core's interleaved offsets (rank i's secon
 stage d+i, not 2d-1-i), the V's second chunks saved and loaded each other's layers: the V's own
 resumes still matched, but across schedules iteration 3 logged 6.893468 against zb-v's
 6.893581 and 6.909646 against flush's 6.910532.
+Across layer splits (UNEVEN_CROSS): under flush and 2bw a checkpoint of the even split (2|2)
+resumes with an uneven one (flush --decoder-last-pipeline-num-layers 1: 3|1; 2bw
+--pipeline-model-parallel-layout 'E,t|t*3,L': 1|3) and the reverse, an uneven one with the other
+uneven one and with one pipeline stage (PP=1, two replicas), each with the saved run's losses
+(2bw's iteration 3 reads the older version, which the checkpoint keys by global layer number
+too); zb-v's even V resumes as 'E,t|t*2|t|L'. Numbered by the even split's offsets, the V's
+uneven chunks found no readable checkpoint.
 (2bw GPT-2-style resumes in test_training, pipemare GPT-2-style with T2's delta read back in
 test_training, megatron's own schedules there and in test_interleaved.) All cases run one after
 another on the same two spawned processes (tests/test_interleaved's in-process trainer).
@@ -38,6 +45,8 @@ from tests.test_model_features import LLAMA
 
 SAVED_AT = 2
 PP1 = ["--pipeline-model-parallel-size", "1"]
+LAST1 = ["--decoder-last-pipeline-num-layers", "1"]
+LAYOUT_1_3 = ["--pipeline-model-parallel-layout", "E,t|t*3,L"]
 CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     "2bw-llama-V2": ["--pipeline-schedule", "2bw", *LLAMA,
                      "--num-virtual-stages-per-pipeline-rank", "2"],
@@ -69,13 +78,33 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     "2bw-gpt-dc-distopt-DP2": ["--pipeline-schedule", "2bw", *PP1, "--use-distributed-optimizer",
                                "--stale-weight-correction", "dc",
                                "--stale-weight-correction-coeff", "1000"],
+    # uneven splits (layers 3|1 and 1|3) and the even one, under flush and 2bw: UNEVEN_CROSS
+    "flush-gpt": ["--pipeline-schedule", "flush"],
+    "flush-gpt-3|1": ["--pipeline-schedule", "flush", *LAST1],
+    "2bw-gpt": ["--pipeline-schedule", "2bw"],
+    "2bw-gpt-1|3": ["--pipeline-schedule", "2bw", *LAYOUT_1_3],
 }
 SWITCHED = ("2bw-gpt-ef-muon", ["--pipeline-schedule", "2bw", "--optimizer", "muon"])
 """A checkpoint of a corrected run, resumed without its correction: refused in one line."""
-CROSS = {  # name -> (the case whose SAVED_AT checkpoint is loaded, the case whose flags resume it)
+CROSS = {  # name -> (the case whose SAVED_AT checkpoint is loaded, the case whose flags resume
+    # it, or the flags)
     "flush-V2-resumes-zb-v": ("zb-v-llama", "flush-llama-V2"),
     "zb-v-resumes-flush-V2": ("flush-llama-V2", "zb-v-llama"),
 }
+UNEVEN_CROSS = {  # the same, across layer splits (and pipeline sizes)
+    "flush-3|1-resumes-even": ("flush-gpt", "flush-gpt-3|1"),
+    "flush-even-resumes-3|1": ("flush-gpt-3|1", "flush-gpt"),
+    "flush-PP1-resumes-3|1": ("flush-gpt-3|1", ["--pipeline-schedule", "flush", *PP1]),
+    "2bw-1|3-resumes-even": ("2bw-gpt", "2bw-gpt-1|3"),
+    "2bw-even-resumes-1|3": ("2bw-gpt-1|3", "2bw-gpt"),
+    "2bw-3|1-resumes-1|3": ("2bw-gpt-1|3", ["--pipeline-schedule", "2bw", *LAST1]),
+    "2bw-PP1-resumes-1|3": ("2bw-gpt-1|3", ["--pipeline-schedule", "2bw", *PP1]),
+    # the V's chunks (rank 0: virtual stages 0 and 3) numbered by an uneven split
+    "zb-v-1|2|1|0-resumes-zb-v": ("zb-v-llama", ["--pipeline-schedule", "zb-v", *LLAMA,
+                                                 "--pipeline-model-parallel-layout",
+                                                 "E,t|t*2|t|L"]),
+}
+CROSS.update(UNEVEN_CROSS)
 
 
 def _matrix_worker(rank: int, world: int, out: str) -> dict:
@@ -87,14 +116,20 @@ def _matrix_worker(rank: int, world: int, out: str) -> dict:
 
     out, runs, uninterrupted = Path(out), {}, {}
     for name, flags in CASES.items():
-        full, _, start = train_saving(rank, flags, out / name, SAVED_AT)
+        full, _, start = train_saving(rank, flags, out / _dir(name), SAVED_AT)
         uninterrupted[name] = full
         runs[name] = _with(full, _resumed(flags, start))
     for name, (saved, resumer) in CROSS.items():
-        runs[name] = _with(uninterrupted[saved], _resumed(CASES[resumer], out / saved / "start"))
-    runs["switched"] = _resumed(SWITCHED[1], out / SWITCHED[0] / "start")
-    runs["release"] = _from_release(rank, out / RELEASE_CASE / "saved", out / "release")
+        flags = CASES[resumer] if isinstance(resumer, str) else resumer
+        runs[name] = _with(uninterrupted[saved], _resumed(flags, out / _dir(saved) / "start"))
+    runs["switched"] = _resumed(SWITCHED[1], out / _dir(SWITCHED[0]) / "start")
+    runs["release"] = _from_release(rank, out / _dir(RELEASE_CASE) / "saved", out / "release")
     return runs
+
+
+def _dir(case: str) -> str:
+    """A case's folder (its name without the split's "|")."""
+    return case.replace("|", "-")
 
 
 def _resumed(flags: list[str], start: Path):
@@ -144,7 +179,7 @@ RELEASE_CASE = "flush-gpt-distopt-DP2"
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume_matrix")
-    ranks = launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results", timeout=400)
+    ranks = launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results", timeout=600)
     return {name: _of_the_loss_ranks([rank[name] for rank in ranks], name) for name in ranks[0]}
 
 

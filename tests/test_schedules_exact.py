@@ -133,6 +133,10 @@ class Case:
     """--expert-model-parallel-size of the run (the reference holds every expert)."""
     clip: float | None = None
     """--clip-grad, in the run and its reference (None: ``MODEL.clip_grad``)."""
+    split: tuple[int, ...] | None = None
+    """The layers per virtual stage (model order) that ``flags`` split unevenly, as the test
+    states them: the run's chunks load and report their layers by it (tests/
+    test_layouts_exact.py)."""
 
     @property
     def pipemare_flags(self) -> tuple[str, ...]:
@@ -169,7 +173,13 @@ class Case:
                 f"{''.join(self.flags + self.pipemare_flags).replace('--', '-')}"
                 f"{''.join(f'-drain{t}' for t in self.drains)}-i{self.iters}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}{f'-ep{self.ep}' if self.ep > 1 else ''}")
+                f"{self._update_suffix}{f'-ep{self.ep}' if self.ep > 1 else ''}"
+                f"{f'-split{self.split_label}' if self.split else ''}"
+                ).replace("|", "_").replace("*", "x")  # layout strings, in directory names
+
+    @property
+    def split_label(self) -> str:
+        return "-".join(map(str, self.split or ()))
 
     @property
     def world(self) -> int:
@@ -184,7 +194,8 @@ class Case:
                 f"{f'-warmup{self.warmup}' if self.warmup else ''}"
                 f"{''.join(f'-{k}{v}' for k, v in options.items())}"
                 f"{f'-L{self.layers}' if self.layers != 4 else ''}{'-llama' if self.llama else ''}"
-                f"{self._update_suffix}{muon_tp}")
+                f"{self._update_suffix}{muon_tp}"
+                f"{f'-split{self.split_label}' if self.split and rule in PER_STAGE else ''}")
 
     def pipemare_options(self, rule: str) -> dict:
         """The reference's pipemare options (none for the other rules)."""
@@ -206,7 +217,8 @@ class Case:
                 "flags": list(self.flags + self.pipemare_flags + (
                     ("--expert-model-parallel-size", str(self.ep)) if self.ep > 1 else ())),
                 "drains": list(self.drains),
-                "round_trip": self.round_trip}
+                "round_trip": self.round_trip,
+                **({"split": list(self.split)} if self.split else {})}
 
 
 SYNC_CASES = [Case(s, d=2, m=4, w=2, iters=5) for s in (*SYNC_SCHEDULES, "megatron")]
@@ -367,16 +379,22 @@ def _pipemare_variants(case: Case) -> list[Case]:
         ([replace(case, lr_warmup_steps=0)] if case.lr_warmup_steps else [])
 
 
-def _reference_jobs() -> dict:
+def _reference_jobs_of(cases: list[Case]) -> dict:
+    """The reference jobs `cases` are checked against (`_check_against_reference`)."""
     jobs = {}
-    for case in (SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
-                 + INTERLEAVED_CASES + PIPEMARE_CASES + V_CASES
-                 + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)]):
+    for case in cases:
         for rule in {"sync", "2bw", case.rule, *(["pipedream"] if case.rule == "pipemare" else [])}:
             jobs[case.reference(rule)] = {
-                "rule": rule, "replicas": case.w, "microbatches": case.m,
-                "iterations": case.iters, "tie": case.tie, "model": case.model,
-                "depth": case.d, **case.pipemare_options(rule)}
+                **reference_job(case, rule), **case.pipemare_options(rule),
+                **({"split": list(case.split)} if case.split and rule in PER_STAGE else {})}
+    return jobs
+
+
+def _reference_jobs() -> dict:
+    jobs = _reference_jobs_of(
+        SYNC_CASES + ZBH1_CASES + TWOBW_CASES + PIPEDREAM_CASES + FOUR_STAGE_CASES
+        + INTERLEAVED_CASES + PIPEMARE_CASES + V_CASES
+        + [v for c in PIPEMARE_CASES for v in _pipemare_variants(c)])
     one = PIPEMARE_ONE_STAGE
     jobs[one.reference()] = {"rule": "pipemare", "replicas": one.w, "microbatches": one.m,
                              "iterations": one.iters, "tie": one.tie, "model": one.model,

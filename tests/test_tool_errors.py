@@ -194,6 +194,10 @@ CASES = {
     "bench-timeline-dir-unwritable": (["bench_schedules.py", "--timeline-dir", "/sys/t"],
                                       "--timeline-dir", "cannot write"),
     "bench-json-is-folder": (["bench_schedules.py", "--json", "{d}"], "--json", "folder"),
+    "bench-split-does-not-add-up": (
+        ["bench_schedules.py", "--decoder-last-pipeline-num-layers", "9"],
+        "--decoder-last-pipeline-num-layers", "leave -1"),
+    "bench-unknown-split": (["bench_schedules.py", "--splits", "even,best"], "--splits", "best"),
 }
 
 

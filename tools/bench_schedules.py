@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -79,7 +80,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_2bw.cli import (RunName, ToolError, ToolParser,  # noqa: E402
                               add_model_size_flags, check_training_flags, comma_list,
-                              main_guard, nonneg_float, nonneg_int, output_file,
+                              existing_file, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, run_name, writable_dir)
 from megatron_2bw.arguments import SCHEDULES  # noqa: E402
 from megatron_2bw.runtime.copies import CopiedBytes  # noqa: E402
@@ -431,6 +432,9 @@ class Config:
     """More training flags."""
     microbatches: int | None = None
     """Microbatches per batch when not --microbatches (2BW's row at m < d runs m = d)."""
+    split: tuple[int, ...] | None = None
+    """Its layers per virtual stage (model order) where it is a --splits row; None: the layout
+    flags given (--decoder-last-pipeline-num-layers, ...), or the even split."""
 
 
 @dataclass
@@ -473,7 +477,32 @@ def _training_flags(a: argparse.Namespace, config: Config) -> list[str]:
     flags = _model_flags(a, config.microbatches) + ["--pipeline-schedule", config.schedule,
                                "--pipeline-model-parallel-size", str(config.processes),
                                "--clip-grad", str(config.clip_grad), *config.extra]
+    if config.processes > 1 and config.copies == 1:
+        flags += _split_flags(a, config)
     return flags + ([] if config.tied else ["--untie-embeddings-and-output-weights"])
+
+
+LAYOUT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split", "--pipeline-model-parallel-layout")
+"""Megatron-LM's layout flags, passed on to every pipelined row."""
+
+
+def _split_flags(a: argparse.Namespace, config: Config) -> list[str]:
+    """A pipelined row's layout flags: a --splits row's split as the planner writes it
+    (`planner.flags.layout_flags`), else the layout flags given."""
+    if config.split is not None:
+        from megatron_2bw.planner.flags import layout_flags
+
+        return layout_flags(_layout(a, config, config.split), a.num_layers)
+    flags = []
+    for flag in LAYOUT_FLAGS:
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is True:
+            flags.append(flag)
+        elif value not in (None, False):
+            flags += [flag, str(value)]
+    return flags
 
 
 def _worker_command(a: argparse.Namespace, config: Config, out: Path, timeline: bool) -> list[str]:
@@ -606,7 +635,23 @@ def _parser() -> argparse.ArgumentParser:
     # and attention are ~40% of the backward)
     add_model_size_flags(p, num_layers=8, micro_batch_size=2, hidden_size=512,
                          num_attention_heads=8)
-    p.add_argument("--vocab-size", type=positive_int, default=1024)
+    p.add_argument("--vocab-size", type=positive_int, default=1024,
+                   help="the output layer's width: at 32000 (a real tokenizer's) the output "
+                        "layer and the loss weigh several layers on the last stage")
+    g = p.add_argument_group("layer splits (Megatron-LM's flags, for every pipelined row)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT")
+    g.add_argument("--splits", type=comma_list(str, ("even", "planner")), default=None,
+                   help="instead: each schedule once per split, 'even' (megatron-core's) and "
+                        "'planner' (the planner's balanced split for this model and layout, "
+                        "tools/plan.py's), paired within rounds, with the planner's predicted "
+                        "time per iteration beside the measured one")
+    g.add_argument("--profile", type=existing_file, default=None,
+                   help="the layer profile the planner predicts with (default: tools/profiles/"
+                        "<this CPU>.json where it exists, else closed forms)")
     p.add_argument("--clip-grad", type=nonneg_float, default=0.0)
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share input and output embeddings (an all-reduce at every step)")
@@ -660,6 +705,8 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
     configs = [Config(SINGLE, "megatron", 1, clip, tied, "single"),
                Config(BUSY, "megatron", 1, clip, tied, "single_busy", copies=a.depth)]
     below = a.microbatches < a.depth  # 2BW runs m = d there
+    if a.splits:
+        return configs + [_split_config(a, s, split) for s in schedules for split in a.splits]
     configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
                 if s == "2bw" and below else _run_config(a, s) for s in schedules]
     if a.moe_variants:
@@ -687,6 +734,53 @@ def _run_config(a: argparse.Namespace, name: str) -> Config:
     label = name.replace("+", "_")
     return Config(name, run.real_schedule, a.depth, a.clip_grad, a.tie_embeddings, label,
                   extra=extra)
+
+
+def _split_config(a: argparse.Namespace, name: str, which: str) -> Config:
+    """A --splits row: schedule `name` with the even split or the planner's."""
+    config = _run_config(a, name)
+    if which == "even":
+        split = None
+    else:
+        layout = _layout(a, config, None)
+        split = _cost_model(a).balanced_split(layout)
+        if split is None:
+            raise ToolError("--splits", f"the planner's split of {layout.label()} is the even "
+                                        "one: nothing to compare")
+    label = "even" if split is None else "|".join(map(str, split))
+    return dataclasses.replace(config, name=f"{name} {label}",
+                               label=f"{config.label}_{label.replace('|', '-')}",
+                               split=split)
+
+
+def _layout(a: argparse.Namespace, config: Config, split: tuple[int, ...] | None):
+    """The planner's Layout of a pipelined row (t 1, w 1)."""
+    from megatron_2bw.planner import Layout
+
+    return Layout(1, config.processes, 1, a.micro_batch_size,
+                  config.microbatches or a.microbatches, False, config.schedule, split=split)
+
+
+def _cost_model(a: argparse.Namespace):
+    """The planner's cost model of the benchmark's model on this machine's cores (fp32, its
+    clipping and embeddings), with --profile or this CPU's profile where one exists."""
+    from megatron_2bw.planner import CostModel, ModelSpec, Profile, preset
+
+    model = ModelSpec("gpt", a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length,
+                      a.vocab_size, untie_embeddings=not a.tie_embeddings, dropout=False)
+    path = _profile_path(a)
+    profile = Profile.load(path) if path is not None else None
+    return CostModel(model, preset("cpu-local", gpus_per_node=max(a.depth, 1)), "fp32",
+                     profile=profile, clip_grad=a.clip_grad > 0)
+
+
+def _profile_path(a: argparse.Namespace) -> Path | None:
+    """--profile, or this CPU's profile in tools/profiles where one exists."""
+    from megatron_2bw.planner import preset
+    from megatron_2bw.planner.profile import default_profile_path
+
+    path = Path(a.profile or default_profile_path(preset("cpu-local").device_name))
+    return path if path.exists() else None
 
 
 def _schedule_of(row: str) -> str:
@@ -725,6 +819,8 @@ class Table:
     runs: dict[str, list[Run]]
     load: tuple[float, float]
     """The 1-minute load average before and after the runs."""
+    configs: list[Config] = field(default_factory=list)
+    """The rows' configurations."""
     times: dict[str, list[float]] = field(init=False)
     """Row name -> seconds per iteration, one per round."""
 
@@ -765,8 +861,9 @@ def _row(table: Table, name: str, width: int) -> str:
     saved = [r.saved_bytes_per_microbatch or boundary for r in first]
     weights = [r.weight_bytes or r.param_bytes * versions for r in first]
     stages = _stages(rounds)
+    twobw = "2bw even" if "2bw even" in table.runs else "2bw"  # --splits: the even row
     return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * m / t:9.2f} "
-            f"{table.ratio(name, '2bw'):7.2f} {table.ratio(name, SINGLE, scale):8.2f} "
+            f"{table.ratio(name, twobw):7.2f} {table.ratio(name, SINGLE, scale):8.2f} "
             f"{table.ratio(name, BUSY, scale):7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
             f"{_median_ms(stages, 'recv_seconds'):>9} "
@@ -823,7 +920,49 @@ def _table(table: Table, schedules: list[str]) -> str:
     rows = [header, "-" * len(header)]
     rows += [_row(table, name, width) for name in table.runs]
     return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table)
-                     + _over_flush(table))
+                     + _over_flush(table) + _split_comparison(table, schedules))
+
+
+def _split_comparison(table: Table, schedules: list[str]) -> list[str]:
+    """--splits: per schedule, the planner's split against the even one, measured (the ratio
+    of their times within each round, its median and spread) and predicted by the planner
+    (`CostModel.time` with the schedule simulator)."""
+    a = table.a
+    if not a.splits or "planner" not in a.splits or "even" not in a.splits:
+        return []
+    cost, path = _cost_model(a), _profile_path(a)
+    source = f"profile {path}" if path else "closed forms (no profile of this CPU)"
+    lines = [f"splits (d={a.depth}, m={a.microbatches}, vocab {a.vocab_size}; predicted: the "
+             f"planner, {source}):"]
+    for name in schedules:
+        even = next(c for c in table.configs if c.name.startswith(name + " ") and c.split is None)
+        ours = next(c for c in table.configs if c.name.startswith(name + " ") and c.split)
+        ratios = [e / p for e, p in zip(table.times[even.name], table.times[ours.name])]
+        predicted = {c.name: cost.time(_layout(a, c, c.split), simulate=True).iteration
+                     for c in (even, ours)}
+        measured = {c.name: table.time_of(c.name) for c in (even, ours)}
+        errors = "; ".join(f"{c.name}: predicted {predicted[c.name] * 1e3:.1f} ms, measured "
+                           f"{measured[c.name] * 1e3:.1f} ms "
+                           f"({predicted[c.name] / measured[c.name] - 1:+.1%})"
+                           for c in (even, ours))
+        flags = " ".join(_split_flags(a, ours))
+        cpu = {c.name: _slowest_cpu(table.runs[c.name]) for c in (even, ours)}
+        lines.append(f"  {name}: {ours.name.split()[-1]} ({flags}) over even: "
+                     f"{statistics.median(ratios):.3f}x measured (rounds "
+                     f"{', '.join(f'{r:.3f}' for r in ratios)}; spread "
+                     f"{max(ratios) - min(ratios):.3f}), "
+                     f"{predicted[even.name] / predicted[ours.name]:.3f}x predicted; {errors}; "
+                     f"the slowest stage's CPU ms per iteration {cpu[even.name] * 1e3:.0f} -> "
+                     f"{cpu[ours.name] * 1e3:.0f} ({cpu[even.name] / cpu[ours.name]:.3f}x)")
+    return lines
+
+
+def _slowest_cpu(runs: list[Run]) -> float:
+    """The largest per-stage median main-thread CPU seconds per iteration (over every round's
+    measured iterations): the bottleneck's work, which other processes' load delays (runq)
+    but does not add to."""
+    return max(statistics.median(v for r in results for v in r.values("cpu_seconds"))
+               for results in _stages(runs))
 
 
 def _over_flush(table: Table) -> list[str]:
@@ -928,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     load = (load_before, os.getloadavg()[0])
     if a.json:  # written before the table, so a formatting error loses no measurement
         _write_json(a.json, a, runs)
-    print(_table(Table(a, runs, load), schedules))
+    print(_table(Table(a, runs, load, configs), schedules))
     return 0
 
 

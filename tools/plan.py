@@ -27,6 +27,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import re
 import sys
@@ -46,7 +48,7 @@ from megatron_2bw.planner import accuracy, links, measure  # noqa: E402
 from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
 from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
-from megatron_2bw.planner.search import ITERATION_FACTOR  # noqa: E402
+from megatron_2bw.planner.search import ITERATION_FACTOR, Candidate, Plan  # noqa: E402
 from megatron_2bw.corrections import RULES  # noqa: E402
 from megatron_2bw.arguments import ATTENTION_BACKENDS, moe_freq_type  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
@@ -269,6 +271,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="2bw runs its step where the loop calls it (clipping or tied embeddings "
                         "then stall the pipeline at each step)")
     g.add_argument("--max-tensor-parallel", type=positive_int, default=None)
+    g.add_argument("--no-uneven", action="store_true",
+                   help="only megatron-core's even split of the layers (by default each layout "
+                        "is also tried with the split that evens out its stages' work, the "
+                        "embedding, the output layer and the loss counted where they sit)")
     g.add_argument("--expert-model-parallel-size", type=_ints, default=None,
                    help="expert-parallel size, or sizes to try (comma-separated); default: "
                         "every size the experts and the layout allow")
@@ -301,7 +307,8 @@ def format_table(plan: Plan, top: int) -> str:
     moe = plan.request.model.is_moe
     head = (f"{'#':>3} {'t':>3} {'d':>3} {'w':>4} " + (f"{'e':>3} " if moe else "")
             + f"{'b':>3} {'m':>4} {'schedule':<8} {'rc':<3} "
-            f"{'samples/s':>10} {'s/iter':>9} {'bubble':>7} {'GiB/dev':>8} {'stage':>5}  time")
+            f"{'samples/s':>10} {'s/iter':>9} {'bubble':>7} {'GiB/dev':>8} {'stage':>5}  "
+            f"{'time':<11}  layers")
     lines = [head]
     for i, c in enumerate(plan.ranked[:top], 1):
         L = c.layout
@@ -310,8 +317,49 @@ def format_table(plan: Plan, top: int) -> str:
             + f"{L.b:>3} {L.m:>4} {L.schedule:<8} "
             f"{'yes' if L.recompute else '-':<3} {c.samples_per_s:>10.2f} {c.time.iteration:>9.4f} "
             f"{c.time.bubble_fraction:>7.1%} {c.memory.peak / GiB:>8.2f} "
-            f"{c.memory.peak_stage.stage:>5}  {c.time.method}")
+            f"{c.memory.peak_stage.stage:>5}  {c.time.method:<11}  {short_split(L.split)}")
     return "\n".join(lines)
+
+
+def short_split(split: tuple[int, ...] | None) -> str:
+    """Layers per virtual stage, runs of one count written once: (4, 3, 3, 3, 1) ->
+    "4|3x3|1"; "even" for megatron-core's even split."""
+    if split is None:
+        return "even"
+    runs = [[n, len(list(group))] for n, group in itertools.groupby(split)]
+    return "|".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def split_gain(plan: Plan, candidate: Candidate) -> str | None:
+    """What an uneven split gains over the even one of the same layout: its predicted
+    samples/s against the even split's, or why the even split cannot run."""
+    layout = candidate.layout
+    if layout.split is None:
+        return None
+    even = dataclasses.replace(layout, split=None)
+    flags = " ".join(plan_flags.layout_flags(layout, plan.request.model.num_layers))
+    lines = [f"layers per virtual stage {short_split(layout.split)} ({flags})"]
+    same = next((c for c in plan.ranked if c.layout == even), None)
+    if same is not None:
+        lines.append(f"{candidate.samples_per_s / same.samples_per_s - 1:+.1%} samples/s over "
+                     f"the same layout with the even split ({same.samples_per_s:.2f}; the "
+                     f"slowest stage's F+B {_slowest(same) * 1e3:.1f} -> "
+                     f"{_slowest(candidate) * 1e3:.1f} ms per microbatch)")
+    else:
+        why = next((r.reason for r in plan.rejected if r.layout == even),
+                   f"{plan.request.model.num_layers} layers do not split evenly over "
+                   f"{layout.d * layout.placement.chunks} virtual stages")
+        lines.append(f"the same layout with the even split does not run ({why})")
+    best_even = next((c for c in plan.ranked if c.layout.split is None), None)
+    if best_even is not None:
+        lines.append(f"{candidate.samples_per_s / best_even.samples_per_s - 1:+.1%} samples/s "
+                     f"over the best layout with the even split ({best_even.layout.label()}: "
+                     f"{best_even.samples_per_s:.2f})")
+    return "\n".join(lines)
+
+
+def _slowest(candidate: Candidate) -> float:
+    return max(f + b for f, b in zip(candidate.time.forward, candidate.time.backward))
 
 
 def format_rejections(plan: Plan) -> str:
@@ -428,7 +476,7 @@ def run_plan(argv) -> int:
         simulate_top=0 if args.closed_form else args.simulate_top,
         virtual_stages=args.virtual_stages, selective_recompute=args.selective_recompute,
         sequence_parallel=args.sequence_parallel, iteration_factor=args.iteration_factor,
-        expert_parallel=args.expert_model_parallel_size)
+        uneven=not args.no_uneven, expert_parallel=args.expert_model_parallel_size)
     cost = CostModel(model, cluster, precision, profile=profile, optimizer=args.optimizer,
                      correction=args.stale_weight_correction,
                      distributed_optimizer=args.use_distributed_optimizer,
@@ -453,9 +501,13 @@ def run_plan(argv) -> int:
     print("\n" + format_table(plan, args.top))
     best = plan.best
     print(f"\nchoice: {best.layout.label()}  (plan: {paths['plan']})")
+    gain = split_gain(plan, best)
+    if gain:
+        print(gain)
     line = plan_flags.flag_line(best, plan, training)
     print(f"flags ({paths['flags']}):\n  {line}")
-    if best.layout.v > 1 and "--num-virtual-stages-per-pipeline-rank" not in line:
+    if best.layout.v > 1 and "--num-virtual-stages-per-pipeline-rank" not in line \
+            and "--pipeline-model-parallel-layout" not in line:
         print(f"note: add --num-virtual-stages-per-pipeline-rank {best.layout.v} to the flags "
               f"and scripts (the choice interleaves)", file=sys.stderr)
     if not args.no_scripts:
@@ -536,6 +588,8 @@ def _run_evaluate(args, layout: Layout, request: PlanRequest, cost: CostModel,
     print(_describe(cost.model, cluster, request.global_batch_size, request.precision, cost))
     print(format_evaluation(result, request.memory_limit,
                             cluster.peak_flops[request.precision]))
+    if request.uneven:
+        print(_evaluate_split(args, layout, request, cost, result))
     best = plan.best
     if best is None:
         print("planner: no feasible layout (see --explain)")
@@ -547,6 +601,25 @@ def _run_evaluate(args, layout: Layout, request: PlanRequest, cost: CostModel,
     print(f"search {plan.seconds:.3f} s over {plan.considered} layouts; evaluated in "
           f"{time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _evaluate_split(args, layout: Layout, request: PlanRequest, cost: CostModel,
+                    result: Evaluation) -> str:
+    """The planner's split of the evaluated layout (`CostModel.balanced_split`): its flags,
+    predicted time and what it gains, or that the layout's own split is the planner's."""
+    model = request.model
+    split = cost.balanced_split(dataclasses.replace(layout, split=None), request.memory_limit)
+    if split is None or split == layout.split:
+        return f"planner's split of this layout: {short_split(layout.split)} (the evaluated one)"
+    balanced = evaluate(cost, dataclasses.replace(layout, split=split),
+                        simulate=not args.closed_form)
+    flags = " ".join(plan_flags.layout_flags(balanced.layout, model.num_layers)) or "(none)"
+    return (f"planner's split of this layout: {short_split(split)}  {flags}\n"
+            f"  time per iteration {balanced.time.iteration:.4f} s ({balanced.time.method}), "
+            f"{balanced.time.samples_per_s:.2f} samples/s: "
+            f"{result.time.iteration / balanced.time.iteration:.3f}x the evaluated layout's "
+            f"throughput; peak {balanced.memory.peak / GiB:.2f} GiB on stage "
+            f"{balanced.memory.peak_stage.stage}")
 
 
 # ---- profile ----------------------------------------------------------------------------

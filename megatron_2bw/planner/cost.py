@@ -22,13 +22,14 @@ this model by FLOPs and by the closed-form bytes when the profile was taken for 
 from __future__ import annotations
 
 import functools
+import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatron_2bw.schedules import PIPELINE_SCHEDULES, V_SCHEDULES, Kind
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
-from megatron_2bw.schedules import call_actions, keeps_versions, placement_of
+from megatron_2bw.schedules import LayerSplit, call_actions, keeps_versions, placement_of
 from megatron_2bw.schedules.interleaved import warmup_slots
 from megatron_2bw.schedules.requirements import (RECOMPUTE_REFUSED, Batch, recompute_problem,
                                                   too_few_microbatches, v_placement_problem,
@@ -138,6 +139,9 @@ class Layout:
     e: int = 1
     """Expert-parallel size (`--expert-model-parallel-size`; Mixture of Experts only): e
     consecutive ranks of a stage's t w share out the experts."""
+    split: tuple[int, ...] | None = None
+    """Transformer layers per virtual stage in model order (`schedules.LayerSplit`); None:
+    megatron-core's even split. Written as Megatron-LM's layout flags (`flags.layout_flags`)."""
 
     @property
     def world(self) -> int:
@@ -150,7 +154,20 @@ class Layout:
     def label(self) -> str:
         return (f"t{self.t} d{self.d} w{self.w} b{self.b} m{self.m} {self.schedule}"
                 + (f" v{self.v}" if self.v > 1 else "") + (" rc" if self.recompute else "")
-                + (" sel" if self.selective else "") + (f" e{self.e}" if self.e > 1 else ""))
+                + (" sel" if self.selective else "") + (f" e{self.e}" if self.e > 1 else "")
+                + (f" split {'|'.join(map(str, self.split))}" if self.split else ""))
+
+    @property
+    def placement(self):
+        """Where its virtual stages sit (`schedules.placement_of`)."""
+        return placement_of(self.schedule, self.d, self.v if self.d > 1 else 1)
+
+    def layers(self, num_layers: int) -> LayerSplit:
+        """Its split of ``num_layers`` layers: `split`, or the even one."""
+        placement = self.placement
+        if self.split is not None:
+            return LayerSplit(self.split, self.d)
+        return LayerSplit.even(num_layers, self.d, placement.chunks)
 
     def problem(self, num_layers: int, tied: bool = True) -> str | None:
         """Why the training refuses this layout (None: it runs it): the rules of
@@ -167,11 +184,20 @@ class Layout:
         if self.recompute and self.selective:
             return "full and selective recomputation exclude each other"
         found = recompute_problem(self.schedule) if self.recompute or self.selective else None
+        even = None if self.split else num_layers  # a split is checked below
         if found is None and self.schedule in V_SCHEDULES:
-            found = v_placement_problem(self.schedule, self.d, self.v, num_layers, [batch], tied)
+            found = v_placement_problem(self.schedule, self.d, self.v, even, [batch], tied)
         elif found is None and self.v > 1:
-            found = virtual_stage_problem(self.schedule, self.d, self.v, num_layers, [batch],
+            found = virtual_stage_problem(self.schedule, self.d, self.v, even, [batch],
                                           "--num-virtual-stages-per-pipeline-rank")
+        if found is None and self.split is not None:
+            stages = self.d * self.placement.chunks
+            if len(self.split) != stages or sum(self.split) != num_layers:
+                return (f"split {'|'.join(map(str, self.split))} is not {num_layers} layers "
+                        f"over {stages} virtual stages")
+        elif found is None and num_layers % (self.d * self.placement.chunks):
+            return (f"{num_layers} layers do not split evenly over "
+                    f"{self.d * self.placement.chunks} virtual stages")
         return None if found is None else found.message
 
 
@@ -212,6 +238,20 @@ def _rank_parts(schedule: str, d: int, v: int, rank: int) -> RankParts:
                      sum(sends(c, 1) for c in chunks), sum(sends(c, -1) for c in chunks))
 
 
+@functools.lru_cache(maxsize=1024)
+def _chunk_parts(schedule: str, d: int, v: int) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    """Per rank, per chunk: (the first virtual stage, the last, its output goes to another
+    rank, its input gradient goes to another rank)."""
+    placement = placement_of(schedule, d, v if d > 1 else 1)
+
+    def sends(rank: int, chunk: int, step: int) -> bool:
+        neighbour = placement.neighbour(rank, chunk, step)
+        return neighbour is not None and neighbour[0] != rank
+
+    return tuple(tuple((placement.is_first(i, c), placement.is_last(i, c), sends(i, c, 1),
+                        sends(i, c, -1)) for c in range(placement.chunks)) for i in range(d))
+
+
 def rank_parts(layout: Layout, rank: int) -> RankParts:
     """Where the model's pieces sit, the one map from virtual stages to ranks the memory and
     time models read (`schedules.placement_of`, as the executor and the training build them):
@@ -223,18 +263,22 @@ def rank_parts(layout: Layout, rank: int) -> RankParts:
 
 @functools.lru_cache(maxsize=4096)
 def _moe_layers_of(pattern: tuple[int, ...], schedule: str, d: int, v: int,
-                   rank: int) -> tuple[int, ...]:
+                   rank: int, split: tuple[int, ...] | None = None) -> tuple[int, ...]:
     placement = placement_of(schedule, d, v if d > 1 else 1)
-    per_chunk = len(pattern) // (d * placement.chunks)
-    starts = [placement.virtual(rank, c) * per_chunk for c in range(placement.chunks)]
-    return tuple(sum(pattern[start:start + per_chunk]) for start in starts)
+    layers = (LayerSplit(split, d) if split is not None
+              else LayerSplit.even(len(pattern), d, placement.chunks))
+    virtual = [placement.virtual(rank, c) for c in range(placement.chunks)]
+    return tuple(sum(pattern[layers.offset(s):layers.offset(s) + layers.count(s)])
+                 for s in virtual)
 
 
 def moe_layers_of(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, ...]:
     """MoE layers in each model chunk of pipeline rank `rank` (the chunk holding virtual stage
-    v has layers v L/(d V) ... (v + 1) L/(d V) - 1, as megatron-core numbers them; the
-    placement as `rank_parts`); zeros for a dense model."""
-    return _moe_layers_of(model.moe_pattern, layout.schedule, layout.d, layout.v, rank)
+    v has the layers `layout.layers` gives it, as megatron-core numbers them: v L/(d V) ...
+    (v + 1) L/(d V) - 1 with the even split; the placement as `rank_parts`); zeros for a
+    dense model."""
+    return _moe_layers_of(model.moe_pattern, layout.schedule, layout.d, layout.v, rank,
+                          layout.split)
 
 
 def expert_problem(model: ModelSpec, t: int, w: int, e: int, device: str = "cuda"
@@ -362,6 +406,10 @@ class TimeEstimate:
     expert_parallel: tuple[float, ...] = ()
     """Of F_i + B_i, the experts' all-to-alls (dispatch and combine, forward and backward);
     empty for a dense model."""
+    chunk_forward: tuple[tuple[float, ...], ...] = ()
+    """Per rank, F of each of its model chunks (its layers, and the embedding or the head
+    where the chunk holds them; sums to `forward`)."""
+    chunk_backward: tuple[tuple[float, ...], ...] = ()
 
     @property
     def samples_per_s(self) -> float:
@@ -378,7 +426,7 @@ def _simulate_normalized(schedule: str, d: int, m: int, forward: tuple, backward
     from megatron_2bw.schedules import Costs, pipeline_actions, placement_of, simulate
 
     placement = placement_of(schedule, d)
-    if placement.shape == "v":  # a chunk runs half of its stage's layers
+    if placement.shape == "v" and not isinstance(forward[0], tuple):  # even chunks: halves
         forward, backward = tuple(f / 2 for f in forward), tuple(b / 2 for b in backward)
     result = simulate(pipeline_actions(schedule, d, m, 3),
                       Costs(forward=forward, backward=backward, p2p=p2p, step=step),
@@ -393,9 +441,11 @@ def simulated_iteration(schedule: str, d: int, m: int, forward: tuple, backward:
     (`megatron_2bw.schedules.simulate` on the action lists the executor runs), memoized on the
     costs normalised to the slowest forward and rounded to 3 digits: layouts that differ only
     in scale share one simulation."""
-    unit = max(forward)
-    key = (tuple(_sig(f / unit) for f in forward), tuple(_sig(b / unit) for b in backward),
-           _sig(p2p / unit), _sig(step / unit))
+    def scaled(costs: tuple) -> tuple:  # per stage, or per stage and chunk
+        return tuple(scaled(c) if isinstance(c, tuple) else _sig(c / unit) for c in costs)
+
+    unit = max(max(f) if isinstance(f, tuple) else f for f in forward)
+    key = (scaled(forward), scaled(backward), _sig(p2p / unit), _sig(step / unit))
     return unit * _simulate_normalized(schedule, d, m, *key, sync)
 
 
@@ -453,6 +503,28 @@ class CostModel:
         most as many microbatches (d - i is largest at i = 0); in the V rank 0 holds the
         embedding and the output layer, rank d-1 the most stashed and pending chunk passes.
         Each rank's pieces follow the placement (`rank_parts`)."""
+        split = layout.layers(self.model.num_layers)
+        stage = self._stage_memory(layout)
+        ranks = (range(layout.d) if every_stage or layout.split
+                 else sorted({0, layout.d - 1} | self._most_experts(layout)))
+        return MemoryEstimate(tuple(stage(i, split.of_rank(layout.placement, i))
+                                    for i in ranks))
+
+    def memory_lines(self, layout: Layout) -> list[tuple[float, float]]:
+        """Per rank, its bytes with no layer and what each more layer adds (one per chunk,
+        `memory`'s parts; a split backward's activations bounded from above): the lines
+        `balanced_split` fits layers under."""
+        stage, chunks = self._stage_memory(layout, bound=True), layout.placement.chunks
+        lines, none = [], (0,) * chunks  # dense layers (`balanced_split` is for dense models)
+        for i in range(layout.d):
+            empty, full = stage(i, none, none).total, stage(i, (1,) * chunks, none).total
+            lines.append((empty, (full - empty) / chunks))
+        return lines
+
+    def _stage_memory(self, layout: Layout, bound: bool = False):
+        """`memory`'s function (rank, its chunks' layers) -> StageMemory for `layout`;
+        `bound`: a split backward's activations bounded from above by the stash's and the
+        pending W's peaks each in the fullest chunk (without walking the action list)."""
         model, e = self.model, self.element_bytes
         t, d, b, m = layout.t, layout.d, layout.b, layout.m
         spec = _schedule_spec(layout.schedule)
@@ -477,13 +549,12 @@ class CostModel:
             embedding /= t  # its dropout runs on 1/t of the sequence
         head = self._activation_bytes("head", b, t)
         logits_gradient = model.logits_gradient_bytes(b, t)
-        stages = []
-        ranks = range(d) if every_stage else sorted({0, d - 1} | self._most_experts(layout))
-        for i in ranks:
+        def stage(i: int, chunk_layers: tuple[int, ...],
+                  moe: tuple[int, ...] | None = None) -> StageMemory:
             parts = rank_parts(layout, i)
             first, last = parts.embedding, parts.head
-            moe = moe_layers_of(model, layout, i)
-            params = model.rank_parameters(t, model.num_layers // d, embedding=first, head=last,
+            moe = moe_layers_of(model, layout, i) if moe is None else moe
+            params = model.rank_parameters(t, sum(chunk_layers), embedding=first, head=last,
                                            moe_layers=sum(moe), e=layout.e)
             expert_params = sum(moe) * (model.moe_layer_parameters(t, layout.e)[1]
                                         if model.is_moe else 0)
@@ -491,28 +562,34 @@ class CostModel:
                 self.clip_grad or (model.tied and (first or last)))
             # Activations one microbatch leaves in each chunk: each layer's (its input only
             # with recomputation; Section 4.1), plus the embedding's and the head's.
-            layers = model.num_layers // d // len(parts.chunks)
             chunk_bytes = [(layers - n) * layer_kept + n * moe_kept + has_embedding * embedding
-                           + has_head * head for n, (has_embedding, has_head)
-                           in zip(moe, parts.chunks)]
+                           + has_head * head for layers, n, (has_embedding, has_head)
+                           in zip(chunk_layers, moe, parts.chunks)]
             per_microbatch = sum(chunk_bytes)
             # Stashed microbatches: GPipe m, Flush and 2BW d - i (1F1B, Sections 2.2, 3.1),
             # naive 1; as the schedule declares it (schedules.SCHEDULES[...].stash).
             stash = _stash(layout, spec, i)
             activations, pending = stash * per_microbatch, 0
-            if d > 1 and _splits_backward(layout.schedule):
+            if d > 1 and _splits_backward(layout.schedule) and bound:
+                # at most: the stash's peak and the pending W's peak, each in its fullest chunk
+                pending = _weight_grads(layout.schedule, d, min(m, 2 * d + 1), i)
+                waiting = self._weight_grad_bytes(layout, parts, chunk_layers, moe)
+                activations = (stash * len(chunk_bytes) * max(chunk_bytes)
+                               + pending * max(waiting))
+            elif d > 1 and _splits_backward(layout.schedule):
                 # Split backward: the stash and the pending W's at their joint peak.
                 held = _held_counts(layout.schedule, d, min(m, 2 * d + 1), i)
                 pending = max(sum(counts[len(chunk_bytes):]) for counts in held)
                 activations = _split_peak(held, chunk_bytes,
-                                          self._weight_grad_bytes(layout, parts, layers, moe))
+                                          self._weight_grad_bytes(layout, parts, chunk_layers,
+                                                                  moe))
             # A recomputed layer (or attention core) exists again during its backward.
             whole_layer = self._layer_options(layer_full, layout, "bytes", selective=False)
             replayed = whole_layer if layout.recompute else whole_layer - layer_kept
             if sum(moe):
                 replayed = max(replayed, moe_whole if layout.recompute else moe_whole - moe_kept)
             transient = replayed + last * logits_gradient
-            stages.append(StageMemory(
+            return StageMemory(
                 stage=i, parameters=params,
                 weights=params * e,
                 # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total;
@@ -528,11 +605,12 @@ class CostModel:
                 overhead=overhead,
                 gradient_copy=deferred * params * GRAD_BYTES,
                 pending_weight_grads=pending,
-                expert_parameters=expert_params))
-        return MemoryEstimate(tuple(stages))
+                expert_parameters=expert_params)
 
-    def _weight_grad_bytes(self, layout: Layout, parts: RankParts, layers: int,
-                           moe: tuple[int, ...]) -> list[float]:
+        return stage
+
+    def _weight_grad_bytes(self, layout: Layout, parts: RankParts,
+                           chunk_layers: tuple[int, ...], moe: tuple[int, ...]) -> list[float]:
         """Per chunk of the rank: bytes one microbatch's pending W keeps (its layers' and, on
         the output layer's chunk, that layer's inputs and output gradients;
         ModelSpec.layer_weight_grad_bytes, moe_layer_weight_grad_bytes for the chunk's `moe`
@@ -544,7 +622,7 @@ class CostModel:
         head = self.model.head_weight_grad_bytes(b, t, e, sequence_parallel=sp,
                                                  with_embedding=parts.embedding)
         return [(layers - n) * layer + n * moe_layer + has_head * head
-                for n, (_, has_head) in zip(moe, parts.chunks)]
+                for layers, n, (_, has_head) in zip(chunk_layers, moe, parts.chunks)]
 
     def _most_experts(self, layout: Layout) -> set[int]:
         """The pipeline rank holding the most MoE layers (a middle one can hold more than the
@@ -592,7 +670,7 @@ class CostModel:
         model, cluster, e = self.model, self.cluster, self.element_bytes
         t, d, w, b, m, v = layout.t, layout.d, layout.w, layout.b, layout.m, layout.v
         rc = layout.recompute
-        layers = model.num_layers // d
+        split, placement = layout.layers(model.num_layers), layout.placement
 
         # Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3 and Figure 3): each
         # layer all-reduces its (s, b, h) output twice in the forward (after attention and
@@ -631,23 +709,35 @@ class CostModel:
         a2a = cluster.all_to_all(model.dispatch_bytes(b, t, e), layout.e, stride=1) \
             if model.is_moe else 0.0
         shared = bool(model.shared_ffn)
-        forward, backward, tp_time, ep_time = [], [], [], []
+        # Per model chunk (virtual stage): its layers (`layout.layers`), the embedding on the
+        # first virtual stage, the head on the last, a send where the next (previous) virtual
+        # stage is on another rank; a rank's F_i and B_i are its chunks' sums.
+        chunk_forward, chunk_backward, tp_time, ep_time = [], [], [], []
         ranks = [rank_parts(layout, i) for i in range(d)]
-        moe_counts = [sum(moe_layers_of(model, layout, i)) for i in range(d)]
-        for parts, moe in zip(ranks, moe_counts):
-            first, last = parts.embedding, parts.head
-            # A dense layer all-reduces twice per pass; an MoE layer once (the attention's; its
-            # experts hold whole weights) and once more for a shared expert.
-            collectives = 2 * (layers - moe) + (1 + shared) * moe
-            tp_f = collectives * tp_ar + first * tp_ar + last * 3 * tp_small
-            tp_b = collectives * (1 + rc) * tp_ar + last * tp_ar
-            ep_f, ep_b = moe * 2 * a2a, moe * (2 + 2 * rc) * a2a
-            forward.append((layers - moe) * lf + moe * mf + first * ef + last * hf + tp_f
-                           + ep_f + parts.sends_forward * send)
-            backward.append((layers - moe) * lb + moe * mb + first * eb + last * hb + tp_b
-                            + ep_b + parts.sends_backward * send)
-            tp_time.append(tp_f + tp_b)
-            ep_time.append(ep_f + ep_b)
+        rank_layers, moe_counts = [], []
+        for i, chunks in enumerate(_chunk_parts(layout.schedule, d, layout.v)):
+            fs, bs, tps, eps = [], [], 0.0, 0.0
+            counts, moes = split.of_rank(placement, i), moe_layers_of(model, layout, i)
+            rank_layers.append(sum(counts))
+            moe_counts.append(sum(moes))
+            for layers, moe, (first, last, ahead, behind) in zip(counts, moes, chunks):
+                # A dense layer all-reduces twice per pass; an MoE layer once (the attention's;
+                # its experts hold whole weights) and once more for a shared expert.
+                collectives = 2 * (layers - moe) + (1 + shared) * moe
+                tp_f = collectives * tp_ar + first * tp_ar + last * 3 * tp_small
+                tp_b = collectives * (1 + rc) * tp_ar + last * tp_ar
+                ep_f, ep_b = moe * 2 * a2a, moe * (2 + 2 * rc) * a2a
+                fs.append((layers - moe) * lf + moe * mf + first * ef + last * hf + tp_f
+                          + ep_f + ahead * send)
+                bs.append((layers - moe) * lb + moe * mb + first * eb + last * hb + tp_b
+                          + ep_b + behind * send)
+                tps, eps = tps + tp_f + tp_b, eps + ep_f + ep_b
+            chunk_forward.append(tuple(fs))
+            chunk_backward.append(tuple(bs))
+            tp_time.append(tps)
+            ep_time.append(eps)
+        forward = [sum(fs) for fs in chunk_forward]
+        backward = [sum(bs) for bs in chunk_backward]
 
         # Step: data-parallel ring all-reduce of each stage's fp32 gradients over its w
         # replicas, t apart (PipeDream-2BW Section 4.3: all_reduce(|W|/d) over w workers; not
@@ -656,9 +746,9 @@ class CostModel:
         # (megatron-core's expert DDP buffer); the tied embedding's gradient between first and
         # last stage; the optimizer.
         dp_link = cluster.group_link(w, stride=t)
-        stage_params = [model.rank_parameters(t, layers, embedding=p.embedding, head=p.head,
+        stage_params = [model.rank_parameters(t, n, embedding=p.embedding, head=p.head,
                                               moe_layers=moe, e=layout.e)
-                        for p, moe in zip(ranks, moe_counts)]
+                        for n, p, moe in zip(rank_layers, ranks, moe_counts)]
         expert_params = [moe * model.moe_layer_parameters(t, layout.e)[1] if moe else 0
                          for moe in moe_counts]
         expert_dp = t * w // layout.e
@@ -675,7 +765,7 @@ class CostModel:
         optimizer = max(self._optimizer_step(p - x, w)
                         + (self._optimizer_step(x, expert_dp) if x else 0.0)
                         for p, x in zip(stage_params, expert_params)) \
-            + self._orthogonalization(layers, t)
+            + max(self._orthogonalization(n, t) for n in rank_layers)
         pp_group = cluster.group_link(d, stride=t * w)
         # Muon's chain of two optimizers takes the norm also without clipping
         takes_norm = self.clip_grad or self.optimizer == "muon"
@@ -691,8 +781,10 @@ class CostModel:
         bottleneck = max(work)
         schedule = "flush" if layout.schedule == "megatron" and v == 1 else layout.schedule
         if simulate and d > 1 and v == 1:
-            iteration = simulated_iteration(schedule, d, m, tuple(forward), tuple(backward),
-                                            p2p, step, sync)
+            by_chunk = placement.shape == "v"  # the V's two chunks timed each on its own
+            iteration = simulated_iteration(
+                schedule, d, m, tuple(chunk_forward) if by_chunk else tuple(forward),
+                tuple(chunk_backward) if by_chunk else tuple(backward), p2p, step, sync)
             method = "simulated"
         else:
             iteration = self._closed_form(schedule, d, m, forward, backward, p2p, step, sync,
@@ -702,10 +794,91 @@ class CostModel:
         bubble = 1 - m * bottleneck / pipeline if pipeline > 0 else 0.0
         return TimeEstimate(
             forward=tuple(forward), backward=tuple(backward), tensor_parallel=tuple(tp_time),
+            chunk_forward=tuple(chunk_forward), chunk_backward=tuple(chunk_backward),
             expert_parallel=tuple(ep_time) if model.is_moe else (),
             p2p=p2p, data_parallel=data_parallel, embedding_sync=embedding_sync,
             optimizer=optimizer, step=step, iteration=iteration,
             bubble_fraction=max(bubble, 0.0), global_batch=layout.global_batch, method=method)
+
+    # ---- the split --------------------------------------------------------------------------
+    def balanced_split(self, layout: Layout,
+                       memory_limit: float | None = None) -> tuple[int, ...] | None:
+        """The layers per virtual stage (model order) that even out the ranks' work per
+        microbatch, the embedding, the output layer and the loss counted where they sit
+        (`rank_parts`), each rank within `memory_limit` bytes; None where that is the even
+        split or no split fits.
+
+        A rank's F + B and its memory are affine in its layers (``time`` and ``memory`` at
+        no layer and at one per chunk give both lines). The layers go one at a time to the
+        rank whose work grows least with it (to its least busy chunk), among the ranks whose
+        memory takes one more layer: the least slowest stage there is for identical layers
+        (the bottleneck sets 1F1B's steady state, PipeDream-2BW Section 4.3)."""
+        d, L = layout.d, self.model.num_layers
+        V = layout.placement.chunks
+        if d == 1:
+            return None
+        if layout.schedule == "megatron":  # flush's costs and memory (`_schedule_spec`)
+            return self.balanced_split(replace(layout, schedule="flush"), memory_limit)
+        key = (layout, memory_limit)
+        cache = self.__dict__.setdefault("_balanced", {})
+        if key not in cache:
+            cache[key] = self._balanced_split(layout, memory_limit)
+        return cache[key]
+
+    def _balanced_split(self, layout: Layout,
+                        memory_limit: float | None) -> tuple[int, ...] | None:
+        d, L = layout.d, self.model.num_layers
+        V = layout.placement.chunks
+        zero = replace(layout, split=(0,) * (d * V))
+        one = replace(layout, split=(1,) * (d * V))
+        base, per = self.chunk_work(zero), self.chunk_work(one)
+        slope = [[p - b for p, b in zip(ps, bs)] for ps, bs in zip(per, base)]
+        room = [L] * d
+        if memory_limit is not None:  # each rank's room for layers within the limit
+            room = [-1 if empty > memory_limit else
+                    int((memory_limit - empty) // grows) if grows > 0 else L
+                    for empty, grows in self.memory_lines(layout)]
+        split = self._fill(layout, base, slope, room)
+        if split is None or (L % (d * V) == 0 and len(set(split)) == 1):
+            return None
+        return split
+
+    def _fill(self, layout: Layout, base: list, slope: list, room: list[int]
+              ) -> tuple[int, ...] | None:
+        """`balanced_split`'s assignment: one layer at a time to the rank whose work grows
+        least (a heap of the work each rank would reach) among those with `room` for one
+        more, then within it to its least busy chunk; None when the layers do not fit."""
+        d, L, placement = layout.d, self.model.num_layers, layout.placement
+        layer = [min(s) for s in slope]
+        heap = [(sum(base[i]) + layer[i], i) for i in range(d) if room[i] > 0]
+        heapq.heapify(heap)
+        totals = [0] * d
+        for _ in range(L):
+            if not heap:
+                return None
+            reached, i = heapq.heappop(heap)
+            totals[i] += 1
+            if totals[i] < room[i]:
+                heapq.heappush(heap, (reached + layer[i], i))
+        split = [0] * (d * placement.chunks)
+        for i in range(d):
+            work = list(base[i])
+            for _ in range(totals[i]):
+                c = min(range(placement.chunks), key=lambda k: (work[k] + slope[i][k], k))
+                work[c] += slope[i][c]
+                split[placement.virtual(i, c)] += 1
+        return tuple(split)
+
+    def chunk_work(self, layout: Layout) -> list[tuple[float, ...]]:
+        """Per rank, each chunk's F + B per microbatch (``time``'s parts), which depend on the
+        schedule only through its placement (memoized on the rest)."""
+        key = (replace(layout, schedule="", m=0), layout.placement)
+        cache = self.__dict__.setdefault("_chunk_works", {})
+        if key not in cache:
+            estimate = self.time(layout)
+            cache[key] = [tuple(f + b for f, b in zip(fs, bs))
+                          for fs, bs in zip(estimate.chunk_forward, estimate.chunk_backward)]
+        return cache[key]
 
     @staticmethod
     def _closed_form(schedule: str, d: int, m: int, forward: list, backward: list, p2p: float,
@@ -905,6 +1078,12 @@ def _stash(layout: Layout, spec, stage: int) -> float:
     return spec.stash(d, m, stage)
 
 
+@functools.lru_cache(maxsize=4096)
+def _weight_grads(schedule: str, d: int, m: int, rank: int) -> int:
+    """The schedule's peak pending weight gradients on `rank` (its `weight_grads`)."""
+    return _schedule_spec(schedule).weight_grads(d, m, rank)
+
+
 @functools.lru_cache(maxsize=None)
 def _splits_backward(schedule: str) -> bool:
     """Whether `schedule` runs a microbatch's I and W apart (zb-h1, zb-v, dualpipev)."""
@@ -941,8 +1120,11 @@ def _held_counts(schedule: str, d: int, m: int, rank: int) -> tuple[tuple[int, .
         elif a.kind is Kind.WEIGHT_GRAD:
             held[chunks + a.chunk] -= 1
         seen.add(tuple(held))
-    return tuple(c for c in seen
-                 if not any(o != c and all(x >= y for x, y in zip(o, c)) for o in seen))
+    maxima: list[tuple[int, ...]] = []  # largest sums first: a dominating count comes earlier
+    for c in sorted(seen, key=lambda c: (-sum(c), c)):
+        if not any(all(x >= y for x, y in zip(o, c)) for o in maxima):
+            maxima.append(c)
+    return tuple(maxima)
 
 
 def _schedule_spec(schedule: str):

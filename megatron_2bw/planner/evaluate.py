@@ -13,11 +13,14 @@ Every number comes from the same CostModel the search ranks with; nothing here i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 from dataclasses import dataclass, field
 
 from megatron_2bw.arguments import moe_freq_type
+from megatron_2bw.schedules import V_SCHEDULES, LayoutError, LayoutFlags, layer_split
+from megatron_2bw.schedules.split import layout_stages
 
 from .cost import (CostModel, Layout, MemoryEstimate, TimeEstimate, expert_problem,
                    moe_placement_problem)
@@ -119,6 +122,11 @@ def _command_parser() -> argparse.ArgumentParser:
     add("--attention-backend", default=None)
     add("--use-flash-attn", action="store_true")  # Megatron-LM before --attention-backend
     add("--clip-grad", type=float, default=1.0)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None)
+    add("--decoder-last-pipeline-num-layers", type=int, default=None)
+    add("--account-for-embedding-in-pipeline-split", action="store_true")
+    add("--account-for-loss-in-pipeline-split", action="store_true")
+    add("--pipeline-model-parallel-layout", default=None)
     add("--nnodes", type=str, default=None)
     add("--nproc-per-node", "--nproc_per_node", type=int, default=None)
     add("--expert-model-parallel-size", type=int, default=1)
@@ -213,8 +221,13 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
         v = args.num_layers // d // args.num_layers_per_virtual_pipeline_stage
     recompute = args.recompute_granularity == "full" or args.checkpoint_activations
     B = args.global_batch_size or global_batch or args.micro_batch_size * w
+    split = _split_of(args, d)
+    if args.pipeline_model_parallel_layout is not None:
+        v = layout_stages(args.pipeline_model_parallel_layout) // d
     layout = _layout(t, d, w, args.micro_batch_size, v, args.pipeline_schedule, recompute, B,
                      world, selective=args.recompute_granularity == "selective", e=e)
+    if split is not None:
+        layout = dataclasses.replace(layout, split=split)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     kind = ("bert" if re.search(r"pretrain_bert", text) else
             "gpt" if re.search(r"pretrain_gpt", text) else None)
@@ -227,14 +240,33 @@ def parse_evaluate(text: str, world: int, global_batch: int | None = None) -> Fo
                         switches)
 
 
+def _split_of(args, d: int) -> tuple[int, ...] | None:
+    """The command's uneven split (Megatron-LM's layout flags, `schedules.layer_split`), None
+    for the even one; ValueError (one line) where the flags do not add up."""
+    flags = LayoutFlags(
+        num_layers=args.num_layers or 0, depth=d, chunks=args.num_virtual_stages_per_pipeline_rank,
+        layers_per_chunk=args.num_layers_per_virtual_pipeline_stage,
+        first=args.decoder_first_pipeline_num_layers, last=args.decoder_last_pipeline_num_layers,
+        embedding=args.account_for_embedding_in_pipeline_split,
+        loss=args.account_for_loss_in_pipeline_split, layout=args.pipeline_model_parallel_layout,
+        shape="v" if args.pipeline_schedule in V_SCHEDULES else "loop")
+    if not flags.uneven:
+        return None
+    if args.num_layers is None:
+        raise ValueError("the command's layout flags need --num-layers")
+    try:
+        split = layer_split(flags)
+    except LayoutError as err:
+        raise ValueError(str(err)) from None
+    return None if split.is_even else split.layers
+
+
 def evaluate(cost: CostModel, layout: Layout, simulate: bool = False) -> Evaluation:
     """Predicted time and memory of `layout`; ValueError (one line) when it cannot run."""
     model: ModelSpec = cost.model
     if model.num_attention_heads % layout.t:
         raise ValueError(f"{model.num_attention_heads} attention heads are not divisible by "
                          f"t={layout.t}")
-    if model.num_layers % layout.d:
-        raise ValueError(f"{model.num_layers} layers do not split into d={layout.d} stages")
     problem = (expert_problem(model, layout.t, layout.w, layout.e, cost.cluster.device)
                or layout.problem(model.num_layers, model.tied)
                or moe_placement_problem(model, layout))

@@ -29,14 +29,16 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_2bw.arguments import int_at_least, number_in
-from megatron_2bw.schedules import keeps_versions
+from megatron_2bw.schedules import (LayerSplit, LayoutError, LayoutFlags, keeps_versions,
+                                    layer_split)
 
 from .cluster import GiB, Cluster
 from .cost import Layout
 from .model import ModelSpec
 from .search import Candidate, Plan, Rejection
 
-__all__ = ["launch_flags", "entry_script", "flag_line", "torchrun_script", "sbatch_script",
+__all__ = ["launch_flags", "layout_flags", "entry_script", "flag_line", "torchrun_script",
+           "sbatch_script",
            "write_plan", "plan_to_json", "parse_for_validation", "add_training_flags",
            "training_flags", "REPO"]
 
@@ -151,8 +153,10 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags += ["--recompute-granularity", "selective"]
     if (sequence_parallel or model.is_moe) and layout.t > 1:
         flags.append("--sequence-parallel")  # megatron-core's MoE layer needs it at t > 1
-    if layout.v > 1:
+    split = layout_flags(layout, model.num_layers)
+    if layout.v > 1 and "--pipeline-model-parallel-layout" not in split:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(layout.v)]
+    flags += split
     if distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     if optimizer != "adam":
@@ -167,6 +171,35 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags.append("--cpu")
     lr = [] if "--lr" in training else ["--lr", _PEAK_LR[model.kind]]
     return flags + lr + list(training)
+
+
+def layout_flags(layout: Layout, num_layers: int) -> list[str]:
+    """Megatron-LM's flags for `layout.split` (none for the even split): in the loop
+    --decoder-first/last-pipeline-num-layers where they say it (the ranks between hold the
+    same layers, each rank's split evenly over its chunks, megatron-core 0.16.1's rules),
+    else --pipeline-model-parallel-layout (the V's always)."""
+    if layout.split is None:
+        return []
+    split = LayerSplit(layout.split, layout.d)
+    placement = layout.placement
+    if placement.shape == "loop":
+        ranks = [sum(split.of_rank(placement, i)) for i in range(layout.d)]
+        middle = set(ranks[1:-1])
+        given = {}
+        if layout.d == 2:
+            given["last"] = ranks[1]
+        elif len(middle) == 1:
+            x = middle.pop()
+            given = {k: n for k, n in (("first", ranks[0]), ("last", ranks[-1])) if n != x}
+        try:
+            found = layer_split(LayoutFlags(num_layers, layout.d, chunks=placement.chunks,
+                                            **given))
+        except LayoutError:
+            found = None
+        if given and found == split:
+            return [x for k, n in given.items()
+                    for x in (f"--decoder-{k}-pipeline-num-layers", str(n))]
+    return ["--pipeline-model-parallel-layout", split.layout()]
 
 
 def _moe_flags(layout: Layout, model: ModelSpec) -> list[str]:

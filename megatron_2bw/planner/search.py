@@ -16,7 +16,7 @@ stage's t w ranks and of the experts (cost.expert_problem), with an MoE layer on
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
@@ -105,6 +105,10 @@ class PlanRequest:
     iteration_factor: float | None = None
     """Stale-weight schedules are ranked at samples/s / this (their convergence cost); None:
     each its own from ``ITERATION_FACTORS`` for the optimizer and correction."""
+    uneven: bool = True
+    """Also try each layout with the layers split to even out the stages' work
+    (`CostModel.balanced_split`: the embedding, the output layer and the loss where they
+    sit), written as Megatron-LM's layout flags; with it d need not divide the layers."""
 
     def __post_init__(self) -> None:
         unknown = set(self.schedules) - set(ALL_SCHEDULES)
@@ -258,6 +262,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
     n, B = cluster.num_gpus, request.global_batch_size
     feasible: list[Candidate] = []
     rejected: list[Rejection] = []
+    to_split: list[Layout] = []
     considered = 0
     for t in _divisors(n):
         if model.num_attention_heads % t:
@@ -270,7 +275,7 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
             continue
         for d in _divisors(n // t):
             w = n // (t * d)
-            if model.num_layers % d:
+            if model.num_layers % d and not (request.uneven and d <= model.num_layers):
                 rejected.append(Rejection(f"{model.num_layers} layers do not split into d={d} "
                                           f"equal stages", family=(t, d, w)))
                 continue
@@ -294,10 +299,60 @@ def search(request: PlanRequest, cost: CostModel | None = None) -> Plan:
                                 rejected.append(candidate)
                             else:
                                 feasible.append(candidate)
+                            if _splits(layout, request):
+                                to_split.append(layout)
     feasible.sort(key=partial(_rank_key, request=request))
+    if to_split:
+        _add_splits(to_split, feasible, rejected, request, cost)
+        feasible.sort(key=partial(_rank_key, request=request))
     feasible = _refine(feasible, request, cost)
     return Plan(request, tuple(feasible), tuple(rejected), considered,
                 time.perf_counter() - started)
+
+
+UNEVEN_BAR = 10
+"""A layout gets a balanced split only where perfect balance could bring it among this many
+of the fastest (`_add_splits`)."""
+
+
+def _splits(layout: Layout, request: PlanRequest) -> bool:
+    """Whether `layout` may get a balanced split: the request tries them, the model is dense
+    (the balance assumes identical layers; an MoE model keeps the even split), it has stages,
+    and the training refuses it for nothing but its layers' count (checked with one that
+    splits evenly)."""
+    return (request.uneven and layout.d > 1 and not request.model.is_moe
+            and layout.problem(layout.d * layout.placement.chunks, request.model.tied) is None)
+
+
+def _add_splits(layouts: list[Layout], feasible: list[Candidate], rejected: list[Rejection],
+                request: PlanRequest, cost: CostModel) -> None:
+    """Each layout with its balanced split (`CostModel.balanced_split`), judged as any other,
+    where perfectly balanced stages could rank it among the `UNEVEN_BAR` fastest even
+    layouts: its even time (or nearly even, where the layers do not split evenly) less m (F* +
+    B* - the stages' mean F + B), the most balancing can take off 1F1B's steady state."""
+    bar = 0.0
+    if len(feasible) >= UNEVEN_BAR:
+        bar = _rate(feasible[UNEVEN_BAR - 1], request)
+    known = {c.layout: c.time for c in feasible}
+    model = request.model
+    for layout in layouts:
+        stages = layout.d * layout.placement.chunks
+        near, extra = divmod(model.num_layers, stages)  # the even split, or nearly
+        even = known.get(layout) or cost.time(replace(layout, split=tuple(
+            near + (v < extra) for v in range(stages))))
+        work = [f + b for f, b in zip(even.forward, even.backward)]
+        best = even.iteration - layout.m * (max(work) - sum(work) / len(work))
+        if best <= 0 or layout.global_batch / best / request.factor_of(layout.schedule) < bar:
+            continue
+        split = cost.balanced_split(layout, request.memory_limit)
+        if split is not None:
+            found = _candidate(replace(layout, split=split), request, cost)
+            (rejected if isinstance(found, Rejection) else feasible).append(found)
+
+
+def _rate(candidate: Candidate, request: PlanRequest) -> float:
+    """Samples/s as the ranking counts them (stale schedules divided by their factor)."""
+    return candidate.samples_per_s / request.factor_of(candidate.layout.schedule)
 
 
 def _expert_sizes(t: int, w: int, request: PlanRequest) -> list[int]:

@@ -98,6 +98,8 @@ MEGATRON_CORE: tuple[Expected, ...] = (
              ("metadata",), user="training/checkpointing.py"),
     Expected("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset",
              ("config", "vp_stage", "pp_rank"), user="training/layer_numbers.py (wrapped)"),
+    Expected("megatron.core.transformer.transformer_block", "get_num_layers_to_build",
+             ("config", "vp_stage", "pp_rank"), user="training/layer_numbers.py (wrapped)"),
     Expected("megatron.core.transformer.module", "float16_to_fp32", user="training/build.py"),
     Expected("megatron.core.transformer.module", "fp32_to_float16", user="training/build.py"),
 )

@@ -27,6 +27,7 @@ from .naive import naive
 from .pipedream import drain_notice, pipedream, pipedream_version, versions_held
 from .pipemare import pipemare, pipemare_backward_version
 from .simulate import Costs, SimResult, Span, format_timeline, simulate
+from .split import LayerSplit, LayoutError, LayoutFlags, layer_split
 from .twobw import twobw, twobw_version
 from .vshape import dualpipev, vshape_stash, vshape_weight_grads, zbv
 from .zbh1 import zbh1
@@ -37,6 +38,7 @@ __all__ = [
     "parse_action", "format_actions", "parse_actions", "communication", "format_grid",
     "validate", "call_actions", "stage_actions", "pipeline_actions", "validate_schedule",
     "Costs", "SimResult", "Span", "simulate", "format_timeline",
+    "LayerSplit", "LayoutError", "LayoutFlags", "layer_split",
     "Transfer", "Exchange", "Step", "fuse", "unbatched", "actions_of", "transfers_of",
     "call_program", "pipeline_programs", "forward_program",
 ]

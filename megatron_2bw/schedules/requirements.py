@@ -86,12 +86,13 @@ def recompute_problem(schedule: str) -> Problem | None:
                                               f"{RECOMPUTE_REFUSED[schedule]}")
 
 
-def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int,
+def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int | None,
                           batches: Sequence[Batch], v_flag: str, overlap_p2p_comm: bool = True
                           ) -> Problem | None:
     """V > 1 virtual stages, as Megatron-LM and megatron-core 0.16.1 run them (see
     ``arguments._validate_virtual_stages``): an interleaving schedule; more than 1 pipeline
-    stage (more than 2 for megatron's without overlapped p2p); L a multiple of d V; m of each
+    stage (more than 2 for megatron's without overlapped p2p); L a multiple of d V (unless
+    ``num_layers`` is None: an uneven split, ``schedules.split``, checked its own); m of each
     batch a multiple of d; and for a version-keeping schedule (2BW-interleaved) the first
     stage's 2(d - 1) + (V - 1)d warm-up forwards inside one batch of m V. ``v_flag`` names the
     flag that set V."""
@@ -105,7 +106,7 @@ def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int,
                        f"virtual stages (V = {v}) need more than {least - 1} pipeline stages"
                        f"{'' if overlap_p2p_comm else ' with --no-overlap-p2p-communication'}, "
                        f"got {d} (as in Megatron-LM)")
-    if num_layers % (d * v):
+    if num_layers is not None and num_layers % (d * v):
         return Problem("--num-layers", f"{num_layers} layers do not split evenly over {d} "
                                        f"pipeline stages x {v} virtual stages = {d} x {v} = "
                                        f"{d * v} model chunks")
@@ -123,10 +124,11 @@ def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int,
     return None
 
 
-def v_placement_problem(schedule: str, d: int, v: int | None, num_layers: int,
+def v_placement_problem(schedule: str, d: int, v: int | None, num_layers: int | None,
                         batches: Sequence[Batch], tied: bool) -> Problem | None:
     """zb-v and dualpipev (``V_SCHEDULES``): two model chunks per rank in a V (rank i holds
-    stages i and 2d-1-i), so V is theirs (None or 2), d >= 2, L a multiple of 2d, untied
+    stages i and 2d-1-i), so V is theirs (None or 2), d >= 2, L a multiple of 2d (unless
+    ``num_layers`` is None, as above), untied
     embeddings (the V puts the embedding and the output layer on rank 0's two chunks, outside
     megatron-core's embedding group of first and last rank), and for DualPipeV m >= 2d in every
     batch."""
@@ -137,7 +139,7 @@ def v_placement_problem(schedule: str, d: int, v: int | None, num_layers: int,
     if d < 2:
         return Problem("--pipeline-model-parallel-size",
                        f"--pipeline-schedule {schedule} needs at least 2 pipeline stages, got {d}")
-    if num_layers % (2 * d):
+    if num_layers is not None and num_layers % (2 * d):
         return Problem("--num-layers", f"{num_layers} layers do not split evenly over the V's "
                                        f"2 x {d} pipeline stages = {2 * d} model chunks")
     if tied:

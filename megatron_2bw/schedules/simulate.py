@@ -50,30 +50,55 @@ from typing import Literal, Sequence
 
 from .actions import SENDS_GRAD, Action, Kind, Placement, ScheduleError, format_grid
 from .comm import Exchange, Step
+from .split import LayerSplit
 
 __all__ = ["Costs", "Span", "SimResult", "simulate", "format_timeline"]
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of each action; a tuple gives one value per stage."""
+    """Time of each action; a tuple gives one value per stage, and a stage's value may be a
+    tuple of one value per model chunk (chunks holding different layers: `of_layers`)."""
 
-    forward: float | Sequence[float] = 1.0
-    """Forward of one microbatch on a stage."""
-    backward: float | Sequence[float] = 2.0
+    forward: float | Sequence[float | Sequence[float]] = 1.0
+    """Forward of one microbatch on a stage (on one chunk of it)."""
+    backward: float | Sequence[float | Sequence[float]] = 2.0
     """Backward of one microbatch on a stage (about twice the forward, Section 3.1): a fused B,
     or its I and W together."""
     p2p: float = 0.0
     """Latency of one activation or gradient transfer between neighbouring stages."""
     step: float = 0.0
     """Optimizer step (S) on a stage."""
-    weight_grad: float | Sequence[float] | None = None
+    weight_grad: float | Sequence[float | Sequence[float]] | None = None
     """The weight-gradient part (W) of `backward`; the input-gradient part (I) takes the rest.
     None: half of `backward` (a linear layer's dX and dW cost the same FLOPs)."""
 
+    @classmethod
+    def of_layers(cls, split: LayerSplit, placement: Placement, layer: tuple[float, float],
+                  embedding: tuple[float, float] = (0.0, 0.0),
+                  head: tuple[float, float] = (0.0, 0.0), **rest) -> "Costs":
+        """Each chunk's forward and backward from the layers `split` gives it under
+        `placement`: (forward, backward) of one `layer`, of the `embedding` on the first
+        virtual stage and of the `head` (final norm, output layer, loss) on the last."""
+        last = placement.depth * placement.chunks - 1
+
+        def chunk(stage: int, c: int, part: int) -> float:
+            v = placement.virtual(stage, c)
+            return (split.count(v) * layer[part] + (v == 0) * embedding[part]
+                    + (v == last) * head[part])
+
+        def per_stage(part: int) -> tuple:
+            return tuple(tuple(chunk(i, c, part) for c in range(placement.chunks))
+                         for i in range(placement.depth))
+
+        return cls(forward=per_stage(0), backward=per_stage(1), **rest)
+
     def of(self, action: Action, stage: int) -> float:
-        def at(cost: float | Sequence[float]) -> float:
-            return float(cost if isinstance(cost, (int, float)) else cost[stage])
+        def at(cost: float | Sequence[float | Sequence[float]]) -> float:
+            if isinstance(cost, (int, float)):
+                return float(cost)
+            here = cost[stage]
+            return float(here if isinstance(here, (int, float)) else here[action.chunk])
 
         weight = at(self.backward) / 2 if self.weight_grad is None else at(self.weight_grad)
         return {Kind.FORWARD: at(self.forward), Kind.BACKWARD: at(self.backward),
@@ -112,6 +137,9 @@ class SimResult:
     peak_weight_grads: tuple[int, ...]
     """Per stage: most microbatches through their I and not yet through their W at once: what
     the deferred weight gradients keep (the layers' inputs and output gradients)."""
+    peak_stash_bytes: tuple[float, ...]
+    """Per stage: the most bytes its stashed microbatches hold at once, each chunk's
+    `simulate(stash_bytes=...)` per microbatch (zeros without them)."""
     max_versions: tuple[int, ...]
     """Per stage: most weight versions alive at once (newest + those made already that
     microbatches forwarded and not yet through their B or W read there: with weight stashing
@@ -128,8 +156,11 @@ class _Stage:
     """One stage's progress through its list: where it is, when it is free, and what its
     actions hold (the bookkeeping behind `SimResult`'s memory fields)."""
 
-    def __init__(self, steps: Sequence[Step]) -> None:
+    def __init__(self, steps: Sequence[Step], stash_bytes: Sequence[float] = ()) -> None:
         self.steps = steps
+        self.stash_bytes = stash_bytes
+        """Bytes one microbatch leaves stashed in each chunk."""
+        self.held_bytes = self.peak_bytes = 0.0
         self.cursor = 0
         """Position of the next step in `steps`."""
         self.free = 0.0
@@ -154,11 +185,15 @@ class _Stage:
     def record(self, a: Action, end: float) -> None:
         """`a` ran until `end`: move the cursor and update what the stage holds."""
         self.free, self.cursor, key = end, self.cursor + 1, (a.microbatch, a.chunk)
+        size = self.stash_bytes[a.chunk] if a.chunk < len(self.stash_bytes) else 0.0
         if a.kind is Kind.FORWARD:
             self.forward_end[key] = end
             self.stash[key] = self.backward_reads.get(key, a.version)
+            self.held_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         elif a.kind in SENDS_GRAD:
             self.backward_end[key] = end
+            self.held_bytes -= size
             version = self.stash.pop(key)
             if a.kind is Kind.INPUT_GRAD:
                 self.pending[key] = version
@@ -179,7 +214,8 @@ class _Simulation:
     `exchange` completes a fused group (NCCL mode), `advance` runs one stage as far as it can."""
 
     def __init__(self, schedule: Sequence[Sequence[Step]], costs: Costs,
-                 step_sync: Literal["local", "pipeline"], placement: Placement | None) -> None:
+                 step_sync: Literal["local", "pipeline"], placement: Placement | None,
+                 stash_bytes: Sequence[Sequence[float]] | None = None) -> None:
         self.schedule, self.costs, self.step_sync = schedule, costs, step_sync
         self.depth = len(schedule)
         chunks = 1 + max((a.chunk for steps in schedule for a in steps
@@ -188,7 +224,8 @@ class _Simulation:
         self.nccl = any(isinstance(step, Exchange) for steps in schedule for step in steps)
         self.partners = _partners(schedule) if self.nccl else {}
         self.posted: dict[tuple[int, int], float] = {}  # (stage, position) -> reached at
-        self.stages = [_Stage(steps) for steps in schedule]
+        self.stages = [_Stage(steps, stash_bytes[i] if stash_bytes else ())
+                       for i, steps in enumerate(schedule)]
         self.spans: list[Span] = []
 
     def violation(self, stage: int, why: str) -> ScheduleError:
@@ -307,6 +344,7 @@ class _Simulation:
             bubble=1 - sum(work) / (self.depth * makespan) if makespan else 0.0,
             stage_bubble=tuple(1 - w / makespan if makespan else 0.0 for w in work),
             peak_stash=tuple(s.peak_stash for s in self.stages),
+            peak_stash_bytes=tuple(s.peak_bytes for s in self.stages),
             peak_weight_grads=tuple(s.peak_weight_grads for s in self.stages),
             max_versions=tuple(s.max_versions for s in self.stages),
             spans=tuple(self.spans))
@@ -314,13 +352,16 @@ class _Simulation:
 
 def simulate(schedule: Sequence[Sequence[Step]], costs: Costs = Costs(), *,
              step_sync: Literal["local", "pipeline"] = "local",
-             placement: Placement | None = None) -> SimResult:
+             placement: Placement | None = None,
+             stash_bytes: Sequence[Sequence[float]] | None = None) -> SimResult:
     """Run all stages' lists ([stage] -> [Action]) or programs ([stage] -> [Action | Exchange],
     NCCL mode) together, their chunks placed as `placement` says (default: the loop
-    placement); see the module docstring."""
+    placement); see the module docstring. `stash_bytes[stage][chunk]`: what one microbatch
+    leaves stashed there (a chunk's layers' activations: `LayerSplit.of_rank`), for
+    `SimResult.peak_stash_bytes`."""
     if step_sync not in ("local", "pipeline"):
         raise ValueError(f"step_sync must be 'local' or 'pipeline', got {step_sync!r}")
-    sim = _Simulation(schedule, costs, step_sync, placement)
+    sim = _Simulation(schedule, costs, step_sync, placement, stash_bytes)
     while any(stage.next() is not None for stage in sim.stages):
         moved = [sim.advance(i) for i in range(sim.depth)]
         if not (any(moved) | sim.collective()):

@@ -92,9 +92,12 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         from megatron_2bw.megatron_lm_flags import cuda_config_fields
 
         fields.update(cuda_config_fields(args))
+    placement = _placement(args)
+    if placement.shape == "loop":
+        fields.update(_layout_fields(args))
     fields.update(overrides)
     config = _config_or_flag_error(TransformerConfig, fields)
-    _number_layers_by_placement(args, config)
+    _number_layers_by_placement(args, config, placement)
     return config
 
 
@@ -113,15 +116,40 @@ def _config_or_flag_error(config_class, fields: dict):
                         f"flags: {text}") from None
 
 
-def _number_layers_by_placement(args: argparse.Namespace, config) -> None:
-    """Under zb-v and dualpipev, megatron-core numbers the chunks' layers (and so keys them in
-    checkpoints) by the V placement, not its interleaved one (:mod:`.layer_numbers`)."""
+def _placement(args: argparse.Namespace):
     from megatron_2bw.schedules import placement_of
+
+    return placement_of(getattr(args, "pipeline_schedule", "flush"),
+                        args.pipeline_model_parallel_size, virtual_stages(args))
+
+
+def _layout_fields(args: argparse.Namespace) -> dict:
+    """Megatron-LM's uneven-split flags as ``core_transformer_config_from_args`` passes them
+    (--decoder-first/last-pipeline-num-layers -> num_layers_in_first/last_pipeline_stage, the
+    others by their own names): in the loop megatron-core places the layers itself."""
+    return dict(
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers",
+                                                   None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers",
+                                                  None),
+        account_for_embedding_in_pipeline_split=getattr(
+            args, "account_for_embedding_in_pipeline_split", False),
+        account_for_loss_in_pipeline_split=getattr(
+            args, "account_for_loss_in_pipeline_split", False),
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None))
+
+
+def _number_layers_by_placement(args: argparse.Namespace, config, placement) -> None:
+    """Under zb-v and dualpipev, megatron-core builds and numbers the chunks' layers (and so
+    keys them in checkpoints) by the V placement and its split, not its interleaved placement
+    (:mod:`.layer_numbers`)."""
+    from megatron_2bw.schedules import LayerSplit
     from megatron_2bw.training.layer_numbers import number_layers_by
 
-    number_layers_by(config, placement_of(getattr(args, "pipeline_schedule", "flush"),
-                                          args.pipeline_model_parallel_size,
-                                          virtual_stages(args)))
+    counts = getattr(args, "pipeline_layer_split", None)
+    layers = (LayerSplit(tuple(counts), placement.depth) if counts is not None
+              else LayerSplit.even(args.num_layers, placement.depth, placement.chunks))
+    number_layers_by(config, placement, layers)
 
 
 _noted: set[str] = set()  # notes printed once per process
@@ -229,6 +257,7 @@ def _v_chunks_as_flush(args: argparse.Namespace, config, provider: Callable) -> 
 
     from megatron_2bw.runtime import distributed
     from megatron_2bw.schedules import Placement
+    from megatron_2bw.training.layer_numbers import building_virtual_stage
 
     depth, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     placement = Placement.v(depth)
@@ -241,8 +270,8 @@ def _v_chunks_as_flush(args: argparse.Namespace, config, provider: Callable) -> 
                     built[stage] = _model_chunk(args, config, provider, chunk_of[stage])
                 else:  # flush's rank `owner` draws its weights first: advance as it does
                     with _model_fits(args):
-                        provider(config, pre_process=stage == 0, post_process=False,
-                                 vp_stage=0)
+                        provider(building_virtual_stage(config, stage),
+                                 pre_process=stage == 0, post_process=False, vp_stage=0)
     return [built[stage] for stage in sorted(chunk_of, key=chunk_of.get)]
 
 

@@ -1,73 +1,101 @@
-"""Global layer numbers under the V placement (zb-v, dualpipev), so checkpoints key layers alike.
+"""Layers of each model chunk under the V placement (zb-v, dualpipev), so checkpoints key them
+alike whatever the placement and split.
 
-megatron-core numbers a chunk's transformer layers from ``get_transformer_layer_offset(config,
-vp_stage, pp_rank)`` (megatron/core/transformer/transformer_layer.py, 0.16.1), which assumes its
-interleaved placement (``schedules.Placement``'s "loop"): chunk c of pipeline rank i holds
-virtual stage c*d + i. Each TransformerLayer keeps the number it was built with
-(``layer_number``: attention's query-key scaling reads it), and
+megatron-core sizes a chunk by ``get_num_layers_to_build(config, vp_stage, pp_rank)``
+(transformer_block.py) and numbers its layers from ``get_transformer_layer_offset(config,
+vp_stage, pp_rank)`` (transformer_layer.py, 0.16.1), both for its interleaved placement (the
+loop: chunk c of rank i holds virtual stage c*d + i) and its split (even, or Megatron-LM's
+uneven flags, which ``training.build`` passes on in the loop). Each TransformerLayer keeps the
+number it was built with (attention's query-key scaling reads it), and
 ``TransformerBlock.sharded_state_dict`` keys the layer's tensors by it (the global layer index
-along the checkpoint's layer axis) and calls the offset again to find the layer's index in the
-chunk. Under the V placement chunk 1 of rank i holds virtual stage 2d-1-i = d + (d-1-i), where
-the loop puts chunk 1 of rank d-1-i; numbered by the loop, it would be saved as stage d+i.
+along the checkpoint's layer axis), calling the offset again to find the layer's index in the
+chunk. Under the V chunk 1 of rank i holds virtual stage 2d-1-i; numbered by the loop, it
+would be saved as stage d+i.
 
-:func:`number_layers_by` records the placement on the TransformerConfig, and megatron-core's
-offset function, wrapped once per process, answers for that config's chunks with the rank that
-holds the same virtual stage under the loop. A chunk's layers then carry their true global
-numbers, at build and at every save and load: a zb-v checkpoint holds the keys a flush
-checkpoint of the same model holds, and either loads under the other. Configs without a
-recorded placement are numbered as megatron-core numbers them.
+:func:`number_layers_by` records the V placement and the split (``schedules.LayerSplit``,
+virtual stages in model order) on the TransformerConfig, and megatron-core's two functions,
+wrapped once per process, answer for that config's chunks from them: the virtual stage
+``placement.virtual(rank, chunk)`` holds ``split.count(v)`` layers numbered from
+``split.offset(v)``. A chunk's layers then carry their true global numbers, at build and at
+every save and load: a zb-v checkpoint holds the keys a flush checkpoint of the same model
+holds, with any split on either side, and either loads under the other. Configs without a
+recorded placement are sized and numbered by megatron-core.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 
-from megatron_2bw.schedules import Placement
+from megatron_2bw.schedules import LayerSplit, Placement
 
-__all__ = ["number_layers_by"]
+__all__ = ["number_layers_by", "building_virtual_stage"]
 
-_PLACEMENT = "pipeline_placement"  # TransformerConfig attribute: the Placement of its chunks
-_FUNCTION = "get_transformer_layer_offset"
+_PLACEMENT = "pipeline_placement"  # TransformerConfig attributes: the Placement of its chunks,
+_SPLIT = "pipeline_layer_split"  # the LayerSplit,
+_VIRTUAL = "pipeline_virtual_stage"  # and a virtual stage a transient build stands for
+_OFFSET = "get_transformer_layer_offset"
+_COUNT = "get_num_layers_to_build"
 
 
-def number_layers_by(config, placement: Placement) -> None:
-    """Number the layers of ``config``'s model chunks by ``placement`` (a no-op for the loop,
-    which is megatron-core's own). Call before building the chunks."""
+def number_layers_by(config, placement: Placement, split: LayerSplit) -> None:
+    """Size and number the layers of ``config``'s model chunks by ``placement`` and ``split``
+    (a no-op for the loop, which megatron-core sizes and numbers itself). Call before
+    building the chunks."""
     if placement.shape == "loop":
         return
     setattr(config, _PLACEMENT, placement)
-    _wrap_offset()
+    setattr(config, _SPLIT, split)
+    _wrap()
 
 
-def _loop_rank(placement: Placement, pp_rank: int, vp_stage: int) -> int:
-    """The pipeline rank whose chunk ``vp_stage`` holds, under the loop, the virtual stage that
-    chunk ``vp_stage`` of ``pp_rank`` holds under ``placement`` (V: i for chunk 0, d-1-i for
-    chunk 1)."""
-    loop_rank = placement.virtual(pp_rank, vp_stage) - vp_stage * placement.depth
-    assert 0 <= loop_rank < placement.depth, (placement, pp_rank, vp_stage)
-    return loop_rank
+def building_virtual_stage(config, virtual: int):
+    """A copy of ``config`` whose chunk (any rank, any vp_stage) is virtual stage ``virtual``:
+    the V's builds of a stage this rank does not hold (``build._v_chunks_as_flush``)."""
+    transient = copy.copy(config)
+    setattr(transient, _VIRTUAL, virtual)
+    return transient
 
 
-def _wrap_offset() -> None:
-    """Replace megatron-core's offset function by the placement-aware one, in transformer_layer
-    (callers importing it later get the wrapper) and in every loaded megatron module that
-    imported it by name (transformer_block, gpt_layer_specs, ...). Idempotent."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer import transformer_layer
+def _virtual_stage(config, vp_stage, pp_rank) -> int | None:
+    """The virtual stage a V chunk holds; None for a config megatron-core places itself."""
+    placement = getattr(config, _PLACEMENT, None)
+    if placement is None or vp_stage is None:
+        return None
+    fixed = getattr(config, _VIRTUAL, None)
+    if fixed is not None:
+        return fixed
+    if pp_rank is None:
+        from megatron.core import parallel_state as ps
 
-    original = getattr(transformer_layer, _FUNCTION)
-    if getattr(original, "_placement_aware", False):
-        return
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+    return placement.virtual(pp_rank, vp_stage)
 
-    def offset(config, vp_stage=None, pp_rank=None):
-        placement = getattr(config, _PLACEMENT, None)
-        if placement is not None and vp_stage is not None:
-            rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-            pp_rank = _loop_rank(placement, rank, vp_stage)
-        return original(config, vp_stage, pp_rank)
 
-    offset._placement_aware = True
-    offset.__doc__ = original.__doc__
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and getattr(module, _FUNCTION, None) is original:
-            setattr(module, _FUNCTION, offset)
+def _wrap() -> None:
+    """Replace megatron-core's two functions by placement-aware ones, where they are defined
+    (callers importing them later get the wrappers) and in every loaded megatron module that
+    imported them by name (transformer_block, gpt_layer_specs, ...). Idempotent."""
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    for module, name, answer in ((transformer_layer, _OFFSET, LayerSplit.offset),
+                                 (transformer_block, _COUNT, LayerSplit.count)):
+        original = getattr(module, name)
+        if getattr(original, "_placement_aware", False):
+            continue
+        wrapper = _placement_aware(original, answer)
+        for loaded, found in list(sys.modules.items()):
+            if loaded.startswith("megatron.core") and getattr(found, name, None) is original:
+                setattr(found, name, wrapper)
+
+
+def _placement_aware(original, answer):
+    def wrapper(config, vp_stage=None, pp_rank=None):
+        virtual = _virtual_stage(config, vp_stage, pp_rank)
+        if virtual is None:
+            return original(config, vp_stage, pp_rank)
+        return answer(getattr(config, _SPLIT), virtual)
+
+    wrapper._placement_aware = True
+    wrapper.__doc__ = original.__doc__
+    return wrapper
