@@ -34,7 +34,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests -q
 
 bench: $(VENV)/.installed
-	$(PY) tools/bench_schedules.py --rounds 3 --json runs/bench/schedules.json
+	$(PY) tools/bench_schedules.py --microbatches 4 --rounds 3 --iters 5 --warmup 2 --json runs/bench/schedules.json
 
 # this CPU's layer profile first (the planner predicts from it), then 3 paired rounds
 bench-splits: $(VENV)/.installed

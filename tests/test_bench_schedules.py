@@ -1,8 +1,8 @@
 """tools/bench_schedules.py end to end on a tiny GPT: every row it prints comes from real runs,
 and its memory columns agree with numbers derived here by hand.
 
-One round of single / single-at-once / 2bw / flush / zb-h1 with d = m = 2 (about a minute on 2
-cores). Timings are not checked (tests check correctness, benchmarks report speed); bytes copied
+One round of single / single-at-once / 2bw / flush / zb-h1 and the MoE rows with d = m = 2,
+shared by the tests that read them. Timings are not checked (tests check correctness, benchmarks report speed); bytes copied
 are: zb-h1's split backward copies what flush's fused one copies, within 5% (before, its W
 re-ran the backward on cloned saved tensors: 1.36x flush's bytes on this model, 22x on the
 benchmark's default one).
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import pytest
 
 from tests.dist import python
 
@@ -32,14 +34,22 @@ def _stage_params() -> list[int]:
             per_layer + 2 * HIDDEN + VOCAB * HIDDEN]
 
 
-def test_bench_rows_and_memory_columns(tmp_path):
-    measurements = tmp_path / "bench.json"
-    run = python(["tools/bench_schedules.py", "--schedules", "2bw,flush,zb-h1", "--iters", "2",
-                  "--warmup", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-                  "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
-                  "--vocab-size", str(VOCAB), "--micro-batch-size", str(MICRO),
-                  "--json", str(measurements)], timeout=420)
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One round of the rows both tests below read: single, single-at-once, 2bw, flush, zb-h1
+    and --moe-variants' 2bw +moe and flush +moe; (the run, its JSON)."""
+    measurements = tmp_path_factory.mktemp("bench") / "bench.json"
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw,flush,zb-h1", "--moe-variants",
+                  "--iters", "2", "--warmup", "1", "--num-layers", str(LAYERS),
+                  "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+                  "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
+                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=600)
     assert run.returncode == 0, run.output[-3000:]
+    return run, json.loads(measurements.read_text())
+
+
+def test_bench_rows_and_memory_columns(bench_run):
+    run, data = bench_run
     rows = {line[:17].strip(): line[17:].split() for line in run.output.splitlines()
             if line[:17].strip() in ("single (PP=1)", "single, d at once", "2bw", "flush",
                                      "zb-h1")}
@@ -56,7 +66,6 @@ def test_bench_rows_and_memory_columns(tmp_path):
     assert rows["2bw"][9] == rows["flush"][9] == rows["zb-h1"][9] == "2/1"
     assert rows["single, d at once"][9] == "1/1" and rows["single (PP=1)"][9] == "1"
 
-    data = json.loads(measurements.read_text())
     expected = _stage_params()
     for name in ("2bw", "flush"):
         (run_,) = data["runs"][name]
@@ -135,22 +144,15 @@ def _moe_layer_params(h: int, experts: int = 4) -> int:
     return 2 * 2 * h + 3 * h * h + h * h + experts * h + experts * 8 * h * h
 
 
-def test_moe_rows(tmp_path):
+def test_moe_rows(bench_run):
     """--moe-variants: "2bw +moe" and "flush +moe" run the same GPT with MoE FFNs (4 experts,
     top-2, all on each stage): each stage holds the parameters counted here by hand, flush one
     version of them and 2BW two (experts and router included), measured."""
-    measurements = tmp_path / "bench.json"
-    run = python(["tools/bench_schedules.py", "--schedules", "2bw", "--moe-variants",
-                  "--iters", "2", "--warmup", "1", "--num-layers", str(LAYERS),
-                  "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
-                  "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
-                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=600)
-    assert run.returncode == 0, run.output[-3000:]
+    run, data = bench_run
     rows = {line[:17].strip() for line in run.output.splitlines()}
     assert {"2bw", "2bw +moe", "flush +moe"} <= rows, run.output
     per_layer = _moe_layer_params(HIDDEN)
     expected = [VOCAB * HIDDEN + SEQ * HIDDEN + per_layer, per_layer + 2 * HIDDEN + VOCAB * HIDDEN]
-    data = json.loads(measurements.read_text())
     for name, versions in (("2bw +moe", 2), ("flush +moe", 1)):
         by_stage = sorted(data["runs"][name][0]["ranks"], key=lambda r: r["stage"])
         assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
