@@ -400,3 +400,24 @@ def test_markdown_rows_mark_a_run_that_ends_below_the_reference():
     assert rows[0].startswith("| flush | ") and rows[0].endswith("| - | - | - | - |")
     assert "| 0.80 | 1.20 | 0.80 | 1.20 |" in rows[1]
     assert rows[2] == "| 2bw-ef | 2.900 | > 1 | - | > 1 | - |"
+
+
+def test_speedups_given_leave_an_unmeasured_run_without_a_time_ratio():
+    """With --speedup, a run's time is the reference's logged ms over its speed; a run with no
+    speed given gets no time ratio (its own logged ms would mix two measurements)."""
+    convergence = _tool("convergence")
+    ms = convergence._with_speedups({"flush": 200.0, "2bw": 150.0, "2bw-dc": 120.0},
+                                    {"2bw": 1.25}, "flush")
+    assert ms["flush"] == 200.0 and ms["2bw"] == 160.0
+    reference = [(i, 10.0 - i / 100) for i in range(100, 1001, 100)]
+    (unmeasured,) = convergence.match_losses("2bw-dc", [(1000, 5.0)], ms["2bw-dc"], reference,
+                                             ms["flush"], fractions=(1.0,))
+    assert unmeasured.iteration_ratio == 0.5 and unmeasured.time_ratio is None
+    (measured,) = convergence.match_losses("2bw", [(1000, 5.0)], ms["2bw"], reference,
+                                           ms["flush"], fractions=(1.0,))
+    assert measured.time_ratio == pytest.approx(0.5 * 1.25)
+    rows = convergence.markdown_rows({"2bw-dc": {"valid": 5.0}}, [unmeasured], [])
+    assert rows == ["| 2bw-dc | 5.000 | 0.50 | - | - | - |"]
+    row = next(line for line in convergence.format_matches([unmeasured], "flush", ms).splitlines()
+               if line.startswith("2bw-dc"))
+    assert row.split()[1] == "-" and row.split()[-1] == "-", row

@@ -66,6 +66,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -979,7 +980,8 @@ def _over_flush(table: Table) -> list[str]:
         if reference == name or reference not in table.times:
             continue
         ratios = [r / x for r, x in zip(table.times[reference], table.times[name])]
-        steps = "/".join(f"{ms:.1f}" for ms in _action_ms(rounds, "S per iteration"))
+        steps = "/".join("-" if math.isnan(ms) else f"{ms:.1f}"  # -: stepped in the loop
+                         for ms in _action_ms(rounds, "S per iteration"))
         lines.append(f"  {name}: {statistics.median(ratios):.2f}x {reference} "
                      f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); optimizer step actions "
                      f"ms per iteration, per stage: {steps}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -152,8 +153,8 @@ class Match:
     def time_ratio(self) -> float | None:
         """reference time / this schedule's time to the same loss: above 1, `schedule` gets
         there first."""
-        if self.reference_seconds is None:
-            return None
+        if self.reference_seconds is None or math.isnan(self.reference_seconds + self.seconds):
+            return None  # not reached, or a time not measured
         return self.reference_seconds / self.seconds
 
 
@@ -194,13 +195,17 @@ def format_matches(matches: Sequence[Match], reference: str, ms: dict[str, float
         ref_its = ("not reached" if m.reference_iterations is None else
                    f"{'<=' if m.reference_bound else ''}{m.reference_iterations:.0f}")
         ratio = "-" if m.iteration_ratio is None else f"{m.iteration_ratio:.2f}"
-        ref_s = "-" if m.reference_seconds is None else f"{m.reference_seconds:.0f}"
+        ref_s = ("-" if m.reference_seconds is None or math.isnan(m.reference_seconds) else
+                 f"{m.reference_seconds:.0f}")
         time_ratio = "-" if m.time_ratio is None else f"{m.time_ratio:.2f}"
-        lines.append(f"{m.schedule:<16} {ms[m.schedule]:>6.0f} {m.iteration:>9} {m.loss:>10.4f} "
-                     f"{m.seconds:>7.0f} {ref_its:>11} {ratio:>6} {ref_s:>9} {time_ratio:>10}")
+        run_ms = "-" if math.isnan(ms[m.schedule]) else f"{ms[m.schedule]:.0f}"
+        seconds = "-" if math.isnan(m.seconds) else f"{m.seconds:.0f}"
+        lines.append(f"{m.schedule:<16} {run_ms:>6} {m.iteration:>9} {m.loss:>10.4f} "
+                     f"{seconds:>7} {ref_its:>11} {ratio:>6} {ref_s:>9} {time_ratio:>10}")
     lines.append(f"ratio: {reference}'s iterations / the schedule's; time ratio: {reference}'s "
                  "time / the schedule's (above 1: the schedule reaches that loss first); each "
-                 "time is iterations x the run's median logged ms/iteration; <=: reached by "
+                 "time is iterations x the run's ms/iteration (its median logged one, or with "
+                 "--speedup the reference's over the speed; -: no speed given); <=: reached by "
                  f"{reference}'s first validation")
     return "\n".join(lines)
 
@@ -442,17 +447,15 @@ def best_reference(logs: dict[str, ParsedLog], reference: str) -> str | None:
 def _with_speedups(ms: dict[str, float], speedups: dict[str, float], reference: str
                    ) -> dict[str, float]:
     """ms/iteration where a run's speed over the reference run is given: the reference's
-    logged ms over that speed (the reference's own is 1)."""
+    logged ms over that speed (the reference's own is 1); with speeds given, a run without one
+    gets NaN (no time ratio) rather than its logged ms, which would mix two measurements."""
     if not speedups:
         return dict(ms)
     if reference not in ms:
         raise ToolError("--speedup", f"speeds are over the {reference} run, which is not among "
                                      "--schedules")
-    out = dict(ms)
-    for run, speedup in {reference: 1.0, **speedups}.items():
-        if run in out:
-            out[run] = ms[reference] / speedup
-    return out
+    speeds = {reference: 1.0, **speedups}
+    return {run: ms[reference] / speeds[run] if run in speeds else math.nan for run in ms}
 
 
 def markdown_rows(finals: dict, matches: list[Match], best: list[Match]) -> list[str]:
@@ -467,7 +470,8 @@ def markdown_rows(finals: dict, matches: list[Match], best: list[Match]) -> list
             return "> 1 | -"
         m = mine[-1]
         bound = "<=" if m.reference_bound else ""
-        return f"{bound}{m.iteration_ratio:.2f} | {m.time_ratio:.2f}"
+        time_ratio = "-" if m.time_ratio is None else f"{m.time_ratio:.2f}"
+        return f"{bound}{m.iteration_ratio:.2f} | {time_ratio}"
 
     return [f"| {run} | {f['valid']:.3f} | {last(matches, run)} | {last(best, run)} |"
             for run, f in finals.items() if f["valid"] is not None]
