@@ -10,18 +10,18 @@ under fp16, ``--initial-loss-scale 4096``. The examples keep the full-size model
 and at --lr 6e-5..1.5e-4, or with fp16's first ~20 steps skipped while the loss scale falls
 from 2^32, 8 iterations leave the loss where it started.
 
-The loss references are derived, not recorded: every example starts from small weights
-(--init-method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform
-over the embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
+The loss references are derived, not recorded: every example starts from small weights (--init-
+method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform over the
+embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
 (prepare_data.py's 512-piece vocabularies, a multiple of 128 so not padded), ln(640) for BERT
-(Megatron-LM's _BertWordPieceTokenizer adds [BOS] and [EOS]: 514, padded to a multiple of
-128). 8 iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the
-loss 6-10% below that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw 6.2% and flush
-9.8%). Every example runs under both 2bw and flush (Llama-3's 2bw with its
-distributed optimizer and overlaps), its flags as Megatron-LM's script passes them (no
---tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as Megatron-LM's). Weights
-that never change (every step skipped, a stale version never swapped in) leave it within 1%. So the mean of the last two logged losses must be at least 4%
-below the first.
+(Megatron-LM's _BertWordPieceTokenizer adds [BOS] and [EOS]: 514, padded to a multiple of 128). 8
+iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the loss 6-10% below
+that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw 6.2% and flush 9.8%). Every example runs
+under 2bw (Llama-3's with its distributed optimizer and overlaps; what these check is the examples'
+flags, not the schedule, which the exactness suites check), its flags as Megatron-LM's script
+passes them (no --tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as Megatron-
+LM's). Weights that never change (every step skipped, a stale version never swapped in) leave it
+within 1%. So the mean of the last two logged losses must be at least 4% below the first.
 
 BERT's run is also held to what Megatron-LM's would write (megatron/training/training.py and
 pretrain_bert.py, core_v0.16.1): the 16 TensorBoard tags its training_log and
@@ -107,7 +107,7 @@ def _assert_loss_falls(done: launch.Launch, iterations: int, rows: int = VOCAB) 
     assert last_two <= (1 - MIN_RELATIVE_DROP) * losses[0], losses
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_gpt3_175b_shrunk(example_data, tmp_path, schedule):
     done = _run_example("train_gpt3_175b_distributed.sh", [
         str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
@@ -119,7 +119,7 @@ def test_gpt3_175b_shrunk(example_data, tmp_path, schedule):
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_bert_340m_shrunk(example_data, tmp_path, schedule):
     done = _run_example("train_bert_340m_distributed.sh", [
         str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
@@ -156,7 +156,7 @@ def _assert_bert_checkpoint(path: Path) -> None:
     assert shapes == BERT_SHAPES
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_llama3_8b_shrunk(example_data, tmp_path, schedule):
     done = _run_example("train_llama3_8b_h100_fp8.sh", [
         str(tmp_path / "checkpoints"), str(tmp_path / "tensorboard"),
@@ -170,7 +170,7 @@ def test_llama3_8b_shrunk(example_data, tmp_path, schedule):
 MOE_TAGS = {"load_balancing_loss"}
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_mixtral_8x7b_shrunk(tiny_gpt_data, tmp_path, schedule):
     """Megatron-LM's Mixtral example (8 experts, top-2, aux loss, alltoall, grouped GEMM,
     the distributed optimizer with both overlaps, bf16) on 4 processes, PP = 2 x EP = 2: its
