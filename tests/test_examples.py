@@ -10,18 +10,18 @@ under fp16, ``--initial-loss-scale 4096``. The examples keep the full-size model
 and at --lr 6e-5..1.5e-4, or with fp16's first ~20 steps skipped while the loss scale falls
 from 2^32, 8 iterations leave the loss where it started.
 
-The loss references are derived, not recorded: every example starts from small weights (--init-
-method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform over the
-embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
+The loss references are derived, not recorded: every example starts from small weights
+(--init-method-std <= 0.0134 on hidden 64), so the first iteration's logits are nearly uniform over
+the embedding's rows and its loss is ln(rows) to within 2%: ln(512) for GPT-3 and Llama-3
 (prepare_data.py's 512-piece vocabularies, a multiple of 128 so not padded), ln(640) for BERT
 (Megatron-LM's _BertWordPieceTokenizer adds [BOS] and [EOS]: 514, padded to a multiple of 128). 8
 iterations at lr 1e-2 with the examples' cosine/linear decay to min-lr take the loss 6-10% below
 that (measured: GPT-3 2bw 6.6%, BERT 2bw 6.7%, Llama-3 2bw 6.2% and flush 9.8%). Every example runs
 under 2bw (Llama-3's with its distributed optimizer and overlaps; what these check is the examples'
 flags, not the schedule, which the exactness suites check), its flags as Megatron-LM's script
-passes them (no --tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as Megatron-
-LM's). Weights that never change (every step skipped, a stale version never swapped in) leave it
-within 1%. So the mean of the last two logged losses must be at least 4% below the first.
+passes them (no --tokenizer-type for GPT-3 and BERT: the entry scripts' defaults, as
+Megatron-LM's). Weights that never change (every step skipped, a stale version never swapped in)
+leave it within 1%. So the mean of the last two logged losses must be at least 4% below the first.
 
 BERT's run is also held to what Megatron-LM's would write (megatron/training/training.py and
 pretrain_bert.py, core_v0.16.1): the 16 TensorBoard tags its training_log and

@@ -217,11 +217,13 @@ def test_interval_scalars_match_the_text_log(run_2bw):
     assert all(0.0 <= f < 1.0 for f in s["pipeline-bubble-fraction"].values())
     # megatron-core timers, seconds per iteration (normalizer --log-interval): compute is part
     # of forward-backward, forward-backward part of the iteration (the max over ranks of it
-    # against the logging rank's iteration, 20% for the ranks' skew)
+    # against the logging rank's iteration, summed over the intervals after the first: a
+    # scheduling hiccup at an interval's edge skews one interval by up to a third on a loaded
+    # machine; a wrong normalizer would be off by the interval's 2x)
     for it in (2, 4, 6):
         assert 0 < s["forward-compute-time"][it] < s["forward-backward-time"][it]
-    for it in (4, 6):
-        assert s["forward-backward-time"][it] < s["iteration-time"][it] * 1.2
+    forward_backward = sum(s["forward-backward-time"][it] for it in (4, 6))
+    assert forward_backward < sum(s["iteration-time"][it] for it in (4, 6)) * 1.5
 
 
 def test_validation_scalars_match_the_text_log(run_2bw):
