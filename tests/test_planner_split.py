@@ -16,16 +16,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 
 from megatron_2bw.planner import CostModel, Layout, ModelSpec, PlanRequest, preset, search
 from megatron_2bw.planner.flags import launch_flags, parse_for_validation
+from tests.test_planner import _plan_cli
 
-REPO = Path(__file__).resolve().parents[1]
 BENCH = ModelSpec("gpt", num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=128,
                   vocab_size=32000, untie_embeddings=True)
 """tools/bench_schedules.py's model at vocabulary 32,000 (untied, as the V needs)."""
@@ -130,13 +128,6 @@ def test_the_search_ranks_uneven_splits_and_refuses_them_on_request():
     assert even and piped[0].samples_per_s > even[0].samples_per_s
     plain = search(dataclasses.replace(request, uneven=False))
     assert all(c.layout.split is None for c in plain.ranked)
-
-
-def _plan_cli():
-    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
 
 
 def test_plan_says_what_an_uneven_choice_gains():
