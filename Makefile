@@ -31,7 +31,7 @@ demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest tests -q -n 2 --dist loadfile
+	$(PY) -m pytest tests -q
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_schedules.py --microbatches 4 --rounds 3 --iters 5 --warmup 2 --json runs/bench/schedules.json
