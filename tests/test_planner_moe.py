@@ -34,9 +34,7 @@ Pure Python, no processes.
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
-from pathlib import Path
 
 import pytest
 
@@ -45,8 +43,8 @@ from megatron_2bw.planner import (CostModel, GiB, Layout, ModelSpec, PlanRequest
                                   search, write_plan)
 from megatron_2bw.planner.evaluate import evaluate, parse_evaluate
 from megatron_2bw.planner.flags import launch_flags, parse_for_validation
+from tests.test_planner import _plan_cli
 
-REPO = Path(__file__).resolve().parents[1]
 
 MIXTRAL_8X7B = ModelSpec("gpt", num_layers=32, hidden_size=4096, num_attention_heads=32,
                          seq_length=4096, vocab_size=32000, ffn_hidden_size=14336,
@@ -61,13 +59,6 @@ MIXTRAL_8X22B = ModelSpec("gpt", num_layers=56, hidden_size=6144, num_attention_
 SMALL_MOE = ModelSpec("gpt", num_layers=4, hidden_size=64, num_attention_heads=4,
                       seq_length=32, vocab_size=128, add_bias_linear=False, num_experts=4,
                       moe_router_topk=2, moe_ffn_hidden_size=96)
-
-
-def _plan_cli():
-    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- parameters ----------------------------------------------------------------------------
