@@ -39,9 +39,11 @@ bench: $(VENV)/.installed
 # this CPU's layer profile first (the planner predicts from it), then 3 paired rounds
 bench-splits: $(VENV)/.installed
 	$(PY) tools/plan.py profile --cpu --num-layers 8 --hidden-size 512 --num-attention-heads 8 \
-	    --seq-length 128 --vocab-size 32000 --micro-batch-sizes 2 --tensor-parallel-sizes 1
-	$(PY) tools/bench_schedules.py --vocab-size 32000 --microbatches 4 --schedules 2bw,flush \
-	    --splits even,planner --rounds 3 --json runs/bench/splits.json
+	    --seq-length 128 --vocab-size 32000 --micro-batch-sizes 2 --tensor-parallel-sizes 1 \
+	    --idle-below 0.3 --out runs/bench/splits_profile.json
+	$(PY) tools/bench_schedules.py --vocab-size 32000 --microbatches 8 --schedules 2bw,flush \
+	    --splits even,planner --rounds 3 --iters 12 --warmup 2 \
+	    --profile runs/bench/splits_profile.json --json runs/bench/splits.json
 
 compare: $(VENV)/.installed
 	$(PY) tools/compare.py

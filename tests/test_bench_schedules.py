@@ -157,3 +157,23 @@ def test_moe_rows(bench_run):
         by_stage = sorted(data["runs"][name][0]["ranks"], key=lambda r: r["stage"])
         assert [r["param_bytes"] for r in by_stage] == [4 * n for n in expected], name
         assert [r["weight_bytes"] for r in by_stage] == [versions * 4 * n for n in expected]
+
+
+def test_rounds_alternate_the_order_of_the_rows(monkeypatch):
+    """Rounds 1, 3, ... run the rows in the table's order, rounds 2, 4, ... in reverse, so a
+    drift of the machine's speed within a round favours each of two neighbouring rows (even and
+    the planner's split) equally often; the table keeps its order."""
+    import argparse
+
+    from tests.test_compare import _tool
+
+    bench = _tool("bench_schedules")
+    order = []
+    monkeypatch.setattr(bench, "_launch", lambda a, config, keep: order.append(config) or config)
+    configs = ["single", "busy", "2bw even", "2bw 6|2"]
+    configs = [argparse.Namespace(name=n, processes=2) for n in configs]
+    runs = bench._run_rounds(argparse.Namespace(rounds=3, timeline_dir=None), configs)
+    names = [c.name for c in order]
+    assert names == ["single", "busy", "2bw even", "2bw 6|2", "2bw 6|2", "2bw even", "busy",
+                     "single", "single", "busy", "2bw even", "2bw 6|2"]
+    assert list(runs) == ["single", "busy", "2bw even", "2bw 6|2"]

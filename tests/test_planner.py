@@ -789,29 +789,28 @@ def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
     # One device, b = 2, m = 4, SMALL (tied embeddings): per microbatch 4 layers x (10 + 20 ms)
     # + embedding 1 + 1 ms + head 4 + 8 ms; the step is the optimizer on all 210,304 parameters
     # (4 x (12 h^2 + 13 h) + V h + s h + 2 h for the final LayerNorm; no all-reduce on 1 rank).
-    # On 2 devices (data-parallel) the gradient all-reduce is not scaled: a ring of 2 moves
-    # the 4-byte gradients once over the profile's 1 GB/s link.
+    # With 2 devices the same one-device run trains twice at once (independent copies, one
+    # per core): nothing is communicated, so the scale is measured / parts either way.
     parts = 4 * (4 * 0.030 + 0.002 + 0.012) + 0.002 + 1e-8 * 210_304
-    all_reduce = 210_304 * 4 / 1e9 if devices == 2 else 0.0
-    measured = 1.5 * parts + all_reduce
+    measured = 1.5 * parts
     # Memory: fp32 weights 4 + gradients 4 + Adam's two moments 8 bytes per parameter, and
     # the activations of the one microbatch in flight: 4 layers x 1e6 + embedding 1e3 + head
     # 2e5 (no recomputation), and the head's logits gradient (b s V x 4 bytes) in transit.
     tensors = 16 * 210_304 + 4 * 1e6 + 1e3 + 2e5 + 2 * 32 * 128 * 4
     peak_bytes = tensors + 50e6
 
-    def fake_run(model, layouts, precision, **kwargs):
+    def fake_run(model, layouts, precision, copies=1, **kwargs):
         (layout,) = layouts
-        assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, devices, 2, 4)
-        run = E2ERun(Layout(1, 1, devices, 2, 4, False, "megatron"), precision, measured,
-                     peak_bytes)
+        assert (layout.t, layout.d, layout.w, layout.b, layout.m) == (1, 1, 1, 2, 4)
+        assert copies == devices
+        run = E2ERun(Layout(1, 1, 1, 2, 4, False, "megatron"), precision, measured, peak_bytes)
         return E2EProfile(model, "cpu test", [run])
 
     monkeypatch.setattr(accuracy, "run_end_to_end", fake_run)
     profile = accuracy.calibrate(_profile(intra_node_link=Link(1e9, 0.0)), micro_batch=2,
                                   devices=devices)
     assert profile.compute_scale == pytest.approx(1.5)
-    assert profile.calibration["predicted_s"] == pytest.approx(parts + all_reduce)
+    assert profile.calibration["predicted_s"] == pytest.approx(parts)
     assert profile.runtime_overhead_bytes == pytest.approx(50e6)
     cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=profile,
                      clip_grad=False)
@@ -1001,16 +1000,25 @@ def test_report_refuses_a_layer_profile_as_measured_runs(tmp_path, capsys):
 def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tmp_path):
     from megatron_2bw.planner import e2e as end_to_end
 
-    launched = []
+    launched, slower = [], iter([1.0, 1.0, 1.0, 1.2])  # the 4th launch: 20% slower
 
-    def fake_run(command, **kwargs):
-        launched.append(command)
-        lines = [f" iteration {i:>8}/      12 | elapsed time per iteration (ms): {ms} | "
-                 f"lm loss: 6.0E+00 | peak memory (MiB): {mib}"
-                 for i, (ms, mib) in enumerate([(900, 400), (500, 410), (520, 420), (480, 415)])]
-        return subprocess.CompletedProcess(command, 0, "\n".join(lines), "")
+    class FakeLaunch:
+        """A finished torchrun whose log is four intervals (ms, peak MiB)."""
 
-    monkeypatch.setattr(end_to_end.subprocess, "run", fake_run)
+        returncode = 0
+
+        def __init__(self, command, stdout, **kwargs):
+            launched.append(command)
+            factor = next(slower)
+            stdout.write("\n".join(
+                f" iteration {i:>8}/      12 | elapsed time per iteration (ms): {ms * factor} | "
+                f"lm loss: 6.0E+00 | peak memory (MiB): {mib}"
+                for i, (ms, mib) in enumerate([(900, 400), (500, 410), (520, 420), (480, 415)])))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(end_to_end.subprocess, "Popen", FakeLaunch)
     monkeypatch.setattr(end_to_end, "_mock_data_supported", lambda: True)
     layouts = [Layout(1, 2, 1, 4, 4, False, "2bw"), Layout(2, 1, 1, 4, 4, True, "megatron")]
     end_to_end.check_layouts(SMALL, layouts, "fp32")
@@ -1037,6 +1045,12 @@ def test_end_to_end_runs_validated_commands_and_reads_their_logs(monkeypatch, tm
     loaded = E2EProfile.load(saved)
     assert loaded.runs == e2e.runs
     assert [run.layout for run in loaded.runs] == layouts
+    # Two copies at once (the calibration's busy cores): two launches on two ports, the
+    # slower copy's run kept.
+    busy = end_to_end.run_end_to_end(SMALL, layouts[:1], "fp32", scratch=tmp_path, copies=2)
+    ports = {command[command.index("--master-port") + 1] for command in launched[2:]}
+    assert len(launched) == 4 and len(ports) == 2
+    assert busy.runs[0].seconds_per_iteration == pytest.approx(0.6)
     # Fields at their defaults stay out of the file; the others come back.
     interleaved = [Layout(1, 2, 1, 4, 4, False, "megatron", v=2),
                    Layout(1, 2, 1, 4, 4, False, "flush", selective=True)]

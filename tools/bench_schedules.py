@@ -791,12 +791,14 @@ def _schedule_of(row: str) -> str:
 
 def _run_rounds(a: argparse.Namespace, configs: list[Config]) -> dict[str, list[Run]]:
     """Every configuration ``--rounds`` times; rounds interleave the configurations (a shared
-    machine's load drifts). Timelines are kept from the first round's pipelines."""
+    machine's load drifts), every other round in reverse order (a drift within a round then
+    favours each of two neighbouring rows as often). Timelines are kept from the first round's
+    pipelines."""
     runs: dict[str, list[Run]] = {config.name: [] for config in configs}
     for round_ in range(a.rounds):
         if a.rounds > 1:
             print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
-        for config in configs:
+        for config in configs[::-1] if round_ % 2 else configs:
             keep = a.timeline_dir if config.processes > 1 and round_ == 0 else None
             runs[config.name].append(_launch(a, config, keep))
     return runs

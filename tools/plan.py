@@ -653,6 +653,11 @@ def profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--cpu", action="store_true", help="profile on CPU even where CUDA is")
+    p.add_argument("--idle-below", type=positive_float, default=None,
+                   help="before measuring (each run with --end-to-end) wait up to 10 min for "
+                        "the 1-minute load average to drop below this: other processes slow "
+                        "the measured parts even in CPU time (a core's sibling thread, shared "
+                        "caches)")
     p.add_argument("--out", type=output_file, default=None,
                    help="default: tools/profiles/<device>.json (layers), e2e.json (--end-to-end)")
     g = p.add_argument_group("layer profile")
@@ -666,8 +671,9 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="skip the one-device training run that scales the parts to a whole "
                         "iteration (compute_scale)")
     g.add_argument("--calibrate-devices", type=positive_int, default=None,
-                   help="devices the calibration run trains on, data-parallel (default: every "
-                        "core on CPU, 1 on CUDA): as many as the planned runs keep busy")
+                   help="copies of the one-device calibration run trained at once, one per "
+                        "device (default: every core on CPU, 1 on CUDA): as many as the "
+                        "planned runs keep busy")
     g = p.add_argument_group("end-to-end profile")
     g.add_argument("--end-to-end", action="store_true")
     g.add_argument("--layouts", default=None,
@@ -681,16 +687,13 @@ def profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=positive_int, default=3)
     g.add_argument("--repeat", type=positive_int, default=1,
                    help="run each layout this many times, keep the fastest (busy machines)")
-    g.add_argument("--idle-below", type=positive_float, default=None,
-                   help="before each run wait (up to 10 min) for the load average to drop "
-                        "below this")
     g.add_argument("--profile", type=existing_file, default=None,
                    help="layer profile JSON to predict the runs with (accuracy table)")
     return p
 
 
 _END_TO_END_FLAGS = ("--layouts", "--candidates", "--nproc", "--global-batch-size",
-                     "--train-iters", "--log-interval", "--repeat", "--idle-below", "--profile")
+                     "--train-iters", "--log-interval", "--repeat", "--profile")
 _LAYER_FLAGS = ("--micro-batch-sizes", "--tensor-parallel-sizes", "--no-recompute", "--repeats",
                 "--no-links", "--no-calibrate", "--calibrate-devices")
 
@@ -736,6 +739,7 @@ def run_profile(argv) -> int:
 
     on_cpu = device_kind(args.cpu) == "cpu"
     precision = args.precision or ("fp32" if on_cpu else "bf16")
+    _report_load(args.idle_below)
     started = time.perf_counter()
     profile = measure.measure(
         model, precision, micro_batches=args.micro_batch_sizes,
@@ -754,6 +758,19 @@ def run_profile(argv) -> int:
     out = args.out or default_profile_path(profile.device_name)
     print(f"wrote {profile.save(out)} in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _report_load(idle_below: float | None) -> None:
+    """Wait for `idle_below` if given; print the load average the parts are measured under,
+    with a warning when other processes keep the CPUs busy."""
+    if idle_below is not None:
+        end_to_end.wait_for_idle(idle_below, print)
+    load, cpus = end_to_end.load_average(), os.cpu_count() or 1
+    busy = load >= 0.25 * cpus
+    print(f"load average {load:.2f} on {cpus} CPUs" + (
+        ": warning: other processes are running; they slow the measured parts (shared cores "
+        "and caches), so the planner's times will be high (--idle-below waits for an idle "
+        "machine)" if busy else ""))
 
 
 def _run_end_to_end(args, model: ModelSpec, layouts: list[Layout] | None,

@@ -23,27 +23,25 @@ __all__ = ["Accuracy", "compare", "format_accuracy", "calibrate"]
 def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, devices: int = 1,
               train_iters: int = 10, cpu: bool = True,
               log: Callable[[str], None] = lambda s: None) -> Profile:
-    """Set `profile.compute_scale`: train the profiled model data-parallel on `devices` local
-    devices (t = d = 1, w = devices, `microbatches` of `micro_batch` each) and solve
-    measured = scale x (compute + optimizer) + communication for the scale, the communication
-    (gradient all-reduce) as the cost model predicts it. With every local device busy, as in
-    the runs planned, the scale also holds what devices sharing a machine cost each other
-    (CPU cores sharing caches and memory bandwidth, stragglers at each all-reduce).
-    Returns the profile."""
-    layout = Layout(1, 1, devices, micro_batch, microbatches, False, "megatron")
+    """Set `profile.compute_scale`: train the whole profiled model on one device (t = d = w = 1,
+    `microbatches` of `micro_batch` each), `devices` independent copies at once, one per
+    device, and take the slowest copy's measured = scale x (compute + optimizer). With every
+    local device busy, as in the runs planned, the scale holds what devices sharing a machine
+    cost each other (CPU cores sharing caches and memory bandwidth) and the work the parts
+    leave out; no communication enters it (the copies exchange nothing), so an error of the
+    link model is not folded into compute. Returns the profile."""
+    layout = Layout(1, 1, 1, micro_batch, microbatches, False, "megatron")
     measured = run_end_to_end(profile.model, [layout], profile.precision, train_iters=train_iters,
-                              log_interval=1, cpu=cpu, log=log).runs[0]
+                              log_interval=1, cpu=cpu, log=log, copies=devices).runs[0]
     if measured.seconds_per_iteration is None:
         log(f"calibration failed ({measured.error}); compute_scale stays 1")
         return profile
     profile.compute_scale = 1.0
-    cluster = preset("cpu-local" if profile.device == "cpu" else "dgx-h100",
-                     gpus_per_node=devices)
+    cluster = preset("cpu-local" if profile.device == "cpu" else "dgx-h100", gpus_per_node=1)
     estimate = CostModel(profile.model, cluster, profile.precision, profile=profile).time(layout)
-    communication = estimate.step - estimate.optimizer
-    profile.compute_scale = ((measured.seconds_per_iteration - communication)
-                             / (estimate.iteration - communication))
-    profile.calibration = {"layout": layout.label(), "measured_s": measured.seconds_per_iteration,
+    profile.compute_scale = measured.seconds_per_iteration / estimate.iteration
+    profile.calibration = {"layout": layout.label(), "copies": devices,
+                           "measured_s": measured.seconds_per_iteration,
                            "predicted_s": estimate.iteration}
     if measured.peak_memory_bytes and profile.device == "cpu":
         # The resident set of a training process holds more than the tensors and the imported
@@ -54,8 +52,8 @@ def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, devices
         profile.calibration["imported_bytes"] = profile.runtime_overhead_bytes
         profile.runtime_overhead_bytes = max(measured.peak_memory_bytes - tensors,
                                              profile.runtime_overhead_bytes)
-    log(f"calibration {layout.label()}: measured {measured.seconds_per_iteration * 1e3:.1f} ms, "
-        f"parts predict {estimate.iteration * 1e3:.1f} ms -> compute scale "
+    log(f"calibration {layout.label()} x {devices} at once: measured "
+        f"{measured.seconds_per_iteration * 1e3:.1f} ms, parts predict {estimate.iteration * 1e3:.1f} ms -> compute scale "
         f"{profile.compute_scale:.3f}; runtime memory "
         f"{profile.runtime_overhead_bytes / 2**20:.0f} MiB")
     return profile

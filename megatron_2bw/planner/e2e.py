@@ -204,12 +204,13 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence[Layout], precision: str =
                    train_iters: int = 12, log_interval: int = 3, cpu: bool = True,
                    repeat: int = 1, idle_below: float | None = None,
                    timeout: float = 600.0, log: Callable[[str], None] = lambda s: None,
-                   scratch: str | os.PathLike | None = None) -> E2EProfile:
+                   scratch: str | os.PathLike | None = None, copies: int = 1) -> E2EProfile:
     """Train each layout for `train_iters` iterations with torchrun on this
     machine (t d w processes) and read its log. With `repeat` > 1 each layout runs that many
     times and the fastest run is kept: other processes on the machine only ever slow a run
     down. With `idle_below`, each run first waits (up to 10 minutes) for the 1-minute load
-    average to drop below it."""
+    average to drop below it. With `copies` > 1 each run is that many independent launches
+    at once, the slowest kept (`_run_one`)."""
     scratch = Path(scratch or tempfile.mkdtemp(prefix="plan-e2e-"))
     data_flags, model = _data_flags(model, scratch)
     profile = E2EProfile(model=model, device_name=cpu_name() if cpu else _cuda_name(),
@@ -218,9 +219,9 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence[Layout], precision: str =
         runs = []
         for _ in range(max(repeat, 1)):
             if idle_below is not None:
-                _wait_for_idle(idle_below, log)
+                wait_for_idle(idle_below, log)
             runs.append(_run_one(layout, model, precision, data_flags, train_iters,
-                                 log_interval, cpu, timeout, log))
+                                 log_interval, cpu, timeout, log, copies))
         timed = [r for r in runs if r.seconds_per_iteration is not None]
         profile.runs.append(min(timed, key=lambda r: r.seconds_per_iteration) if timed
                             else runs[-1])
@@ -229,52 +230,76 @@ def run_end_to_end(model: ModelSpec, layouts: Sequence[Layout], precision: str =
 
 def _run_one(layout: Layout, model: ModelSpec, precision: str, data_flags: list[str],
              train_iters: int, log_interval: int, cpu: bool, timeout: float,
-             log: Callable[[str], None]) -> E2ERun:
+             log: Callable[[str], None], copies: int = 1) -> E2ERun:
+    """One launch of `layout`; with `copies` > 1, that many independent launches at once (each
+    its own torchrun and port) and the slowest copy's run: what the layout costs while every
+    core is busy, without communication between the copies."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--nproc-per-node", str(layout.world),
-               "--master-port", str(free_port()), str(REPO / entry_script(model)),
-               *_command_flags(layout, model, precision, data_flags, train_iters, log_interval,
-                               cpu)]
+    commands = [[torchrun, "--nproc-per-node", str(layout.world),
+                 "--master-port", str(free_port()), str(REPO / entry_script(model)),
+                 *_command_flags(layout, model, precision, data_flags, train_iters,
+                                 log_interval, cpu)] for _ in range(copies)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    log(f"running {layout.label()}: {' '.join(command[1:])}")
-    load_before = _load_average()
+    at_once = f" ({copies} copies at once)" if copies > 1 else ""
+    log(f"running {layout.label()}{at_once}: {' '.join(commands[0][1:])}")
+    load_before = load_average()
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]  # no pipe to fill and block on
+    launched = [subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 text=True) for command, out in zip(commands, logs)]
+    deadline = time.monotonic() + timeout
+    runs = [_finished(process, out, command, layout, precision, train_iters, log_interval,
+                      max(deadline - time.monotonic(), 1.0), timeout)
+            for process, out, command in zip(launched, logs, commands)]
+    run = max(runs, key=lambda r: (r.seconds_per_iteration is None,
+                                   r.seconds_per_iteration or 0.0))
+    run = dataclasses.replace(run, load_average=max(load_before, load_average()))
+    log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration (load average "
+        f"{run.load_average:.1f})" if run.seconds_per_iteration else f"  -> failed: {run.error}")
+    return run
+
+
+def _finished(process: subprocess.Popen, out, command: list[str], layout: Layout,
+              precision: str, train_iters: int, log_interval: int, wait_s: float,
+              timeout: float) -> E2ERun:
+    """The run of a launched `process`, read from its log file `out` once it exits (killed
+    after `wait_s`)."""
     error = None
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        text = done.stdout + done.stderr
-        if done.returncode:
-            error = f"exit {done.returncode}: " + _last_error(text)
-    except subprocess.TimeoutExpired as e:
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
         error = f"timed out after {timeout:.0f} s"
+    with out:
+        out.seek(0)
+        text = out.read()
+    if error is None and process.returncode:
+        error = f"exit {process.returncode}: " + _last_error(text)
     records = parse_log(text).iterations
     times = [r.ms_per_iteration / 1000 for r in records]
     mems = [r.peak_memory_mib for r in records if r.peak_memory_mib is not None]
     if not times and error is None:
         error = f"no iteration logged ({train_iters} iterations, --log-interval {log_interval})"
     steady = times[1:] or times  # the first interval holds the warm-up
-    run = E2ERun(layout=layout, precision=precision,
-                 seconds_per_iteration=statistics.median(steady) if steady else None,
-                 peak_memory_bytes=max(mems) * 2**20 if mems else None,
-                 intervals=tuple(times), command=tuple(command[1:]), error=error,
-                 fastest_s=min(steady) if steady else None,
-                 load_average=max(load_before, _load_average()))
-    log(f"  -> {run.seconds_per_iteration * 1e3:.1f} ms/iteration (load average "
-        f"{run.load_average:.1f})" if run.seconds_per_iteration else f"  -> failed: {error}")
-    return run
+    return E2ERun(layout=layout, precision=precision,
+                  seconds_per_iteration=statistics.median(steady) if steady else None,
+                  peak_memory_bytes=max(mems) * 2**20 if mems else None,
+                  intervals=tuple(times), command=tuple(command[1:]), error=error,
+                  fastest_s=min(steady) if steady else None)
 
 
-def _load_average() -> float:
+def load_average() -> float:
+    """The 1-minute load average (0 where the OS has none)."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
-def _wait_for_idle(below: float, log: Callable[[str], None], limit_s: float = 600.0) -> None:
+def wait_for_idle(below: float, log: Callable[[str], None], limit_s: float = 600.0) -> None:
+    """Wait (up to `limit_s`) for the 1-minute load average to drop below `below`."""
     deadline = time.monotonic() + limit_s
-    if _load_average() >= below:
-        log(f"  waiting for the load average ({_load_average():.1f}) to drop below {below}")
-    while _load_average() >= below and time.monotonic() < deadline:
+    if load_average() >= below:
+        log(f"  waiting for the load average ({load_average():.1f}) to drop below {below}")
+    while load_average() >= below and time.monotonic() < deadline:
         time.sleep(5)
 
 
