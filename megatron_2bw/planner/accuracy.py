@@ -53,7 +53,8 @@ def calibrate(profile: Profile, micro_batch: int, microbatches: int = 4, devices
         profile.runtime_overhead_bytes = max(measured.peak_memory_bytes - tensors,
                                              profile.runtime_overhead_bytes)
     log(f"calibration {layout.label()} x {devices} at once: measured "
-        f"{measured.seconds_per_iteration * 1e3:.1f} ms, parts predict {estimate.iteration * 1e3:.1f} ms -> compute scale "
+        f"{measured.seconds_per_iteration * 1e3:.1f} ms, parts predict "
+        f"{estimate.iteration * 1e3:.1f} ms -> compute scale "
         f"{profile.compute_scale:.3f}; runtime memory "
         f"{profile.runtime_overhead_bytes / 2**20:.0f} MiB")
     return profile

@@ -245,8 +245,8 @@ def _run_one(layout: Layout, model: ModelSpec, precision: str, data_flags: list[
     log(f"running {layout.label()}{at_once}: {' '.join(commands[0][1:])}")
     load_before = load_average()
     logs = [tempfile.TemporaryFile("w+") for _ in commands]  # no pipe to fill and block on
-    launched = [subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 text=True) for command, out in zip(commands, logs)]
+    launched = [subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                for command, out in zip(commands, logs)]
     deadline = time.monotonic() + timeout
     runs = [_finished(process, out, command, layout, precision, train_iters, log_interval,
                       max(deadline - time.monotonic(), 1.0), timeout)
