@@ -381,7 +381,8 @@ def _add_muon_args(g) -> None:
     g.add_argument("--muon-scale-mode", choices=("spectral", "unit_rms_norm", "shape_scaling"),
                    default="spectral")
     g.add_argument("--muon-fp32-matmul-prec", choices=("low", "medium", "high"),
-                   default="medium", help="matmul precision of Newton-Schulz on CUDA")
+                   default="medium", help="Newton-Schulz's matmul precision: medium and "
+                   "low iterate in bf16 (Jordan's reference Muon), high in fp32 (TF32 on CUDA)")
     g.add_argument("--muon-num-ns-steps", type=_COUNT, default=5)
     g.add_argument("--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"),
                    default="blockwise")

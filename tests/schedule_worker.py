@@ -89,7 +89,8 @@ def training_flags(run: dict, model: Model, world_size: int) -> list[str]:
     if model.llama:
         flags += [*LLAMA_FLAGS, "--ffn-hidden-size", 4 * model.hidden_size]
     if model.optimizer == "muon":
-        flags += ["--muon-momentum", model.muon_momentum] + (
+        # fp32 Newton-Schulz, as the references compute it (the default iterates in bf16)
+        flags += ["--muon-momentum", model.muon_momentum, "--muon-fp32-matmul-prec", "high"] + (
             ["--muon-use-nesterov"] if model.muon_nesterov else [])
     if model.correction != "none":
         flags += ["--stale-weight-correction", model.correction,

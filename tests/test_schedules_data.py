@@ -758,3 +758,51 @@ def test_pipemare_flags_are_validated_in_one_line():
         with pytest.raises(FlagError, match=message) as error:
             parse_args(flags + list(extra), world_size=2)
         assert "\n" not in str(error.value)
+
+
+def _deferred_apply_points(schedule: str, d: int, m: int, calls: int, chunks: int = 1):
+    """[stage] -> {version: (exchanges with each peer before its apply)}: where the executor
+    makes each deferred version (the first step ``reads_from`` says needs it, else the next
+    step action), counted in exchanges with each neighbour since the start of training."""
+    from megatron_2bw.schedules import call_program, placement_of
+    from megatron_2bw.schedules.comm import reads_from
+
+    spec, placement = SCHEDULES[schedule], placement_of(schedule, d, chunks)
+    points = []
+    for stage in range(d):
+        seen, pending, at = {peer: 0 for peer in placement.peers(stage)}, None, {}
+        for call in range(calls):
+            program = call_program(schedule, d, m, stage, call, fill=call == 0,
+                                   drain=call == calls - 1, chunks=chunks)
+            needs = reads_from(program, lambda k: spec.version_of(d, m, stage, k))
+            for step, need in zip(program, needs):
+                if pending is not None and (need == pending or _is_step(step)):
+                    at[pending], pending = dict(seen), None
+                if _is_step(step):
+                    pending = step.version
+                elif isinstance(step, Exchange):
+                    for peer in {t.peer for t in step.transfers}:
+                        seen[peer] += 1
+        points.append(at)
+    return points
+
+
+def _is_step(step) -> bool:
+    return isinstance(step, Action) and step.kind is Kind.STEP
+
+
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (3, 3), (3, 5), (4, 4), (4, 8), (6, 7)])
+def test_2bws_deferred_step_stalls_every_stage_at_one_consistent_cut(d, m):
+    """Where each stage makes a deferred weight version, it has run as many exchanges with
+    each neighbour as that neighbour has with it where the neighbour makes it: a consistent
+    cut (fused groups meet in issue order), so a step of S seconds delays the pipeline by S
+    once, as the simulator's step does. Applied at its first reader instead, a stage that
+    receives that reader's input has already met its upstream neighbour's exchange after the
+    neighbour's stall, and the stages wait out each other's steps in turn. (With virtual
+    stages the rule does not give one cut yet: there a stage's steps still stall its
+    neighbours.)"""
+    points = _deferred_apply_points("2bw", d, m, calls=5)
+    for stage in range(d - 1):
+        for version in range(1, 4):
+            mine, theirs = points[stage][version], points[stage + 1][version]
+            assert mine[stage + 1] == theirs[stage], (stage, version, mine, theirs)

@@ -30,11 +30,12 @@ channel per direction, a group progresses together):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence, Union
+from typing import Callable, Literal, Sequence, Union
 
-from .actions import Action, Comms, Kind, Placement, communication
+from .actions import SENDS_GRAD, Action, Comms, Kind, Placement, communication
 
-__all__ = ["Transfer", "Exchange", "Step", "fuse", "unbatched", "actions_of", "transfers_of"]
+__all__ = ["Transfer", "Exchange", "Step", "fuse", "unbatched", "actions_of", "transfers_of",
+           "reads_from"]
 
 
 @dataclass(frozen=True)
@@ -346,3 +347,45 @@ def actions_of(program: Sequence[Step]) -> list[Action]:
 def transfers_of(program: Sequence[Step]) -> list[Transfer]:
     """Every transfer of a program, in issue order."""
     return [t for step in program if isinstance(step, Exchange) for t in step.transfers]
+
+
+def reads_from(program: Sequence[Step], kept_version: Callable[[int], int]) -> list[int | None]:
+    """For each step of a program, the oldest weight version that must exist when it starts:
+    an action's own (F, B, I, W; None for a step), and for an exchange that receives, the
+    oldest version read from it to the last action its receives feed (None otherwise).
+
+    A deferred weight version is made before the first step that needs it, so before the
+    exchange that brings its first reader's input, not between that exchange and the reader:
+    every stage then stalls between the same pair of matching groups with each neighbour (a
+    consistent cut of the pipeline), and the stages' steps overlap instead of each waiting
+    out its neighbour's. A receive kept for the next call (2BW's look-ahead activation) feeds
+    that call's forward, which reads ``kept_version(microbatch)``; the rest of the program
+    counts then. An exchange receiving a gradient for a later call needs nothing."""
+    needs: list[int | None] = []
+    for index, step in enumerate(program):
+        if isinstance(step, Action):
+            needs.append(None if step.kind is Kind.STEP else step.version)
+            continue
+        reads, end = [], index
+        for transfer in (t for t in step.transfers if t.op == "recv"):
+            consumer = _consumer(program, index, transfer)
+            if consumer is None and transfer.tensor != "activation":
+                reads = []
+                break
+            if consumer is None:
+                reads.append(kept_version(transfer.microbatch))
+            end = len(program) - 1 if consumer is None else max(end, consumer)
+        if end > index:
+            reads += [a.version for a in program[index + 1:end + 1]
+                      if isinstance(a, Action) and a.kind is not Kind.STEP]
+        needs.append(min(reads) if reads else None)
+    return needs
+
+
+def _consumer(program: Sequence[Step], index: int, transfer: Transfer) -> int | None:
+    """Position of the first action after `index` that reads what `transfer` receives (the
+    forward of an activation, the backward of a gradient), None if the program has none."""
+    kinds = (Kind.FORWARD,) if transfer.tensor == "activation" else SENDS_GRAD
+    return next((j for j in range(index + 1, len(program))
+                 if isinstance(program[j], Action) and program[j].kind in kinds
+                 and program[j].microbatch == transfer.microbatch), None)

@@ -89,6 +89,7 @@ from megatron_2bw.runtime.clock import clock_for
 from megatron_2bw.schedules import (Action, Exchange, Kind, Placement, Step, call_program,
                                     format_grid, forward_program, keeps_versions, placement_of)
 from megatron_2bw.schedules.actions import MAKES_PARAM_GRADS, SENDS_GRAD
+from megatron_2bw.schedules.comm import reads_from
 from megatron_2bw.schedules.p2p import CommError, StageComm
 from megatron_2bw.schedules.pipemare import (PipeMareOptions, call_schedule, correction_span,
                                              forward_delay, lr_factor)
@@ -433,8 +434,12 @@ class PipelineRunner:
 
     def _execute(self, program: list[Step], call: _Call, run_action: Callable) -> None:
         """Run a program's steps in order; on a failure print the grid with the step marked."""
+        needs = self._reads_from(program)
         for index, step in enumerate(program):
             try:
+                if self.deferred is not None and needs[index] is not None \
+                        and needs[index] == self.deferred.pending_version:
+                    self._apply_deferred()  # the first step needing it (comm.reads_from)
                 if isinstance(step, Exchange):
                     self._exchange(step, _next_action(program, index), call)
                 else:
@@ -442,6 +447,16 @@ class PipelineRunner:
             except (CommError, RuntimeError) as error:
                 _report_failure(self.stage, program, index, error)
                 raise
+
+    def _reads_from(self, program: list[Step]) -> list[int | None]:
+        """Per step of ``program``, the version that must exist before it (comm.reads_from);
+        all None without a deferred step."""
+        if self.deferred is None:
+            return [None] * len(program)
+        from megatron_2bw.schedules import SCHEDULES
+
+        spec, m = SCHEDULES[self.schedule], getattr(self, "current_m", None) or 1
+        return reads_from(program, lambda k: spec.version_of(self.depth, m, self.stage, k))
 
     def _exchange(self, exchange: Exchange, before: str, call: _Call) -> None:
         """One fused send/receive group; a sent activation's storage is then released as
@@ -458,8 +473,6 @@ class PipelineRunner:
     def _run(self, action: Action, call: _Call) -> None:
         if self.deferred is not None:
             self.deferred.progress()  # moves its collectives on; never blocks
-            if action.version == self.deferred.pending_version and action.kind is not Kind.STEP:
-                self._apply_deferred()  # the first action to read the new version
         start = self._mark()
         _HANDLERS[action.kind](self, action, call)
         self._record(action.kind.value, action.microbatch, action.version, start)

@@ -17,7 +17,7 @@ import torch
 from megatron_2bw.arguments import have_emerging_optimizers
 
 __all__ = ["build_muon_optimizer", "which_muon", "BlockwiseMuon", "newton_schulz",
-           "scale_factor"]
+           "ns_dtype", "scale_factor"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """torch.optim.Muon's quintic Newton-Schulz coefficients (Keller Jordan's)."""
@@ -140,21 +140,28 @@ class BlockwiseMuon(torch.optim.Muon):
 
     def _scaled(self, update: torch.Tensor, steps: int) -> torch.Tensor:
         with _matmul_precision(update, self.fp32_matmul_prec):
-            orthogonal = newton_schulz(update.float(), steps)
+            orthogonal = newton_schulz(update.to(ns_dtype(self.fp32_matmul_prec)), steps)
         scale = scale_factor(update.size(-2), update.size(-1), self.scale_mode)
-        return (orthogonal * (scale * self.extra_scale_factor)).to(update.dtype)
+        return (orthogonal.float() * (scale * self.extra_scale_factor)).to(update.dtype)
+
+
+def ns_dtype(precision: str) -> torch.dtype:
+    """The dtype Newton-Schulz iterates in for --muon-fp32-matmul-prec: bf16 for medium (the
+    default) and low, as Jordan's reference Muon and torch.optim.Muon run it (4-5x the fp32
+    rate on a CPU with AVX512-BF16, the tensor cores' rate on a GPU), fp32 for high."""
+    return torch.float32 if precision == "high" else torch.bfloat16
 
 
 @contextlib.contextmanager
 def _matmul_precision(tensor: torch.Tensor, precision: str):
-    """--muon-fp32-matmul-prec for Newton-Schulz on CUDA, as torch's float32 matmul precision
-    (high: TF32 products; medium and low: bf16 products, as emerging-optimizers runs medium);
-    the CPU's fp32 products stay fp32."""
-    if tensor.device.type != "cuda":
+    """--muon-fp32-matmul-prec high on CUDA: Newton-Schulz's fp32 products in TF32 (torch's
+    "high" float32 matmul precision); elsewhere nothing to set (medium and low iterate in
+    bf16, the CPU's fp32 products stay fp32)."""
+    if tensor.device.type != "cuda" or precision != "high":
         yield
         return
     saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "high" else "medium")
+    torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
