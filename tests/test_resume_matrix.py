@@ -75,6 +75,10 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
                           "--stale-weight-correction", "predict"],
     "2bw-gpt-ef-muon": ["--pipeline-schedule", "2bw", "--optimizer", "muon",
                         "--stale-weight-correction", "ef"],
+    # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
+    # stopped at its first iteration with an IndexError)
+    "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+                   "--stale-weight-correction-coeff", "1000"],
     "2bw-gpt-dc-distopt-DP2": ["--pipeline-schedule", "2bw", *PP1, "--use-distributed-optimizer",
                                "--stale-weight-correction", "dc",
                                "--stale-weight-correction-coeff", "1000"],

@@ -74,6 +74,7 @@ mean over batch t's own m_t microbatches.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -710,7 +711,7 @@ class PipelineRunner:
         self.bind(model)
         newest = self.versions.newest
         alive = [(v, t) for v, t in self.versions.older_versions()]
-        olders = [v for v, _ in alive]
+        olders = [v for v, _ in alive][:self._older_slots()]  # dc's W(t-2): read no more
         sharded["twobw_versions"] = {"batches_done": self.batches_done, "newest": newest,
                                      "older": olders[0] if olders else None, "olders": olders,
                                      "correction": self.stale_rule.rule}
@@ -806,6 +807,8 @@ class PipelineRunner:
             return
         for key, entries in self.loading.items():
             entries.fill(loaded[key])  # factories' merges are new tensors
+        # the older versions read into slots 1, 2, ... (a checkpoint of dc's listed one more)
+        slots_read = next(j for j in itertools.count(1) if _older_key(j) not in self.loading) - 1
         self.loading = {}
         info = loaded.get("twobw_versions")
         if info is None:  # one version: batch k reads "version k-1", the same weights
@@ -815,7 +818,8 @@ class PipelineRunner:
             for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
                 spare.copy_(p.data)
         self.batches_done = info["batches_done"]
-        self.versions.loaded(info["newest"], info.get("olders") or info["older"])
+        olders = info.get("olders") or ([] if info["older"] is None else [info["older"]])
+        self.versions.loaded(info["newest"], olders[:slots_read])
         state = self._stale_state()
         if state is not None:
             state.state_loaded()
