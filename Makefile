@@ -3,6 +3,7 @@
 #   make test   the test suite (CPU, gloo)
 #   make bench  schedules side by side on 2 CPU processes
 #   make bench-splits   even against the planner's layer split at vocabulary 32,000 (idle machine)
+#   make bench-muon     flush and 2bw with Muon and ef, the planner's prediction beside (idle machine)
 #   make compare / make convergence   the paper's baseline table and Figure 5 on CPU
 #   make gpu-wheels   the wheels scripts/gpu_check.py needs on a bare GPU machine, into wheels/
 
@@ -15,7 +16,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test bench bench-splits compare convergence data clean-venv gpu-wheels
+.PHONY: demo test bench bench-splits bench-muon compare convergence data clean-venv gpu-wheels
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -44,6 +45,17 @@ bench-splits: $(VENV)/.installed
 	$(PY) tools/bench_schedules.py --vocab-size 32000 --microbatches 8 --schedules 2bw,flush \
 	    --splits even,planner --rounds 3 --iters 12 --warmup 2 \
 	    --profile runs/bench/splits_profile.json --json runs/bench/splits.json
+
+# the benchmark model's profile first, as the benchmark runs it (untied, no dropout; the
+# planner predicts each row from it), then 3 paired rounds of the Muon rows beside AdamW's
+bench-muon: $(VENV)/.installed
+	$(PY) tools/plan.py profile --cpu --num-layers 8 --hidden-size 512 --num-attention-heads 8 \
+	    --seq-length 128 --vocab-size 1024 --untie-embeddings-and-output-weights --no-dropout \
+	    --micro-batch-sizes 2 --tensor-parallel-sizes 1 --idle-below 0.3 \
+	    --out runs/bench/muon_profile.json
+	$(PY) tools/bench_schedules.py --microbatches 4 --rounds 3 --iters 5 --warmup 2 \
+	    --schedules flush,2bw,flush+muon,2bw+muon,2bw-ef+muon \
+	    --profile runs/bench/muon_profile.json --json runs/bench/muon.json
 
 compare: $(VENV)/.installed
 	$(PY) tools/compare.py

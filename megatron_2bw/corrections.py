@@ -203,11 +203,11 @@ class ErrorFeedback:
         if newest == self.done:
             return
         before = self.versions.tensors_of(newest - 1)
-        for home, start, previous in zip(self.versions.slots[HOME], before, self.previous):
+        for i, (home, start) in enumerate(zip(self.versions.slots[HOME], before)):
             update = start - home  # U_t
             if newest >= 2:  # step 0's gradient read the weights it updated: nothing stale
-                home.sub_(update - previous, alpha=self.beta)
-            previous.copy_(update)
+                home.add_(self.previous[i], alpha=self.beta).sub_(update, alpha=self.beta)
+            self.previous[i] = update  # U_t is the next step's U_{t-1}: kept, not copied
         self.done = newest
 
     def state_tensors(self) -> list[torch.Tensor]:

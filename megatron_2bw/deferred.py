@@ -1,114 +1,18 @@
 """2BW's optimizer step, deferred to the point where its result is first read.
 
-Under 2BW the step after batch t makes W(t+1), and a stage first reads W(t+1) at the forward
-of batch t+2 (batch b reads version b-1, PipeDream-2BW Section 3.1). With gradient clipping or
-tied embeddings the step holds collectives that span the pipeline: the grad-norm all-reduce
-over the model-parallel group and the word-embedding all-reduce between the first and the last
-stage. Run where Megatron's loop calls ``optimizer.step()``, they hold every stage until stage
-0 ends its batch, (d-1) backward passes after the last stage ends it. Deferred, the step is
-split in three (four with the polling), all on the one thread that issues every communication
-of the process (NCCL's rule: one issuing thread; overlap comes from ``async_op=True`` handles):
-
-    begin(t)     at the stage's step action (its last backward of batch t is done): the
-                 stage-local gradient finalization (data-parallel and sequence-parallel
-                 all-reduces, blocking as in Megatron), ``prepare_grads``, a copy of the
-                 optimizer's gradients, and the launch (``async_op=True``) of the cross-stage
-                 collectives on that copy that can start now (see below);
-    progress()   between actions: never blocks; when the collective the grad norm waits for
-                 has completed, computes the local squared norm and launches its all-reduce;
-    intercepted  Megatron's loop calls ``optimizer.step()``: step t's learning rate and weight
-                 decay are recorded and the call returns at once;
-    apply()      before the first action that reads W(t+1), at the next begin() at the latest,
-                 and before a drain: finishes the chain, waits for every handle (each wait
-                 bounded by the process group's timeout), forks the weights, clips the copy by
-                 the global norm and runs ``step_with_ready_grads`` with step t's lr.
-
-The grad norm is a chain when it reads the tied embedding's gradient: Megatron counts that
-gradient once, from the first stage's copy (the last stage's copy is marked ``shared`` and
-``get_main_grads_for_grad_norm`` leaves it out), and after its all-reduce. So per stage kind:
-
-    first stage (tied embedding in its norm): begin launches the embedding all-reduce;
-        progress()/apply(), once it completed: local squared norm, then the norm all-reduce;
-    last stage (its embedding copy is ``shared``, not in its norm): begin launches the
-        embedding all-reduce, computes the local squared norm and launches the norm all-reduce;
-    other stages: begin computes the local squared norm and launches the norm all-reduce.
-
-(With FSDP's DTensor gradients get_grad_norm_fp32 first sums over their data-parallel group;
-that all-reduce is one more link of the chain, launched before the grad-stats one once the
-squared norm exists; the grad-stats one waits for it in progress()/apply().)
-The norm is megatron-core's ``get_grad_norm_fp32`` (norm 2) taken apart: the same multi-tensor
-L2 kernel on the same gradient list, squared, summed over the same groups, ``item() ** 0.5``.
-
-Collectives per iteration t, in the order each rank issues them, per process group:
-
-    data-parallel (x context-parallel) group: at begin(t), ``finish_grad_sync``'s bucket
-        all-reduces (reduce-scatters with the distributed optimizer), in bucket order,
-        blocking; at apply(t), with the distributed optimizer, the parameter all-gather of
-        ``step_with_ready_grads``. apply(t) comes before begin(t+1).
-    tensor-parallel group: at begin(t), with sequence parallelism (or other layer-norm-like
-        weights replicated over TP), one all-reduce of those gradients, blocking.
-    embedding group (first and last stage of one pipeline, tied embeddings only): at
-        begin(t), one all-reduce of the word-embedding gradient (async).
-    grad-stats group (the model-parallel group; with the distributed optimizer, its own
-        grad-stats group), only with clipping: one all-reduce of the squared norm (async),
-        launched at begin(t) or, on the first stage, by progress()/apply() after the
-        embedding one.
-    pipeline group: only the schedule's point-to-point exchanges (schedules/p2p.py).
-
-With --overlap-grad-reduce (the step is then not deferred) the data-parallel bucket
-reductions are launched asynchronously during batch t's last backward pass, by megatron-core's
-DDP from the gradient-accumulator hooks of each bucket's last parameter (the first stage, or
-every stage with --no-align-grad-reduce), or all at once right after that backward pass
-(``config.grad_sync_func``: the other stages, as Megatron's 1F1B does), and the step action's
-``finish_grad_sync`` waits for them. A bucket is launched when its last gradient is accumulated,
-and the backward pass of one stage's model produces the gradients in the same order on every
-replica (the same graph, the same autograd topological order), so the buckets are launched in
-the same order on every rank of the data-parallel group. On the CPU the autograd engine runs
-the hooks on the thread that called backward() (the main thread; strict mode checks it); on
-CUDA it runs them on its device thread while the main thread waits inside backward(), so still
-no other collective of this process is issued concurrently, and the order is that of the graph.
-With the distributed optimizer and --overlap-param-gather the parameter all-gathers move from
-the step into the next forward pass (DDP's forward pre-hooks, bucket by bucket in the order of
-the forward, again the same on every replica); evaluation and checkpoints complete them first.
-
-Why the order is the same on every rank of each group: the members of a group run the same
-per-batch sequence (begin(t) ... apply(t) < begin(t+1): at most one step is pending), and
-each issues exactly the same collectives of that group per iteration, whether its step is
-deferred or not (clipping and the optimizer type are global settings; the tied embedding
-involves exactly the two stages of the embedding group). The data-parallel and tensor-parallel
-members are the same stage of other replicas or TP ranks and run the same action list. The
-embedding and grad-stats groups see one collective per rank per iteration, and the next one is
-launched only after apply() waited for the previous one, so their order is t, t+1, ... on
-every rank. The polling only moves WHEN the norm all-reduce is launched, never the order of
-collectives within a group; and on every rank the groups are entered in the same relative
-order (data-parallel, tensor-parallel, embedding, grad-stats within an iteration). A pending
-collective sits on its own communicator while the pipeline's p2p (pipeline group) goes on.
-Launching one never blocks the host: every group's communicator was created at set-up
-(``runtime.distributed.create_communicators``). Created lazily, as NCCL does by default, the
-last stage's first grad-norm launch would wait for stage 0 to join the group, while stage 0,
-which launches its own only after the embedding all-reduce, sits in an exchange with it or in
-the log's world collective after the call.
+Under 2BW the step after batch t makes W(t+1), which a stage first reads at the forward of
+batch t+2. The step is split, all on the one thread that issues every communication:
+begin(t) at the stage's step action (local gradient finalization, a copy of the gradients,
+the cross-stage collectives launched with ``async_op=True``); progress() between actions
+(never blocks); the loop's ``optimizer.step()`` intercepted (records lr and weight decay);
+apply() before the first step of the program that needs W(t+1) (comm.reads_from: a cut every
+stage crosses at matching exchanges), at the next begin() at the latest, and before a drain.
 
 Invariants: at most one step is pending; the copy is taken before any gradient of batch t+1
-exists, and the optimizer reads only the copy; the step writes the slot ``fork`` freed, which
-no microbatch in flight reads; the result equals the synchronous step bit for bit in fp32
-(same reductions on the same values, in the same order per tensor).
-
-A ChainedOptimizer (Muon for the hidden matrices and Adam for the rest, built by
-``training/build.py``; a MoE model's dense and expert optimizers) is stepped as megatron-core's
-``ChainedOptimizer.step`` steps it: every member prepares its gradients, one norm over all
-members' gradients where their grad-stats group is one group, each member clipped by it and
-stepped in order. Where the members' groups differ (the expert optimizer's is the expert
-tensor x expert x pipeline group), each member's norm is its own chain link (local squared
-norm, then its all-reduce over its own group, launched in member order after the previous
-member's, on every rank), and the norm is sqrt(sum of their squares), as
-``ChainedOptimizer.get_grad_norm`` combines them. Without clipping no norm is taken, so the
-chain's per-step grad-norm all-reduces over the pipeline are gone too.
-
-Not deferred (the step stays where the loop calls it): fp16 loss scaling (the scale of batch
-t+1's backward depends on step t's inf check), DDP's overlapped gradient reduction, per-token
-loss normalisation, position embeddings shared across stages, and a custom
-``finalize_model_grads_func``.
+exists; every rank issues each group's collectives in the same order; the result equals the
+synchronous step bit for bit in fp32. The whole story (the grad-norm chain, the collectives
+per group and their order, chained and MoE optimizers, what is not deferred):
+docs/deferred_step.md.
 """
 
 from __future__ import annotations

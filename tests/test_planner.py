@@ -782,6 +782,31 @@ def test_cost_model_uses_profile_times_by_hand():
     assert memory.stages[0].overhead == 100.0
 
 
+def test_muons_step_from_the_profiles_newton_schulz_by_hand():
+    """A stage's Muon step: the Adam-like part per parameter, plus its layers' Newton-Schulz
+    time measured on the profile's model, scaled by FLOPs to the planned blocks (per m x n
+    block with m <= n: 5 x (4 m^2 n + 2 m^3)) and by the calibration."""
+    profile = _profile(orthogonalize_layer_s=0.005, compute_scale=1.5)
+    cost = CostModel(SMALL, preset("cpu-local", gpus_per_node=2), "fp32", profile=profile,
+                     clip_grad=False, optimizer="muon")
+    h, f = SMALL.hidden_size, 4 * SMALL.hidden_size
+
+    def ns(blocks):
+        return sum(5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for r, c in blocks)
+
+    whole = [(h, h), (h, h), (h, h), (h, h), (f, h), (h, f)]  # Q, K, V, projection, FC1, FC2
+    halves = [(h // 2, h), (h // 2, h), (h // 2, h), (h, h // 2), (f // 2, h), (h, f // 2)]
+    adam_like = 1.5 * (0.002 + 1e-8 * 110_208)
+    estimate = cost.time(Layout(t=1, d=2, w=1, b=2, m=4, recompute=False, schedule="2bw"))
+    assert estimate.optimizer == pytest.approx(adam_like + 2 * 0.005 * 1.5)
+    # t = 2, one stage of 4 layers: Muon's step over Adam's (the profile times both alike
+    # per parameter) is the Newton-Schulz of each rank's halves
+    split = Layout(t=2, d=1, w=1, b=2, m=4, recompute=False, schedule="megatron")
+    adam = dataclasses.replace(cost, optimizer="adam")
+    assert cost.time(split).optimizer - adam.time(split).optimizer == pytest.approx(
+        4 * 0.005 * 1.5 * ns(halves) / ns(whole))
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_calibration_scales_compute_by_a_whole_iteration(monkeypatch, devices):
     from megatron_2bw.planner import accuracy

@@ -987,7 +987,32 @@ def _over_flush(table: Table) -> list[str]:
         lines.append(f"  {name}: {statistics.median(ratios):.2f}x {reference} "
                      f"(rounds {min(ratios):.2f}-{max(ratios):.2f}); optimizer step actions "
                      f"ms per iteration, per stage: {steps}")
-    return ["speed over flush with the same optimizer (paired rounds):", *lines] if lines else []
+    return ["speed over flush with the same optimizer (paired rounds):", *lines,
+            *_predictions(table)] if lines else []
+
+
+def _predictions(table: Table) -> list[str]:
+    """The planner's ms per iteration of each plain pipelined row (its optimizer, correction,
+    clipping and embeddings; the schedule simulator), beside the measured median."""
+    a, lines = table.a, []
+    if a.splits or a.sync_variants or a.moe_variants:
+        return []
+    cost, path = _cost_model(a), _profile_path(a)
+    for config in table.configs:
+        try:
+            run = RunName.parse(config.name)
+        except Exception:  # noqa: BLE001 -- the single-process rows have no run name
+            continue
+        if config.processes < 2 or run.schedule not in SCHEDULES:
+            continue
+        model = dataclasses.replace(cost, optimizer=run.optimizer,
+                                    correction=run.correction or "none")
+        predicted = model.time(_layout(a, config, None), simulate=True).iteration
+        measured = table.time_of(config.name)
+        lines.append(f"  {config.name}: predicted {predicted * 1e3:.0f} ms, measured "
+                     f"{measured * 1e3:.0f} ms ({predicted / measured - 1:+.1%})")
+    source = f"profile {path}" if path else "closed forms (no profile of this CPU)"
+    return [f"the planner's ms per iteration ({source}):", *lines] if lines else []
 
 
 def _action_ms(runs: list[Run], kind: str) -> list[float]:

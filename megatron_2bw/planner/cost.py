@@ -1031,18 +1031,22 @@ class CostModel:
                 sample.activation_bytes * bytes_ratio)
 
     def _orthogonalization(self, layers: int, t: int) -> float:
-        """Seconds of Muon's Newton-Schulz iterations on a stage's ``layers`` layers: per
-        matrix block m x n (m <= n) NS_STEPS x (4 m^2 n + 2 m^3) FLOPs (X X^T, (b A + c A^2) and
-        its product with X), each tensor-parallel rank its own block, at the GEMM rate of its
-        smaller side (bf16 products, as emerging-optimizers runs them by default)."""
+        """Seconds of Muon's Newton-Schulz iterations on a stage's ``layers`` layers, each
+        tensor-parallel rank its own blocks (`_ns_flops`): the profile's measured time scaled
+        by FLOPs where it has one, else at the GEMM rate of each block's smaller side (bf16
+        products, as the default runs them)."""
         if self.optimizer != "muon":
             return 0.0
+        profile = self.profile
+        if profile is not None and profile.orthogonalize_layer_s > 0:  # measured, by FLOPs
+            scale = _ns_flops(self.model, t) / _ns_flops(profile.model, 1)
+            return layers * profile.orthogonalize_layer_s * scale * profile.compute_scale
         precision = "bf16" if "bf16" in self.cluster.peak_flops else "fp32"
         seconds = 0.0
         for rows, cols in self.model.layer_matrices(t):
-            m, n = sorted((rows, cols))
-            flops = NS_STEPS * (4 * m * m * n + 2 * m ** 3)
-            seconds += flops / self.cluster.gemm_flops(precision, m)
+            m = min(rows, cols)
+            seconds += _ns_flops(self.model, t, [(rows, cols)]) / self.cluster.gemm_flops(
+                precision, m)
         return layers * seconds
 
     def _optimizer_step(self, params: int, w: int) -> float:
@@ -1055,6 +1059,16 @@ class CostModel:
         moments = MOMENT_BYTES[self.optimizer]
         touched = 2 * (MASTER_BYTES + moments) + GRAD_BYTES + self.element_bytes
         return shard * touched / self.cluster.stream_bandwidth
+
+
+def _ns_flops(model: ModelSpec, t: int, matrices: list | None = None) -> float:
+    """Newton-Schulz FLOPs on one layer's matrices (or `matrices`) on one of t ranks: per
+    m x n block (m <= n) NS_STEPS x (4 m^2 n + 2 m^3)."""
+    total = 0.0
+    for rows, cols in matrices or model.layer_matrices(t):
+        m, n = sorted((rows, cols))
+        total += NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    return total
 
 
 def _stash(layout: Layout, spec, stage: int) -> float:

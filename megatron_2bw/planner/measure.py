@@ -191,6 +191,8 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
         args, model, device, sync, repeats)
     log(f"optimizer step: {profile.optimizer_fixed_s * 1e3:.2f} ms + "
         f"{profile.optimizer_per_param_s * 1e9:.2f} ns/parameter")
+    profile.orthogonalize_layer_s = _measure_orthogonalization(model, device, sync, repeats)
+    log(f"Muon's Newton-Schulz on one layer: {profile.orthogonalize_layer_s * 1e3:.2f} ms")
     return profile
 
 
@@ -305,6 +307,27 @@ def _measure_outer(args, model: ModelSpec, device: str, part: str, t: int, b: in
     if device == "cuda":
         module.cuda()
     return _time_part(run, list(module.parameters()), sync, repeats, warmup, _clock(device))
+
+
+def _measure_orthogonalization(model: ModelSpec, device: str, sync, repeats: int) -> float:
+    """Seconds of Muon's Newton-Schulz (BlockwiseMuon's, bf16 iterations) on one layer's
+    matrices at tp 1 (`ModelSpec.layer_matrices`), median of `repeats` after one warm-up."""
+    import torch
+
+    from megatron_2bw.planner.cost import NS_STEPS
+    from megatron_2bw.training.muon import newton_schulz
+
+    matrices = [torch.randn(shape, device=device).bfloat16() for shape in model.layer_matrices(1)]
+    times, clock = [], _clock(device)
+    for i in range(repeats + 1):
+        sync()
+        start = clock()
+        for x in matrices:
+            newton_schulz(x, NS_STEPS)
+        sync()
+        if i:
+            times.append(clock() - start)
+    return statistics.median(times)
 
 
 def _measure_optimizer(args, model: ModelSpec, device: str, sync, repeats: int

@@ -160,6 +160,9 @@ class Profile(JsonFile):
     """Optimizer step (with gradient finalisation and clipping): fixed part ..."""
     optimizer_per_param_s: float = 0.0
     """... plus this per parameter of the stage."""
+    orthogonalize_layer_s: float = 0.0
+    """Muon's Newton-Schulz iterations on one layer's weight matrices at tp 1 (QKV's parts
+    apart; the default bf16 iterations); 0: not measured (the cost model's closed form)."""
     runtime_overhead_bytes: float = 0.0
     """Memory in use before any model exists (on CPU the process's resident set with torch and
     megatron-core loaded; 0 on CUDA, whose allocator statistics start empty)."""
@@ -215,7 +218,8 @@ class Profile(JsonFile):
                  f"expected 'cpu' or 'cuda', got {profile.device!r}")
         require(profile.precision in PRECISIONS, "precision",
                  f"expected one of {', '.join(PRECISIONS)}, got {profile.precision!r}")
-        for name in ("optimizer_fixed_s", "optimizer_per_param_s", "runtime_overhead_bytes"):
+        for name in ("optimizer_fixed_s", "optimizer_per_param_s", "orthogonalize_layer_s",
+                     "runtime_overhead_bytes"):
             check_nonneg(getattr(profile, name), name)
         check_nonneg(profile.compute_scale, "compute_scale")
         require(profile.compute_scale > 0, "compute_scale", "must be > 0")
