@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -499,6 +500,56 @@ def test_flag_line_passes_validate_args(tmp_path):
     document = json.loads(paths["plan"].read_text())
     assert document["choice"]["layout"]["t"] == layout.t
     assert len(document["alternatives"]) == min(20, len(plan.ranked))
+
+
+REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) -> flag
+    ("muon", "bf16", "none", True, False): "--use-distributed-optimizer",
+    ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
+    ("muon", "fp16", "none", False, False): "--fp16",
+    ("adam", "bf16", "ef", False, False): "--stale-weight-correction",
+    ("muon", "fp32", "none", False, True): "--optimizer",
+    ("adam", "fp32", "dc", False, True): "--stale-weight-correction",
+}
+"""Combinations the training refuses (each was planned, and its flags refused at launch)."""
+
+
+def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
+    """Every optimizer x precision x correction x sharded optimizer x experts: plan.py either
+    refuses it in one line, naming the flag the training's validator names, or writes flags
+    that validator accepts for the plan's world size."""
+    cli = _plan_cli()
+    base = ["--cluster", "dgx-h100", "--nodes", "1", "--global-batch-size", "32",
+            "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--seq-length", "256", "--vocab-size", "1024"]
+    planned = set()
+    for combo in itertools.product(("adam", "sgd", "muon"), ("fp32", "bf16", "fp16"),
+                                   ("none", "predict", "dc", "ef"), (False, True),
+                                   (False, True)):
+        optimizer, precision, correction, sharded, experts = combo
+        out = tmp_path / "-".join(map(str, combo))
+        argv = base + ["--optimizer", optimizer, "--precision", precision,
+                       "--stale-weight-correction", correction, "--out", str(out)]
+        argv += ["--use-distributed-optimizer"] * sharded
+        argv += ["--num-experts", "4", "--moe-router-topk", "2"] * experts
+        try:
+            cli.main(argv)
+        except SystemExit as exit_info:
+            error = capsys.readouterr().err
+            assert exit_info.code == 2 and error.startswith("error: --"), (combo, error)
+            assert len(error.strip().splitlines()) == 1
+            expected = REFUSED_BY_TRAINING.get(combo)
+            assert expected is None or error.startswith(f"error: {expected}:"), (combo, error)
+            continue
+        assert combo not in REFUSED_BY_TRAINING, combo
+        capsys.readouterr()
+        plan = json.loads((out / "plan.json").read_text())["choice"]["layout"]
+        model = ModelSpec("gpt", 4, 256, 8, 256, 1024, num_experts=4 if experts else None)
+        flags = shlex.split((out / "flags.txt").read_text())
+        parse_for_validation(flags + ["--mock-data", "--train-iters", "1"], model,
+                             world_size=plan["t"] * plan["d"] * plan["w"])
+        planned.add(combo)
+    assert planned >= {("muon", "fp32", "ef", False, False), ("adam", "bf16", "none", True, True),
+                       ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False)}
 
 
 def test_flags_carry_no_clipping_and_the_in_place_step():

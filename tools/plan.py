@@ -50,7 +50,7 @@ from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
 from megatron_2bw.planner.search import ITERATION_FACTOR, Candidate, Plan  # noqa: E402
 from megatron_2bw.corrections import RULES  # noqa: E402
-from megatron_2bw.arguments import ATTENTION_BACKENDS, moe_freq_type  # noqa: E402
+from megatron_2bw.arguments import ATTENTION_BACKENDS, FlagError, moe_freq_type  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
 from megatron_2bw.planner.evaluate import (MODEL_FLAGS, MODEL_SWITCHES,  # noqa: E402
                                            Evaluation, evaluate, parse_evaluate)
@@ -441,12 +441,6 @@ def _check_moe_flags(args, model: ModelSpec) -> None:
     if sizes and not model.is_moe and set(sizes) != {1}:
         raise ToolError("--expert-model-parallel-size", "needs --num-experts (a "
                                                         "Mixture-of-Experts model)")
-    if model.is_moe and args.optimizer == "muon":
-        raise ToolError("--optimizer", "muon is not supported with --num-experts (the training "
-                                       "refuses it): use adam or sgd")
-    if model.is_moe and args.stale_weight_correction != "none":
-        raise ToolError("--stale-weight-correction", "not supported with --num-experts (the "
-                                                     "training refuses it)")
 
 
 def run_plan(argv) -> int:
@@ -459,10 +453,13 @@ def run_plan(argv) -> int:
         training += ["--attention-backend", args.attention_backend]
     model = _model(args)
     precision = _precision(args, cluster, forced.precision if forced else None)
-    if args.stale_weight_correction != "none" and precision != "fp32":
-        raise ToolError("--stale-weight-correction", f"{args.stale_weight_correction} runs on "
-                        f"fp32 weights, not {precision}: give --precision fp32")
     _check_moe_flags(args, model)
+    try:
+        plan_flags.refuse_what_training_refuses(model, precision, args.optimizer,
+                                                args.use_distributed_optimizer,
+                                                args.stale_weight_correction)
+    except FlagError as error:
+        raise ToolError(error.flag, str(error).split(": ", 1)[-1]) from None
     profile = _load_profile(args, cluster)
     e2e = _load(E2EProfile, args.measured, "--measured") if args.measured else None
     request = PlanRequest(

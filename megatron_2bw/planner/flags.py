@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from megatron_2bw.arguments import int_at_least, number_in
+from megatron_2bw.arguments import FlagError, int_at_least, number_in
 from megatron_2bw.schedules import (LayerSplit, LayoutError, LayoutFlags, keeps_versions,
                                     layer_split)
 
@@ -88,16 +88,43 @@ def training_flags(args: argparse.Namespace) -> list[str]:
         if value is not None:
             flags += [flag, str(value)]
     if flags:
-        from megatron_2bw.arguments import build_parser, validate_args
-
-        batch = getattr(args, "global_batch_size", None) or 1
-        stand_in = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
-                    "--seq-length", "8", "--max-position-embeddings", "8", "--cpu",
-                    "--micro-batch-size", "1", "--global-batch-size", str(batch),
-                    "--mock-data", "--vocab-size", "8"]
         lr = [] if "--lr" in flags else ["--lr", _PEAK_LR[getattr(args, "model", "gpt")]]
-        validate_args(build_parser().parse_args(stand_in + lr + flags), world_size=1)
+        _validate_on_stand_in(lr + flags, getattr(args, "global_batch_size", None) or 1)
     return flags
+
+
+def refuse_what_training_refuses(model: ModelSpec, precision: str, optimizer: str,
+                                 distributed_optimizer: bool, correction: str) -> None:
+    """The run-wide choices (precision, optimizer, its sharding, 2BW's correction, experts)
+    through the entry script's validator on a one-rank stand-in: a combination the training
+    refuses raises `FlagError` in its words, so no plan is written that would not launch."""
+    flags = ["--lr", "1e-4", "--optimizer", optimizer]
+    flags += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(precision, [])
+    flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
+    if correction != "none":
+        flags += ["--stale-weight-correction", correction, "--pipeline-schedule", "2bw"]
+    if model.is_moe:  # as every MoE plan writes them (the layer pattern is the model's)
+        flags += ["--num-experts", str(model.num_experts), "--moe-router-topk",
+                  str(model.moe_router_topk), "--moe-token-dispatcher-type", "alltoall",
+                  "--disable-bias-linear"]
+    try:
+        _validate_on_stand_in(flags, 1)
+    except FlagError as error:
+        message = str(error).split(": ", 1)[-1]
+        raise FlagError(error.flag, f"{message} (the training refuses it)") from None
+
+
+def _validate_on_stand_in(flags: list[str], global_batch: int) -> None:
+    """Our `validate_args` for one rank on a tiny model with `flags` added."""
+    from megatron_2bw.arguments import build_parser, validate_args
+
+    stand_in = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                "--seq-length", "8", "--max-position-embeddings", "8", "--cpu",
+                "--micro-batch-size", "1", "--global-batch-size", str(global_batch),
+                "--mock-data", "--vocab-size", "8"]
+    if not {"--train-iters", "--train-samples"} & set(flags):  # the length is the run's
+        stand_in += ["--train-iters", "1"]
+    validate_args(build_parser().parse_args(stand_in + flags), world_size=1)
 
 
 def entry_script(model: ModelSpec) -> str:
