@@ -1005,9 +1005,17 @@ def _validate_stale_correction(args: argparse.Namespace) -> None:
              f"only with --pipeline-schedule 2bw, not {args.pipeline_schedule}: its corrections "
              "assume 2BW's delay of one step on every stage (pipedream and pipemare delay "
              "some microbatches of a batch on some stages)")
-    _require(not (args.bf16 or args.fp16), flag,
-             f"{rule} works on the fp32 weights the version store holds; with --bf16/--fp16 "
-             "the difference of two versions is lost to their rounding: train in fp32")
+    if rule == "ef":  # on the optimizer's fp32 parameters: the weights or their masters
+        _require(not args.fp16, flag, "ef with --fp16 is not supported yet: use --bf16")
+        _require(not (args.bf16 and args.use_distributed_optimizer), flag,
+                 "ef with --bf16 works on the optimizer's fp32 master copies, not yet on the "
+                 "distributed optimizer's shards of them: drop --use-distributed-optimizer, or "
+                 "train in fp32")
+    else:
+        _require(not (args.bf16 or args.fp16), flag,
+                 f"{rule} works on the fp32 weights the version store holds; with --bf16/--fp16 "
+                 "the difference of two versions is lost to their rounding: train in fp32 (ef "
+                 "runs with --bf16)")
     if rule in ("predict", "ef"):
         _require(not args.overlap_param_gather, flag,
                  f"{rule} reads the whole new version right after the step; with "

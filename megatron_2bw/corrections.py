@@ -14,9 +14,11 @@ gradient at W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
              stale update, estimated by the change of the update, fed back (the error-
              feedback correction of Zmushko et al., arXiv 2606.30634)
 
-Each works on the model's fp32 weights, the tensors the version store holds (the
-distributed optimizer's fp32 shards are views of them). Memory beyond 2BW's two versions,
-per stage: predict and dc one more version in the store, ef one more tensor (U_{t-1}).
+predict and dc work on the model's fp32 weights, the tensors the version store holds (the
+distributed optimizer's fp32 shards are views of them); ef where the optimizer steps, on its
+fp32 parameters (the weights in fp32, their master copies under bf16). Memory beyond 2BW's two
+versions, per stage: predict and dc one more version in the store, ef one fp32 tensor
+(U_{t-1}), and under bf16 one more (W(t) of the masters).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class StaleCorrection:
         if self.rule == "dc":
             return DelayCompensation(versions, optimizer, self.coeff)
         if self.rule == "ef":
-            return ErrorFeedback(versions, self.coeff)
+            return ErrorFeedback(versions, optimizer, self.coeff)
         return None
 
 
@@ -169,19 +171,9 @@ class DelayCompensation:
                 p.grad.addcmul_(p.grad * (p - before), p.grad, value=self.lam)
 
     def _locate(self, param: torch.Tensor) -> tuple[int, int]:
-        """(model parameter, element offset) ``param`` is a view of: the parameter itself,
-        or the distributed optimizer's shard of it."""
         key = param.data_ptr()
         if key not in self._where:
-            size = param.element_size()
-            for index, home in enumerate(self.home):
-                offset = key - home.data_ptr()
-                if home.dtype == param.dtype and 0 <= offset < home.numel() * size:
-                    self._where[key] = (index, offset // size)
-                    break
-            else:
-                raise RuntimeError("dc: an optimizer parameter is no view of the model's "
-                                   "weights (fp32 weights are required)")
+            self._where[key] = _locate(self.home, param)
         return self._where[key]
 
     def state_tensors(self) -> None:
@@ -189,26 +181,58 @@ class DelayCompensation:
 
 
 class ErrorFeedback:
-    """``ef``: after the optimizer wrote W' = W(t) - U_t into the home slot, subtract
-    beta (U_t - U_{t-1}); U_t is measured against the copy of W(t) the store holds."""
+    """``ef`` where the optimizer steps: right after each torch optimizer's step wrote
+    W' = W(t) - U_t into its parameters, and before megatron-core copies them into the model's
+    weights, subtract beta (U_t - U_{t-1}) there (from step 1 on). The optimizer's parameters
+    are the fp32 main parameters: the weights themselves in fp32 (or this rank's shard, a
+    view of them, with the distributed optimizer), where W(t) is the version store's copy;
+    their fp32 master copies under bf16, where W(t) is a copy taken before the step. A step
+    megatron-core skips (a non-finite gradient) leaves the state as it was. U_{t-1} is kept
+    in fp32, shaped as the model's weights (the checkpoint's entries)."""
 
-    def __init__(self, versions: WeightVersions, beta: float):
+    def __init__(self, versions: WeightVersions, optimizer, beta: float):
+        from megatron_2bw.deferred import members
+
         self.versions, self.beta = versions, beta
-        self.previous = [torch.zeros_like(t) for t in versions.slots[HOME]]  # U_{t-1}
-        self.done = versions.newest  # the newest version whose correction was applied
+        self.previous = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                         for t in versions.slots[HOME]]  # U_{t-1}
+        self.masters = _master_copies(members(optimizer), versions.params)
+        self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
+        self.hooks = [hook for inner in members(optimizer) for hook in (
+            inner.optimizer.register_step_pre_hook(self._remember),
+            inner.optimizer.register_step_post_hook(self._correct))]
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
     @torch.no_grad()
-    def after_update(self) -> None:
-        newest = self.versions.newest
-        if newest == self.done:
-            return
-        before = self.versions.tensors_of(newest - 1)
-        for i, (home, start) in enumerate(zip(self.versions.slots[HOME], before)):
-            update = start - home  # U_t
-            if newest >= 2:  # step 0's gradient read the weights it updated: nothing stale
-                home.add_(self.previous[i], alpha=self.beta).sub_(update, alpha=self.beta)
-            self.previous[i] = update  # U_t is the next step's U_{t-1}: kept, not copied
-        self.done = newest
+    def _remember(self, torch_optimizer, args, kwargs) -> None:
+        """W(t) of the master copies (the others' is the store's)."""
+        for p in _params(torch_optimizer):
+            if id(p) in self.masters:
+                self.before.setdefault(id(p), torch.empty_like(p)).copy_(p)
+
+    @torch.no_grad()
+    def _correct(self, torch_optimizer, args, kwargs) -> None:
+        for p in _params(torch_optimizer):
+            before, previous = self._views(p)
+            update = before - p  # U_t
+            if self.versions.newest >= 2:  # step 0's gradient read the weights it updated
+                p.add_(previous, alpha=self.beta).sub_(update, alpha=self.beta)
+            previous.copy_(update)
+
+    def _views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W(t), U_{t-1}) of the optimizer's parameter ``p``."""
+        if id(p) in self.masters:
+            return self.before[id(p)], self.previous[self.masters[id(p)]]
+        index, start = _locate(self.versions.slots[HOME], p)
+        older = self.versions.tensors_of(self.versions.newest - 1)[index]
+        return (older.view(-1)[start:start + p.numel()].view_as(p),
+                self.previous[index].view(-1)[start:start + p.numel()].view_as(p))
+
+    def state_loaded(self) -> None:
+        """Nothing to redo: the hooks read U_{t-1} as loaded."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.previous
@@ -216,5 +240,38 @@ class ErrorFeedback:
     def load_targets(self) -> list[torch.Tensor]:
         return self.previous
 
-    def state_loaded(self) -> None:
-        self.done = self.versions.newest
+
+
+
+def _params(torch_optimizer) -> list[torch.Tensor]:
+    return [p for group in torch_optimizer.param_groups for p in group["params"]]
+
+
+def _master_copies(chain: list, params: list) -> dict[int, int]:
+    """id of each fp32 master copy the chain's optimizers step (bf16 weights, no distributed
+    optimizer) -> the index of its model parameter in ``params``."""
+    from megatron_2bw.deferred import _MAIN_GROUPS
+
+    index = {id(p): i for i, p in enumerate(params)}
+    found = {}
+    for optimizer in chain:
+        for model_name, main_name in _MAIN_GROUPS[:1]:
+            for model_group, main_group in zip(getattr(optimizer, model_name, ()),
+                                               getattr(optimizer, main_name, ())):
+                for model_param, main_param in zip(model_group, main_group):
+                    if id(model_param) in index:
+                        found[id(main_param)] = index[id(model_param)]
+    return found
+
+
+def _locate(home: list[torch.Tensor], param: torch.Tensor) -> tuple[int, int]:
+    """(model parameter, element offset) that the optimizer's parameter ``param`` is a view
+    of: the parameter itself, or the distributed optimizer's shard of it."""
+    key, size = param.data_ptr(), param.element_size()
+    for index, weights in enumerate(home):
+        offset = key - weights.data_ptr()
+        if weights.dtype == param.dtype and 0 <= offset < weights.numel() * size:
+            return index, offset // size
+    raise RuntimeError("a stale-weight correction: an optimizer parameter is neither a view "
+                       "of the model's weights nor a master copy of one (with --bf16, the "
+                       "distributed optimizer's shards are not supported yet)")

@@ -130,6 +130,11 @@ FLAG_CASES = {
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--bf16"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict"],
         1, "--stale-weight-correction", ["fp32", "--bf16"]),
+    "ef-in-bf16-sharded": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef", "--bf16",
+         "--use-distributed-optimizer"],
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef", "--bf16"],
+        1, "--stale-weight-correction", ["master copies", "--use-distributed-optimizer"]),
     "correction-with-late-all-gather": (
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],

@@ -9,6 +9,11 @@ single-process references are tests/test_optimizers_exact.py.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +21,8 @@ import torch
 
 from megatron_2bw.corrections import StaleCorrection
 from megatron_2bw.training.muon import BlockwiseMuon, newton_schulz
+
+REPO = Path(__file__).resolve().parents[1]
 
 STEPS = 5
 
@@ -159,3 +166,18 @@ def test_newton_schulz_gives_singular_values_near_one():
 def test_blockwise_muon_refuses_the_modes_that_need_emerging_optimizers(mode):
     with pytest.raises(ValueError, match="emerging-optimizers"):
         BlockwiseMuon([torch.nn.Parameter(torch.zeros(2, 2))], mode=mode)
+
+
+def test_ef_corrects_the_fp32_master_copies_of_bf16_weights():
+    """Under --bf16 ef works where megatron-core's mixed-precision Adam steps, on the fp32
+    master copies (tests/master_ef_worker.py: a real layer, 4 steps on fixed gradients): they
+    follow a plain-torch Adam reference with the correction applied by hand within 1e-6, lie
+    far from the uncorrected reference, and the bf16 weights are the masters rounded."""
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "master_ef_worker.py")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] < 1e-6 and result["from_plain"] > 1e-2, result
+    assert result["rounded"], result
+

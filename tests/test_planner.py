@@ -506,7 +506,8 @@ REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) 
     ("muon", "bf16", "none", True, False): "--use-distributed-optimizer",
     ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
     ("muon", "fp16", "none", False, False): "--fp16",
-    ("adam", "bf16", "ef", False, False): "--stale-weight-correction",
+    ("adam", "bf16", "ef", True, False): "--stale-weight-correction",
+    ("adam", "bf16", "predict", False, False): "--stale-weight-correction",
     ("muon", "fp32", "none", False, True): "--optimizer",
     ("adam", "fp32", "dc", False, True): "--stale-weight-correction",
 }
@@ -549,6 +550,7 @@ def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
                              world_size=plan["t"] * plan["d"] * plan["w"])
         planned.add(combo)
     assert planned >= {("muon", "fp32", "ef", False, False), ("adam", "bf16", "none", True, True),
+                       ("muon", "bf16", "ef", False, False),
                        ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False)}
 
 

@@ -75,6 +75,9 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
                           "--stale-weight-correction", "predict"],
     "2bw-gpt-ef-muon": ["--pipeline-schedule", "2bw", "--optimizer", "muon",
                         "--stale-weight-correction", "ef"],
+    # ef under bf16 on the fp32 master copies (its U_{t-1} in fp32)
+    "2bw-gpt-ef-muon-bf16": ["--pipeline-schedule", "2bw", "--optimizer", "muon",
+                             "--stale-weight-correction", "ef", "--bf16"],
     # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",

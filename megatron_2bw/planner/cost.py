@@ -649,8 +649,11 @@ class CostModel:
 
     def _correction_bytes(self, schedule: str, params: int) -> float:
         """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
-        the stage's weights (predict's and dc's third version, ef's last update)."""
-        return params * 4.0 if schedule == "2bw" and self.correction != "none" else 0.0
+        the stage's weights (predict's and dc's third version, ef's last update), and under
+        bf16 ef's copy of the fp32 masters before the step."""
+        if schedule != "2bw" or self.correction == "none":
+            return 0.0
+        return params * (8.0 if self.correction == "ef" and self.precision != "fp32" else 4.0)
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the

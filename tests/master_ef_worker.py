@@ -1,0 +1,117 @@
+"""``ef`` on the fp32 master copies of bf16 weights, against a plain-torch reference (one process).
+
+A megatron-core transformer layer in bf16 (Float16Module, DDP, megatron-core's mixed-precision
+Adam, no clipping, no weight decay) and 2BW's version store with ``ErrorFeedback`` bound to the
+optimizer take 4 steps on fixed gradients. The reference steps fp32 copies of the initial master
+weights with torch.optim.Adam on the same gradients and applies
+W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}) (t >= 1) itself. Prints one JSON line: the masters'
+relative error against the reference, their distance from the uncorrected reference, and
+whether the bf16 weights are the masters rounded.
+
+    python tests/master_ef_worker.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BETA, STEPS = 2.0, 4
+
+
+def _megatron_layer():
+    """(DDP-wrapped bf16 layer, its optimizer), one process on the CPU."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_2bw.planner import ModelSpec, measure
+    from megatron_2bw.runtime.device import select_device
+    from megatron_2bw.runtime.ports import free_port
+    from megatron_2bw.training import build
+
+    select_device(True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    model = ModelSpec("gpt", 1, 32, 4, 16, 64, dropout=False)
+    args = measure._training_args(model, "bf16", cpu=True)
+    args.clip_grad, args.weight_decay, args.lr = 0.0, 0.0, 1e-2
+    block, config = measure._block(args, model, "cpu", 1, False)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        Float16Module(config, block))
+    return ddp, build.build_optimizer(args, [ddp]), args
+
+
+def main() -> None:
+    import torch
+
+    from megatron_2bw.corrections import ErrorFeedback
+    from megatron_2bw.deferred import members
+    from megatron_2bw.weights import WeightVersions
+
+    ddp, optimizer, args = _megatron_layer()
+    inner = members(optimizer)[0]
+    weights = [p for group in inner.float16_groups for p in group]
+    masters = [p for group in inner.fp32_from_float16_groups for p in group]
+    versions = WeightVersions(list(ddp.parameters()), keep_from=lambda v: v - 1)
+    ErrorFeedback(versions, optimizer, BETA)
+    corrected = [m.detach().clone() for m in masters]
+    plain = [m.detach().clone() for m in masters]
+    references = [(corrected, torch.optim.Adam(corrected, lr=args.lr,
+                                               betas=(args.adam_beta1, args.adam_beta2),
+                                               eps=args.adam_eps), BETA),
+                  (plain, torch.optim.Adam(plain, lr=args.lr,
+                                           betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps), 0.0)]
+    last = [None, None]
+    generator = torch.Generator().manual_seed(7)
+    for t in range(STEPS):
+        versions.fork(t + 1)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
+        for w, g in zip(weights, grads):
+            w.main_grad.copy_(g)
+        optimizer.step()
+        for k, (params, adam, beta) in enumerate(references):
+            last[k] = _reference_step(params, adam, grads, beta, last[k], t)
+    print(json.dumps({
+        "error": _relative(masters, corrected),
+        "from_plain": _relative(corrected, plain),
+        "rounded": all(torch.equal(w, m.bfloat16()) for w, m in zip(weights, masters))}))
+
+
+def _reference_step(params, adam, grads, beta: float, last, t: int):
+    """One Adam step of the reference, then ef's correction from step 1 on; returns U_t."""
+    import torch
+
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    adam.step()
+    update = [b - p.detach() for b, p in zip(before, params)]
+    if t >= 1:
+        with torch.no_grad():
+            for p, u, u_last in zip(params, update, last):
+                p.sub_(u - u_last, alpha=beta)
+    return update
+
+
+def _relative(ours, reference) -> float:
+    diff = sum(float((a.double() - b.double()).norm()) ** 2 for a, b in zip(ours, reference))
+    return math.sqrt(diff / sum(float(b.double().norm()) ** 2 for b in reference))
+
+
+if __name__ == "__main__":
+    main()
