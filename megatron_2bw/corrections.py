@@ -1,24 +1,17 @@
 """Corrections of 2BW's one-step-stale update (``--stale-weight-correction``).
 
-2BW's step t makes ``W(t+1) = W(t) - U_t``, with U_t the optimizer's update from the
-gradient at W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
+2BW's step t makes W(t+1) = W(t) - U_t, U_t the optimizer's update from the gradient at
+W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
 
     none     the paper's update, unchanged (no object is made)
-    predict  batch t+1 reads R(t) = W(t) + s (W(t) - W(t-1)), R(0) = W(0), in forward
-             and backward: the next weights extrapolated from the last step (PipeOptim,
-             Guan et al. 2023, with s = 1 for 2BW's one step; docs/convergence.md says how
-             this equals its lr * s * m_hat / (sqrt(v_hat) + eps) for Adam)
-    dc       the clipped gradient g becomes g + lambda g * g * (W(t) - W(t-1)) before the
-             optimizer reads it (DC-ASGD, Zheng et al., ICML 2017)
-    ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}) for t >= 1: the error of the last
-             stale update, estimated by the change of the update, fed back (the error-
-             feedback correction of Zmushko et al., arXiv 2606.30634)
+    predict  batch t+1 reads R(t) = W(t) + s (W(t) - W(t-1)) (PipeOptim, Guan et al. 2023)
+    dc       the clipped gradient g becomes g + lambda g*g (W(t) - W(t-1)) (DC-ASGD, 2017)
+    ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1 (Zmushko et al., 2606.30634)
 
-predict and dc work on the model's fp32 weights, the tensors the version store holds (the
-distributed optimizer's fp32 shards are views of them); ef where the optimizer steps, on its
-fp32 parameters (the weights in fp32, their master copies under bf16). Memory beyond 2BW's two
-versions, per stage: predict and dc one more version in the store, ef one fp32 tensor
-(U_{t-1}), and under bf16 one more (W(t) of the masters).
+predict and dc work on the fp32 weights the version store holds; ef where the optimizer steps,
+on its fp32 parameters (the weights in fp32, their master copies under bf16). Memory beyond the
+two versions, per stage: predict and dc one more version, ef one fp32 tensor (two under bf16).
+The rules in detail: docs/schedules.md; what each costs in iterations: docs/convergence.md.
 """
 
 from __future__ import annotations

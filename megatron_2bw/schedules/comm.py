@@ -8,23 +8,11 @@ every receive the action after it needs, to either neighbour:
     stage 1  {ra0:0} F0v0 B0v0 {sg0:0 ra1:0} F1v0 B1v0 {sg1:0} S1
 
 (``sa1:1``: send the activation of microbatch 1 to stage 1; ``rg0:1``: receive the gradient of
-microbatch 0 from stage 1.) This is Megatron's ``P2PCommunicator`` pattern
-(``send_forward_recv_backward``, ``send_backward_recv_forward``) derived from the order instead
-of written by hand.
-
-Invariants, which hold for every pair of neighbours and which the NCCL mode of
-:func:`~megatron_2bw.schedules.simulate.simulate` checks (sends are rendezvous, one in-order
-channel per direction, a group progresses together):
-  * the two sides see each other's transfers in the same order, so the n-th send on a channel
-    meets the n-th receive, and it carries the same microbatch;
-  * every transfer completes within one call (Megatron's per-batch ``forward_backward_func``
-    call). 2BW's look-ahead forward at the end of a call produces an activation that the next
-    stage only uses in its next call; that stage receives it *early*, in its last exchange
-    before the step, and keeps it. Left to the next call, the send would block the sender
-    across the optimizer step, which can hold a collective over all stages: a deadlock; and
-    sent only at the next call's start, it would idle the next stage for a backward pass.
-  * the step (S) never shares a group: the batch's last input gradient goes upstream before
-    any boundary collective.
+microbatch 0 from stage 1.) Megatron's ``P2PCommunicator`` pattern, derived from the order.
+Invariants, for every pair of neighbours (the simulator's NCCL mode checks them): both sides
+see each other's transfers in the same order; every transfer completes within one call (2BW's
+look-ahead activation is received early, before the step); the step never shares a group.
+The reasons: docs/schedules.md, "Communication that holds on NCCL".
 """
 
 from __future__ import annotations
@@ -113,19 +101,12 @@ def fuse(actions: Sequence[Action], stage: int, depth: int,
          placement: Placement | None = None) -> list[Step]:
     """`stage`'s program for one call: its `actions` with the exchanges between them.
 
-    `neighbours` maps each neighbouring stage (`placement.peers`; by default the loop
-    placement of `chunks` model chunks per stage, where stage 0 and stage d-1 are neighbours
-    too) to its action list in the same call. Every send goes in
-    the exchange right after its action (F, B or I; W and S send nothing), except around
-    weight gradients (W), which communicate nothing: see `_around_weight_grads`. A tensor a
-    neighbour sends in this call that this list only uses in the next call is received
-    *early*, in the exchange before the step; an input that the neighbour does not send in
-    this call was received that way in the previous call, so it has no receive here.
-
-    Receives from one neighbour are posted in the order it sends (NCCL matches a pair's
-    transfers in issue order): where a neighbour sends two kinds of tensor on one channel (the
-    V: stage i sends stage i+1 chunk 0's activations and chunk 1's input gradients), a
-    receive also takes, early, whatever the neighbour sent before it."""
+    `neighbours` maps each neighbouring stage (`placement.peers`) to its action list in the
+    same call. Every send goes in the exchange right after its action (W and S send nothing;
+    around W: `_around_weight_grads`). A tensor a neighbour sends in this call that this list
+    uses only in the next is received *early*, in the exchange before the step. Receives from
+    one neighbour are posted in the order it sends (a receive also takes, early, whatever the
+    neighbour sent before it on that channel), as NCCL matches a pair's transfers in order."""
     placement = placement or Placement(depth, chunks)
     if placement.shape == "v":
         return _fuse_pairwise(actions, stage, neighbours, placement)
