@@ -451,9 +451,13 @@ class PipelineRunner:
 
     def _reads_from(self, program: list[Step]) -> list[int | None]:
         """Per step of ``program``, the version that must exist before it (comm.reads_from);
-        all None without a deferred step."""
+        all None without a deferred step. With virtual stages the exchanges' rule gives no
+        single cut yet, so there only the actions need one (each its own version)."""
         if self.deferred is None:
             return [None] * len(program)
+        if self.chunks > 1:
+            return [step.version if isinstance(step, Action) and step.kind is not Kind.STEP
+                    else None for step in program]
         from megatron_2bw.schedules import SCHEDULES
 
         spec, m = SCHEDULES[self.schedule], getattr(self, "current_m", None) or 1
@@ -817,6 +821,7 @@ class PipelineRunner:
                     "older": iteration - 1 if iteration > 0 else None}
             for spare, p in zip(self.versions.spare_tensors(), self.versions.params):
                 spare.copy_(p.data)
+            slots_read = 1
         self.batches_done = info["batches_done"]
         olders = info.get("olders") or ([] if info["older"] is None else [info["older"]])
         self.versions.loaded(info["newest"], olders[:slots_read])
