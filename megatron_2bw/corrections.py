@@ -140,7 +140,6 @@ class DelayCompensation:
         from megatron_2bw.deferred import members
 
         self.versions, self.lam = versions, lam
-        self.home = list(versions.slots[HOME])
         self.hooks = [inner.optimizer.register_step_pre_hook(self._compensate)
                       for inner in members(optimizer)]
         self._where: dict[int, tuple[int, int]] = {}
@@ -164,10 +163,7 @@ class DelayCompensation:
                 p.grad.addcmul_(p.grad * (p - before), p.grad, value=self.lam)
 
     def _locate(self, param: torch.Tensor) -> tuple[int, int]:
-        key = param.data_ptr()
-        if key not in self._where:
-            self._where[key] = _locate(self.home, param)
-        return self._where[key]
+        return _cached_locate(self._where, self.versions.slots[HOME], param)
 
     def state_tensors(self) -> None:
         return None  # W(t-1) is the checkpoint's older version
@@ -191,6 +187,7 @@ class ErrorFeedback:
                          for t in versions.slots[HOME]]  # U_{t-1}
         self.masters = _master_copies(members(optimizer), versions.params)
         self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
+        self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
         self.hooks = [hook for inner in members(optimizer) for hook in (
             inner.optimizer.register_step_pre_hook(self._remember),
             inner.optimizer.register_step_post_hook(self._correct))]
@@ -219,7 +216,7 @@ class ErrorFeedback:
         """(W(t), U_{t-1}) of the optimizer's parameter ``p``."""
         if id(p) in self.masters:
             return self.before[id(p)], self.previous[self.masters[id(p)]]
-        index, start = _locate(self.versions.slots[HOME], p)
+        index, start = _cached_locate(self.where, self.versions.slots[HOME], p)
         older = self.versions.tensors_of(self.versions.newest - 1)[index]
         return (older.view(-1)[start:start + p.numel()].view_as(p),
                 self.previous[index].view(-1)[start:start + p.numel()].view_as(p))
@@ -255,6 +252,17 @@ def _master_copies(chain: list, params: list) -> dict[int, int]:
                     if id(model_param) in index:
                         found[id(main_param)] = index[id(model_param)]
     return found
+
+
+def _cached_locate(cache: dict, home: list[torch.Tensor], param: torch.Tensor
+                   ) -> tuple[int, int]:
+    """`_locate`, remembered per parameter address and checked on use (a load may give the
+    weights new storage)."""
+    key = param.data_ptr()
+    hit = cache.get(key)
+    if hit is None or home[hit[0]].data_ptr() + hit[1] * param.element_size() != key:
+        hit = cache[key] = _locate(home, param)
+    return hit
 
 
 def _locate(home: list[torch.Tensor], param: torch.Tensor) -> tuple[int, int]:
