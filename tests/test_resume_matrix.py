@@ -186,7 +186,7 @@ RELEASE_CASE = "flush-gpt-distopt-DP2"
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume_matrix")
-    ranks = launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results", timeout=600)
+    ranks = launch.spawn(_matrix_worker, 2, str(root), out_dir=root / "results", timeout=1200)
     return {name: _of_the_loss_ranks([rank[name] for rank in ranks], name) for name in ranks[0]}
 
 
