@@ -971,13 +971,32 @@ def have_emerging_optimizers() -> bool:
     return importlib.util.find_spec("emerging_optimizers") is not None
 
 
+def _validate_layer_wise_muon(args: argparse.Namespace) -> None:
+    """--optimizer dist_muon, as Megatron-LM reads it: --optimizer muon with its state sharded
+    over the data-parallel ranks by whole parameters (megatron-core's
+    LayerWiseDistributedOptimizer; ``use_layer_wise_distributed_optimizer``). megatron-core's
+    distributed optimizer runs Adam only, so --optimizer muon --use-distributed-optimizer
+    means the same here (docs/megatron_lm_compatibility.md)."""
+    mapped = args.optimizer == "muon" and args.use_distributed_optimizer
+    args.use_layer_wise_distributed_optimizer = args.optimizer == "dist_muon" or mapped
+    if not args.use_layer_wise_distributed_optimizer:
+        return
+    if mapped:
+        args.validation_notes = getattr(args, "validation_notes", []) + [
+            "note: --optimizer muon --use-distributed-optimizer: Muon's state is sharded by "
+            "whole parameters (megatron-core's LayerWiseDistributedOptimizer, Megatron-LM's "
+            "--optimizer dist_muon); megatron-core's distributed optimizer runs Adam only"]
+    args.optimizer, args.use_distributed_optimizer = "muon", False
+    for flag in ("--overlap-param-gather", "--overlap-param-gather-with-optimizer-step"):
+        _require(not getattr(args, flag[2:].replace("-", "_")), flag,
+                 "not with --optimizer dist_muon (its layer-wise optimizer all-gathers the "
+                 "updated parameters in its step, megatron-core 0.16)")
+
+
 def _validate_muon(args: argparse.Namespace) -> None:
     """--optimizer muon as megatron-core builds it (``get_megatron_muon_optimizer``): not with
-    fp16 or the distributed optimizer; without emerging-optimizers, blockwise tensor
-    parallelism only. The --muon-* flags need it."""
-    _require(args.optimizer != "dist_muon", "--optimizer",
-             "dist_muon (Muon with a layer-wise distributed optimizer) is not supported; use "
-             "--optimizer muon")
+    fp16; without emerging-optimizers, blockwise tensor parallelism only. The --muon-* flags
+    need it."""
     if args.optimizer != "muon":
         for dest, default in _MUON_DEFAULTS.items():
             flag = "--muon-no-split-qkv" if dest == "muon_split_qkv" else \
@@ -1333,6 +1352,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_batch(args)
     _validate_virtual_stages(args)
     _validate_moe_placement(args)
+    _validate_layer_wise_muon(args)
     _validate_ddp(args)
     _validate_training(args)
     _validate_data(args)

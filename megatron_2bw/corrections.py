@@ -165,8 +165,7 @@ class DelayCompensation:
     def _locate(self, param: torch.Tensor) -> tuple[int, int]:
         return _cached_locate(self._where, self.versions.slots[HOME], param)
 
-    def state_tensors(self) -> None:
-        return None  # W(t-1) is the checkpoint's older version
+    holds_state = False  # W(t-1) is the checkpoint's older version
 
 
 class ErrorFeedback:
@@ -191,6 +190,9 @@ class ErrorFeedback:
         self.hooks = [hook for inner in members(optimizer) for hook in (
             inner.optimizer.register_step_pre_hook(self._remember),
             inner.optimizer.register_step_post_hook(self._correct))]
+        self.sharding = _layer_wise_sharding(optimizer)
+        self.stepped = {self._index(p) for inner in members(optimizer)
+                        for p in _params(inner.optimizer)}  # the entries this rank writes
 
     def detach(self) -> None:
         for hook in self.hooks:
@@ -212,6 +214,12 @@ class ErrorFeedback:
                 p.add_(previous, alpha=self.beta).sub_(update, alpha=self.beta)
             previous.copy_(update)
 
+    def _index(self, p: torch.Tensor) -> int:
+        """The model parameter the optimizer's parameter ``p`` is (a copy or view of)."""
+        if id(p) in self.masters:
+            return self.masters[id(p)]
+        return _cached_locate(self.where, self.versions.slots[HOME], p)[0]
+
     def _views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W(t), U_{t-1}) of the optimizer's parameter ``p``."""
         if id(p) in self.masters:
@@ -224,13 +232,35 @@ class ErrorFeedback:
     def state_loaded(self) -> None:
         """Nothing to redo: the hooks read U_{t-1} as loaded."""
 
+    holds_state = True
+
     def state_tensors(self) -> list[torch.Tensor]:
-        return self.previous
+        """U_{t-1} of every parameter. Under a layer-wise optimizer each data-parallel rank
+        writes only the entries of the parameters it steps: the replicas' entries are summed
+        (the others' are zeros there), a collective every rank of the group makes at a save."""
+        if self.sharding is None:
+            return self.previous
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        mine = [t if i in self.stepped else torch.zeros_like(t)
+                for i, t in enumerate(self.previous)]
+        flat = _flatten_dense_tensors(mine)
+        torch.distributed.all_reduce(flat, group=self.sharding)
+        return list(_unflatten_dense_tensors(flat, mine))
 
     def load_targets(self) -> list[torch.Tensor]:
         return self.previous
 
 
+
+
+def _layer_wise_sharding(optimizer):
+    """The data-parallel group a layer-wise optimizer (--optimizer dist_muon) shares the
+    parameters' steps over, or None (every rank steps all of its stage's parameters, or its
+    shards of all of them)."""
+    if getattr(optimizer, "dp_cp_params_list", None) is None:
+        return None
+    return optimizer.pg_collection.dp_cp
 
 
 def _params(torch_optimizer) -> list[torch.Tensor]:

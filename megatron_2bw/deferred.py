@@ -162,6 +162,10 @@ class DeferredStep:
         embedding = _tied_embedding(self.chunks)
         main = None if embedding is None else _main_param(self.members, embedding)
         self.embedding_index = next((i for i, p in enumerate(self.params) if p is main), None)
+        # a layer-wise optimizer's rank that steps no copy of the embedding still sums its
+        # gradient with the other stage's (that stage's rank of this replica may step it)
+        self.foreign_embedding = embedding if self.embedding_index is None else None
+        self.gather = getattr(optimizer, "allgather_params", None)  # layer-wise: after step
         self.embedding_group = ps.get_embedding_group(check_initialized=False)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pending_version: int | None = None
@@ -176,7 +180,8 @@ class DeferredStep:
         self._gate: tuple | None = None
         self._chain: list = []
         self.launched: dict[str, int] = {}  # collectives launched so far, by what they are
-        self.norm_groups = norm_groups(self.members)
+        self.norm_groups = (norm_groups(self.members) if self.gather is None
+                            else [list(range(len(self.members)))])  # one norm, as its own
         self._grads_for_norm: list[list[torch.Tensor]] = []  # per norm group
         self._squared: list[torch.Tensor | None] = []
         self._original_step = optimizer.step
@@ -223,6 +228,9 @@ class DeferredStep:
             p.grad = None
         embedding_grad = (None if self.embedding_index is None
                           else self.copies[self.embedding_index])
+        if self.foreign_embedding is not None:
+            embedding_grad = self.foreign_embedding.main_grad.detach().to(torch.float32,
+                                                                          copy=True)
         self.pending_version, self.hyper, self._norm = new_version, None, None
         self._works, self._gate, self._chain = [], None, []
         self._squared = [None] * len(self.norm_groups)
@@ -245,11 +253,19 @@ class DeferredStep:
                 if data_parallel_group:
                     self._chain.append((data_parallel_group, "the grad-norm all-reduce over "
                                         "FSDP's data-parallel group", index))
-                self._chain.append((self.members[indices[0]].get_grad_stats_parallel_group(),
+                self._chain.append((self._grad_stats_group(indices[0]),
                                     "the grad-norm all-reduce over the grad-stats group"
                                     + ("" if len(self.norm_groups) == 1
                                        else f" (optimizer {indices[0]} of the chain)"), index))
             self._advance(block=False)
+
+    def _grad_stats_group(self, member: int):
+        """The group a norm group's squared norm is summed over: its member's grad-stats
+        group; the world (None) under a layer-wise optimizer, whose data-parallel ranks each
+        hold the gradients of the parameters they step (its ``get_grad_norm``)."""
+        if self.gather is not None:
+            return None
+        return self.members[member].get_grad_stats_parallel_group()
 
     def progress(self) -> None:
         """Move the pending step's chain on without blocking: once the collective the grad
@@ -288,6 +304,8 @@ class DeferredStep:
                 inner.step_with_ready_grads()
         finally:
             self._set_hyper(now)
+        if self.gather is not None:
+            self.gather()  # the parameters the other data-parallel ranks stepped
         for p in self.params:
             p.grad = None
         versions.after_step()

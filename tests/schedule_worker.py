@@ -397,6 +397,7 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_2bw.corrections import ErrorFeedback
     from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
 
     bind_helpers_to_this_process()  # as training's saves: no Manager server to outlive the rank
@@ -406,7 +407,9 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     sharded: dict = {}
     fb.checkpoint_extra(model, sharded)
     dist_checkpointing.save(sharded, str(directory))
-    state = fb.stale.state_tensors() if getattr(fb, "stale", None) is not None else None
+    stale = getattr(fb, "stale", None)
+    state = None if stale is None or not getattr(stale, "holds_state", True) else (
+        stale.previous if isinstance(stale, ErrorFeedback) else stale.state_tensors())
     with torch.no_grad():
         for tensors in [t for _, t in fb.versions.older_versions()] + [state or []]:
             for tensor in tensors:

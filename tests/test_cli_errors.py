@@ -109,11 +109,14 @@ FLAG_CASES = {
     "v-tied-embeddings": (
         _V_FLAGS[:-1], _V_FLAGS, 2, "--untie-embeddings-and-output-weights", ["zb-v"]),
     # --optimizer muon as megatron-core builds it; --stale-weight-correction on 2bw's fp32 weights
-    "muon-distributed-optimizer": (
-        ["--optimizer", "muon", "--use-distributed-optimizer"], ["--optimizer", "muon"],
-        1, "--use-distributed-optimizer", ["Adam only", "muon"]),
-    "dist-muon": (["--optimizer", "dist_muon"], ["--optimizer", "muon"], 1, "--optimizer",
-                  ["dist_muon", "--optimizer muon"]),
+    # dist_muon (also --optimizer muon --use-distributed-optimizer) all-gathers in its step
+    "dist-muon-overlap-param-gather": (
+        ["--optimizer", "muon", "--use-distributed-optimizer", "--overlap-grad-reduce",
+         "--overlap-param-gather"],
+        ["--optimizer", "muon", "--use-distributed-optimizer", "--overlap-grad-reduce"],
+        2, "--overlap-param-gather", ["dist_muon", "all-gathers"]),
+    "dist-muon-fp16": (["--optimizer", "dist_muon", "--fp16"], ["--optimizer", "dist_muon"],
+                       2, "--fp16", ["--optimizer muon", "--bf16"]),
     "muon-flag-without-muon": (
         ["--muon-momentum", "0.95"], ["--optimizer", "muon", "--muon-momentum", "0.95"],
         1, "--muon-momentum", ["only with --optimizer muon", "adam"]),

@@ -5,11 +5,12 @@ single-process references (tests/reference.py: ``muon_step``, ``_read_version`` 
 Muon (--optimizer muon: megatron-core's split, Muon for the hidden layers' 2-D weights, AdamW
 for the rest, a chain of both): flush, megatron's 1F1B, pipedream, zb-v (Llama-style, grouped
 query attention split into Q, K and V), 2bw with its deferred step over the chain and at the
-loop's step, 2bw with 2 virtual stages, and 2bw with TP=2 (each rank orthogonalizes its own
-block). Corrections (2bw): predict, dc and ef each deferred and at the loop's step, with 2
-replicas, the distributed optimizer (its shards are views of the weights the corrections
-read), TP=2, 2 virtual stages, one stage, Muon, Llama-style, and a drain whose versions and
-correction state go through a checkpoint's save and load (spoilt in memory in between).
+loop's step, 2bw with 2 virtual stages, 2bw with TP=2 (each rank orthogonalizes its own
+block), flush and 2bw with Muon's state sharded by parameter over 2 replicas (dist_muon).
+Corrections (2bw): predict, dc and ef each deferred and at the loop's step, with 2 replicas,
+the distributed optimizer (its shards are views of the weights the corrections read), TP=2,
+2 virtual stages, one stage, Muon (also dist_muon), Llama-style, and a drain whose versions
+and correction state go through a checkpoint's save and load (spoilt in memory in between).
 
 Each run's weights equal its reference within 1e-6 and lie away from the same rule without
 the correction (or with Adam instead of Muon), so a correction that does nothing fails.
@@ -39,6 +40,10 @@ MUON_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=6, deferred=False, optimizer="muon"),
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, optimizer="muon"),
     Case("2bw", d=2, m=2, w=1, iters=6, tp=2, optimizer="muon"),
+    # --use-distributed-optimizer with Muon: --optimizer dist_muon, each replica steps whole
+    # parameters and all-gathers them (the deferred step's too; its norm spans the world)
+    Case("2bw", d=2, m=2, w=2, iters=6, optimizer="muon", flags=DISTOPT),
+    Case("flush", d=2, m=4, w=2, iters=5, optimizer="muon", flags=DISTOPT),
 ]
 CORRECTION_CASES = [
     Case("2bw", d=2, m=2, w=2, iters=6, correction="predict"),
@@ -51,6 +56,7 @@ CORRECTION_CASES = [
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, correction="dc", coeff=1000.0),
     Case("2bw", d=2, m=2, w=2, iters=6, correction="ef", flags=DISTOPT),
     Case("2bw", d=2, m=2, w=1, iters=6, deferred=False, correction="ef", optimizer="muon"),
+    Case("2bw", d=2, m=2, w=2, iters=6, correction="ef", optimizer="muon", flags=DISTOPT),
     Case("2bw", d=2, m=4, w=1, iters=6, flags=TWO_CHUNKS, correction="ef"),
     Case("2bw", d=2, m=2, w=1, iters=7, correction="ef", tie=False, llama=True, drains=(3,),
          round_trip=True),

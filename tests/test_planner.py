@@ -131,6 +131,20 @@ def test_data_parallel_sharded_optimizer_divides_master_and_moments():
     assert sharded.memory(layout).stages[0].optimizer == params * 12 / 4
 
 
+def test_sharded_muon_deals_out_whole_parameters():
+    """--optimizer muon --use-distributed-optimizer (dist_muon): each replica keeps the state
+    of whole parameters, so the fullest keeps up to one largest tensor more than an even
+    share: SMALL's FC1 (4h x h = 16,384 elements; its padded embedding is 128 x 64 = 8,192).
+    bf16: an fp32 master and Muon's (or Adam's first-moment-sized) momentum, 8 bytes each."""
+    sharded = CostModel(SMALL, _cluster_small(), "bf16", distributed_optimizer=True,
+                        optimizer="muon")
+    layout = Layout(t=1, d=1, w=4, b=1, m=2, recompute=False, schedule="megatron")
+    params = SMALL.num_parameters()
+    assert sharded.memory(layout).stages[0].optimizer == (params / 4 + 4 * 64 * 64) * 8
+    whole = CostModel(SMALL, _cluster_small(), "bf16", optimizer="muon")
+    assert whole.memory(layout).stages[0].optimizer == params * 8
+
+
 # ---- communication, by hand ---------------------------------------------------------------
 
 
@@ -503,7 +517,6 @@ def test_flag_line_passes_validate_args(tmp_path):
 
 
 REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) -> flag
-    ("muon", "bf16", "none", True, False): "--use-distributed-optimizer",
     ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
     ("muon", "fp16", "none", False, False): "--fp16",
     ("adam", "bf16", "ef", True, False): "--stale-weight-correction",
@@ -550,7 +563,7 @@ def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
                              world_size=plan["t"] * plan["d"] * plan["w"])
         planned.add(combo)
     assert planned >= {("muon", "fp32", "ef", False, False), ("adam", "bf16", "none", True, True),
-                       ("muon", "bf16", "ef", False, False),
+                       ("muon", "bf16", "ef", False, False), ("muon", "bf16", "ef", True, False),
                        ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False)}
 
 

@@ -13,7 +13,8 @@ when only ShardedTensor entries carried the older version.
 The cases cover each schedule with each model style (pipedream GPT-2-style at m = 1 < d), and V = 2 virtual stages (2bw, flush), the
 distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style,
 and the V schedules (zb-v; dualpipev with the distributed optimizer: rank i holds stages i and
-2d-1-i, the loss on rank 0).
+2d-1-i, the loss on rank 0). Muon's state sharded by parameter over DP = 2 (dist_muon, bf16,
+ef) resumes there and on one replica with PP = 2 (RESHARDED: to 1e-5, the sums reordered).
 A checkpoint keys each layer by its global number whatever the placement: flush with V = 2
 (rank 0 holds layers 0 and 2, rank 1 layers 1 and 3) resumes zb-v's checkpoint (rank 0 holds
 layers 0 and 3, rank 1 layers 1 and 2) with zb-v's losses, and zb-v resumes flush's with
@@ -47,6 +48,7 @@ SAVED_AT = 2
 PP1 = ["--pipeline-model-parallel-size", "1"]
 LAST1 = ["--decoder-last-pipeline-num-layers", "1"]
 LAYOUT_1_3 = ["--pipeline-model-parallel-layout", "E,t|t*3,L"]
+EF_BF16 = ["--bf16", "--stale-weight-correction", "ef", "--muon-fp32-matmul-prec", "high"]
 CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     "2bw-llama-V2": ["--pipeline-schedule", "2bw", *LLAMA,
                      "--num-virtual-stages-per-pipeline-rank", "2"],
@@ -78,6 +80,11 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     # ef under bf16 on the fp32 master copies (its U_{t-1} in fp32)
     "2bw-gpt-ef-muon-bf16": ["--pipeline-schedule", "2bw", "--optimizer", "muon",
                              "--stale-weight-correction", "ef", "--bf16"],
+    # Muon's state sharded by parameter over the replicas (dist_muon, the form
+    # --use-distributed-optimizer takes with Muon), ef's U_{t-1} written by each parameter's
+    # stepping replica only (Newton-Schulz in fp32: RESHARDED's sums reordered stay 1e-7 apart)
+    "2bw-gpt-ef-dist-muon-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--optimizer", "muon",
+                                      "--use-distributed-optimizer", *EF_BF16],
     # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
@@ -112,6 +119,12 @@ UNEVEN_CROSS = {  # the same, across layer splits (and pipeline sizes)
                                                  "E,t|t*2|t|L"]),
 }
 CROSS.update(UNEVEN_CROSS)
+RESHARDED = {  # the same, on fewer data-parallel ranks (the sums of gradients reordered)
+    "dist-muon-DP1-resumes-DP2": ("2bw-gpt-ef-dist-muon-bf16-DP2",
+                                  ["--pipeline-schedule", "2bw", "--optimizer", "dist_muon",
+                                   *EF_BF16]),
+}
+RESHARDED_RTOL = 1e-5
 
 
 def _matrix_worker(rank: int, world: int, out: str) -> dict:
@@ -126,7 +139,7 @@ def _matrix_worker(rank: int, world: int, out: str) -> dict:
         full, _, start = train_saving(rank, flags, out / _dir(name), SAVED_AT)
         uninterrupted[name] = full
         runs[name] = _with(full, _resumed(flags, start))
-    for name, (saved, resumer) in CROSS.items():
+    for name, (saved, resumer) in {**CROSS, **RESHARDED}.items():
         flags = CASES[resumer] if isinstance(resumer, str) else resumer
         runs[name] = _with(uninterrupted[saved], _resumed(flags, out / _dir(saved) / "start"))
     runs["switched"] = _resumed(SWITCHED[1], out / _dir(SWITCHED[0]) / "start")
@@ -212,6 +225,18 @@ def test_a_resumed_run_logs_the_uninterrupted_losses(matrix, case):
     assert sorted(full) == [1, 2, 3, 4] and full_valid is not None, (full, full_valid)
     _same(resumed, full, [SAVED_AT + 1, 4])
     _same({4: resumed_valid}, {4: full_valid}, [4])
+
+
+@pytest.mark.parametrize("case", RESHARDED)
+def test_a_run_resumed_on_fewer_replicas_logs_the_uninterrupted_losses(matrix, case):
+    """Saved at PP=1, DP=2 with Muon's state sharded by parameter (and ef's U_{t-1}), resumed
+    at PP=2, DP=1 with the same global batch: every parameter's state found by its key."""
+    assert not isinstance(matrix[case], str), matrix[case]
+    (full, full_valid), (resumed, resumed_valid) = matrix[case]
+    assert sorted(resumed) == [SAVED_AT + 1, 4], resumed
+    for seen, expected in [(resumed[i], full[i]) for i in (SAVED_AT + 1, 4)] + [
+            (resumed_valid, full_valid)]:
+        assert abs(seen - expected) <= RESHARDED_RTOL * abs(expected), (resumed, full)
 
 
 def test_a_checkpoint_resumed_without_its_correction_is_refused(matrix):

@@ -597,8 +597,9 @@ class CostModel:
                 extra_versions=(spec.versions_on(d, m, i) - 1) * params * e
                 + self._correction_bytes(layout.schedule, params),
                 gradients=params * GRAD_BYTES,
-                optimizer=((params - expert_params) / dense_shard
-                           + expert_params / expert_shard) * optimizer_bytes,
+                optimizer=self._optimizer_state(params, expert_params, dense_shard,
+                                                expert_shard, first or last, t)
+                * optimizer_bytes,
                 stashed_microbatches=math.ceil(stash),
                 activations=activations,
                 transient=transient,
@@ -646,6 +647,25 @@ class CostModel:
                     / model.layer_activation_bytes(b, t, e))
         return (self.kernel_time("moe_layer", b, t, flash_attention=self.flash_attention,
                                  e=layout.e) / self.kernel_time("layer", b, t))
+
+    def _optimizer_state(self, params: int, expert_params: int, dense_shard: int,
+                         expert_shard: int, embedding: bool, t: int) -> float:
+        """Parameters whose optimizer state a rank of the stage keeps. Muon's sharded form
+        (--optimizer dist_muon, megatron-core's layer-wise optimizer) deals out whole
+        parameters: the fullest rank keeps up to one largest tensor more than an even share."""
+        dense = params - expert_params
+        if self.optimizer == "muon" and dense_shard > 1:
+            return dense / dense_shard + self._largest_tensor(t, embedding)
+        return dense / dense_shard + expert_params / expert_shard
+
+    def _largest_tensor(self, t: int, embedding: bool) -> int:
+        """Elements of a stage's largest weight tensor on one of t ranks: a layer's matrix, or
+        the word embedding's (output layer's) shard where the stage holds it."""
+        model = self.model
+        largest = max(rows * cols for rows, cols in model.layer_matrices(t))
+        if embedding:
+            largest = max(largest, model.padded_vocab(t) // t * model.hidden_size)
+        return largest
 
     def _correction_bytes(self, schedule: str, params: int) -> float:
         """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
@@ -768,7 +788,9 @@ class CostModel:
         optimizer = max(self._optimizer_step(p - x, w)
                         + (self._optimizer_step(x, expert_dp) if x else 0.0)
                         for p, x in zip(stage_params, expert_params)) \
-            + max(self._orthogonalization(n, t) for n in rank_layers)
+            + max(self._orthogonalization(n, t) for n in rank_layers) / self._muon_shards(w)
+        if self._muon_shards(w) > 1:  # dist_muon all-gathers the updated parameters
+            optimizer += max(dp_link.all_reduce(p * e, w) for p in stage_params) / 2
         pp_group = cluster.group_link(d, stride=t * w)
         # Muon's chain of two optimizers takes the norm also without clipping
         takes_norm = self.clip_grad or self.optimizer == "muon"
@@ -1051,6 +1073,11 @@ class CostModel:
             seconds += _ns_flops(self.model, t, [(rows, cols)]) / self.cluster.gemm_flops(
                 precision, m)
         return layers * seconds
+
+    def _muon_shards(self, w: int) -> int:
+        """Ranks a stage's Newton-Schulz work is dealt over: its w replicas under dist_muon
+        (each orthogonalizes the parameters it steps), else 1."""
+        return w if self.optimizer == "muon" and self.distributed_optimizer else 1
 
     def _optimizer_step(self, params: int, w: int) -> float:
         """Seconds of the optimizer step on `params` parameters."""

@@ -834,7 +834,7 @@ class PipelineRunner:
         here if the first call has not come yet)."""
         if self.stale is None and self.stale_rule.rule != "none" and self.optimizer is not None:
             self.stale = self.stale_rule.bind(self.versions, self.optimizer)
-        if self.stale is None or self.stale.state_tensors() is None:
+        if self.stale is None or not getattr(self.stale, "holds_state", True):
             return None
         return self.stale
 

@@ -417,8 +417,11 @@ def build_optimizer(args: argparse.Namespace, model: list):
     if args.optimizer == "muon":
         from megatron_2bw.training.muon import build_muon_optimizer, which_muon
 
-        _note_once(f" --optimizer muon: {which_muon()}")
-        optimizer = build_muon_optimizer(config, model)
+        layer_wise = getattr(args, "use_layer_wise_distributed_optimizer", False)
+        _note_once(f" --optimizer muon: {which_muon()}"
+                   + (", state sharded by layer over the data-parallel ranks" if layer_wise
+                      else ""))
+        optimizer = build_muon_optimizer(config, model, layer_wise)
     else:
         optimizer = _unchained(get_megatron_optimizer(config, model))
     if all(p.device.type == "cpu" for chunk in model for p in chunk.parameters()):

@@ -31,15 +31,25 @@ def which_muon() -> str:
             "megatron-core's TensorParallelMuon needs, is not installed)")
 
 
-def build_muon_optimizer(config, model_chunks: list):
+def build_muon_optimizer(config, model_chunks: list, layer_wise: bool = False):
     """megatron-core's chain of Muon and Adam for ``model_chunks`` (``config``: an
-    OptimizerConfig with the --muon-* fields)."""
+    OptimizerConfig with the --muon-* fields); ``layer_wise``: wrapped in megatron-core's
+    LayerWiseDistributedOptimizer (each data-parallel rank steps whole parameters and
+    all-gathers the updated ones; --optimizer dist_muon)."""
     from megatron.core.optimizer import muon as core_muon
 
+    from megatron_2bw.training import layer_wise as layer_wise_optimizer
+
+    build = lambda: core_muon.get_megatron_muon_optimizer(  # noqa: E731
+        config, model_chunks, layer_wise_distributed_optimizer=layer_wise)
     if have_emerging_optimizers():
-        return core_muon.get_megatron_muon_optimizer(config, model_chunks)
-    with _blockwise_muon_in(core_muon):
-        return core_muon.get_megatron_muon_optimizer(config, model_chunks)
+        optimizer = build()
+    else:
+        with _blockwise_muon_in(core_muon):
+            optimizer = build()
+    if layer_wise:
+        layer_wise_optimizer.adapt(optimizer)
+    return optimizer
 
 
 @contextlib.contextmanager
