@@ -1253,11 +1253,10 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  "lacks: use --expert-tensor-parallel-size 1 or --moe-token-dispatcher-type "
                  "allgather on the CPU")
     for flag, given, why in (
-            ("--optimizer", args.optimizer != "adam" and args.optimizer != "sgd",
-             f"{args.optimizer} is not supported with --num-experts yet (megatron-core's Muon "
-             "builder takes no expert parameters): use adam"),
-            ("--stale-weight-correction", args.stale_weight_correction != "none",
-             "not supported with --num-experts yet"),
+            ("--optimizer", args.optimizer == "dist_muon" or (
+                args.optimizer == "muon" and args.use_distributed_optimizer),
+             "Muon's sharded state (dist_muon) is not supported with --num-experts yet: use "
+             "--optimizer muon without --use-distributed-optimizer, or adam"),
             ("--apply-layernorm-1p", getattr(args, "layernorm_zero_centered_gamma", False),
              "not supported with --num-experts yet (the MoE block spec's local norms)")):
         _require(not given, flag, why)

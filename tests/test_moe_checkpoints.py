@@ -7,7 +7,7 @@ Llama-style MoE GPT (4 layers, 4 experts, top-2, aux loss 0.1, z-loss 0.01, allt
 iterations, saving at iteration 2; a run resumed from that checkpoint alone logs iterations
 3-4 and the validation loss after 4 as the uninterrupted run does (1e-6 relative), under 2bw
 (iteration 3 reads the older version of every expert and router weight, which only the
-checkpoint holds) and zb-v (the V: rank i holds layers i and 3-i). Resharding: flush's EP = 2
+checkpoint holds; also with Muon and ef) and zb-v (the V: rank i holds layers i and 3-i). Resharding: flush's EP = 2
 checkpoint resumed at EP = 1 (each replica then holds all 4 experts) and an EP = 1 checkpoint
 resumed at EP = 2 log the uninterrupted run's losses (1e-5 relative: the experts' GEMMs see
 the same tokens in another grouping). The checkpoints hold megatron-core's expert keys (one
@@ -36,6 +36,9 @@ EP2 = ["--expert-model-parallel-size", "2"]
 CASES = {  # name -> flags: saved at SAVED_AT and resumed with the same flags
     "2bw": ["--pipeline-schedule", "2bw", *EP2],
     "zb-v": ["--pipeline-schedule", "zb-v", *EP2],
+    # Muon per expert matrix (the expert optimizer's momentum) and ef's last update of each
+    "2bw-muon-ef": ["--pipeline-schedule", "2bw", *EP2, "--optimizer", "muon",
+                    "--stale-weight-correction", "ef"],
 }
 PP1 = ["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "flush"]
 RESHARDED = {  # name -> (flags saving, flags resuming): the optimizer's state resharded too

@@ -69,6 +69,7 @@ SYNC_CASES = [_moe(s) for s in ("flush", "megatron", "gpipe", "naive", "zb-h1")]
     _moe("zb-h1", model=MIXED, tag="mixed"),
     _moe("flush", model=BIAS, tag="bias"),
     _moe("zb-h1", model=BIAS, tag="bias"),
+    _moe("flush", optimizer="muon"),
 ]
 TWOBW_CASES = [
     _moe("2bw", tie=True, clip=0.3),  # deferred: the tied embedding's all-reduce, then two
@@ -80,8 +81,20 @@ TWOBW_CASES = [
     _moe("2bw", flags=DISTOPT),
     _moe("pipedream"),
     _moe("pipemare"),
+    # Muon per expert matrix (megatron-core's expert optimizer over the expert groups) and on
+    # the router's weight (a 2-D hidden-layer weight to megatron-core's split)
+    _moe("2bw", optimizer="muon"),
+    _moe("2bw", optimizer="muon", correction="ef", coeff=2.0),  # on both Muon members' steps
+    _moe("2bw", correction="predict", flags=DISTOPT),  # the experts' versions predicted too
+    _moe("2bw", correction="dc", coeff=1000.0, deferred=False),
 ]
 CASES = SYNC_CASES + TWOBW_CASES
+
+
+def _chain_length(case: Case) -> int:
+    """Optimizers in megatron-core's chain: Adam for the dense and the expert parameters, or
+    Muon for the dense and the expert matrices and Adam for the rest (no expert among them)."""
+    return 3 if case.optimizer == "muon" else 2
 
 
 def _reference_jobs() -> dict:
@@ -126,8 +139,8 @@ def test_synchronous_moe_runs_match_gradient_accumulation(launch, case):
 def test_stale_moe_runs_match_their_rules(launch, case):
     """2BW's 1-stale update, PipeDream's and PipeMare's per-stage rules, with the expert and
     router weights in the version store. Under 2BW the step is deferred over the chain of the
-    dense and the expert optimizer: with clipping each stage launches, per step, one norm
-    all-reduce per chain member (each over its own grad-stats group; one for both with the
+    dense and the expert optimizer (and Muon's): with clipping each stage launches, per step,
+    one norm all-reduce per chain member (each over its own grad-stats group; one for both with the
     distributed optimizer, whose members share the world as theirs); without clipping none
     (megatron-core's chain would all-reduce both norms every step)."""
     launch.finished(f"moe-world{case.world}")
@@ -141,7 +154,7 @@ def test_stale_moe_runs_match_their_rules(launch, case):
                      if "grad-norm" in what}
             expected = {} if case.clip == 0.0 else {
                 f"the grad-norm all-reduce over the grad-stats group (optimizer {i} of the "
-                f"chain)": case.iters for i in range(2)}
+                f"chain)": case.iters for i in range(_chain_length(case))}
             if "--use-distributed-optimizer" in case.flags and case.clip != 0.0:
                 # megatron-core's distributed optimizers share one grad-stats group (all ranks)
                 expected = {"the grad-norm all-reduce over the grad-stats group": case.iters}

@@ -369,7 +369,8 @@ def test_plan_cli_searches_or_fixes_the_expert_parallel_size(tmp_path, capsys):
 @pytest.mark.parametrize("argv,fragment", [
     (["--moe-router-topk", "2"], "--moe-router-topk: only with --num-experts"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size: needs --num-experts"),
-    (["--num-experts", "4", "--optimizer", "muon"], "--optimizer: muon"),
+    (["--num-experts", "4", "--optimizer", "muon", "--use-distributed-optimizer"],
+     "--optimizer: Muon's sharded state (dist_muon) is not supported with --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "top-k 5"),
 ])
 def test_bad_moe_plan_flags_are_one_line(capsys, argv, fragment):

@@ -130,10 +130,6 @@ class PlanRequest:
             if not self.model.is_moe and set(self.expert_parallel) != {1}:
                 raise ValueError(f"expert-parallel size {max(self.expert_parallel)} needs a "
                                  f"Mixture-of-Experts model (--num-experts)")
-        if self.model.is_moe and (self.optimizer == "muon" or self.correction != "none"):
-            raise ValueError("Mixture-of-Experts models train with adam or sgd and no "
-                             "--stale-weight-correction (megatron_2bw.arguments refuses the "
-                             "others with --num-experts)")
 
     def factor_of(self, schedule: str) -> float:
         """The iteration factor ``schedule`` is ranked with (1 for the exact schedules)."""
