@@ -1026,10 +1026,6 @@ def _validate_stale_correction(args: argparse.Namespace) -> None:
              "some microbatches of a batch on some stages)")
     if rule == "ef":  # on the optimizer's fp32 parameters: the weights or their masters
         _require(not args.fp16, flag, "ef with --fp16 is not supported yet: use --bf16")
-        _require(not (args.bf16 and args.use_distributed_optimizer), flag,
-                 "ef with --bf16 works on the optimizer's fp32 master copies, not yet on the "
-                 "distributed optimizer's shards of them: drop --use-distributed-optimizer, or "
-                 "train in fp32")
     else:
         _require(not (args.bf16 or args.fp16), flag,
                  f"{rule} works on the fp32 weights the version store holds; with --bf16/--fp16 "

@@ -9,8 +9,9 @@ W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
     ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1 (Zmushko et al., 2606.30634)
 
 predict and dc work on the fp32 weights the version store holds; ef where the optimizer steps,
-on its fp32 parameters (the weights in fp32, their master copies under bf16). Memory beyond the
-two versions, per stage: predict and dc one more version, ef one fp32 tensor (two under bf16).
+on its fp32 parameters (the weights in fp32, their master copies under bf16, or this rank's
+shards of either). Memory beyond the two versions, per stage: predict and dc one more version,
+ef one fp32 tensor (two under bf16).
 The rules in detail: docs/schedules.md; what each costs in iterations: docs/convergence.md.
 """
 
@@ -172,11 +173,12 @@ class ErrorFeedback:
     """``ef`` where the optimizer steps: right after each torch optimizer's step wrote
     W' = W(t) - U_t into its parameters, and before megatron-core copies them into the model's
     weights, subtract beta (U_t - U_{t-1}) there (from step 1 on). The optimizer's parameters
-    are the fp32 main parameters: the weights themselves in fp32 (or this rank's shard, a
-    view of them, with the distributed optimizer), where W(t) is the version store's copy;
-    their fp32 master copies under bf16, where W(t) is a copy taken before the step. A step
-    megatron-core skips (a non-finite gradient) leaves the state as it was. U_{t-1} is kept
-    in fp32, shaped as the model's weights (the checkpoint's entries)."""
+    are the fp32 main parameters: the weights in fp32 (or this rank's shard, a view of them,
+    with the distributed optimizer), where W(t) is the version store's copy; their fp32
+    master copies (or shards of them) under bf16, where W(t) is a copy taken before the step.
+    A step megatron-core skips (a non-finite gradient) leaves the state as it was. U_{t-1} is
+    kept in fp32, shaped as the model's weights (the checkpoint's entries): where the
+    optimizer is sharded over the replicas, each writes its part and a save sums them."""
 
     def __init__(self, versions: WeightVersions, optimizer, beta: float):
         from megatron_2bw.deferred import members
@@ -184,15 +186,25 @@ class ErrorFeedback:
         self.versions, self.beta = versions, beta
         self.previous = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                          for t in versions.slots[HOME]]  # U_{t-1}
-        self.masters = _master_copies(members(optimizer), versions.params)
+        chain = members(optimizer)
+        self.masters = _master_copies(chain, versions.params)  # id -> (index, offset)
         self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
         self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
-        self.hooks = [hook for inner in members(optimizer) for hook in (
+        self.hooks = [hook for inner in chain for hook in (
             inner.optimizer.register_step_pre_hook(self._remember),
             inner.optimizer.register_step_post_hook(self._correct))]
-        self.sharding = _layer_wise_sharding(optimizer)
-        self.stepped = {self._index(p) for inner in members(optimizer)
-                        for p in _params(inner.optimizer)}  # the entries this rank writes
+        # the ranges of `previous` this rank writes, grouped by the data-parallel group the
+        # optimizer that writes them shards over (None: not sharded)
+        self.written: dict = {}  # group -> ranges (parameter, offset, elements)
+        self.shared: dict = {}  # group -> the parameters its ranks share (the same on all)
+        position = {id(p): i for i, p in enumerate(versions.params)}
+        for inner in chain:
+            group, shared = _sharing(optimizer, inner, versions.params)
+            if group is None:
+                continue
+            self.shared.setdefault(group, set()).update(position[id(p)] for p in shared)
+            for p in _params(inner.optimizer):
+                self.written.setdefault(group, []).append((*self._place(p), p.numel()))
 
     def detach(self) -> None:
         for hook in self.hooks:
@@ -214,20 +226,21 @@ class ErrorFeedback:
                 p.add_(previous, alpha=self.beta).sub_(update, alpha=self.beta)
             previous.copy_(update)
 
-    def _index(self, p: torch.Tensor) -> int:
-        """The model parameter the optimizer's parameter ``p`` is (a copy or view of)."""
+    def _place(self, p: torch.Tensor) -> tuple[int, int]:
+        """(model parameter, element offset) the optimizer's parameter ``p`` is a copy or a
+        view of (all of it, or a shard)."""
         if id(p) in self.masters:
             return self.masters[id(p)]
-        return _cached_locate(self.where, self.versions.slots[HOME], p)[0]
+        return _cached_locate(self.where, self.versions.slots[HOME], p)
 
     def _views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W(t), U_{t-1}) of the optimizer's parameter ``p``."""
+        index, start = self._place(p)
+        previous = self.previous[index].view(-1)[start:start + p.numel()].view_as(p)
         if id(p) in self.masters:
-            return self.before[id(p)], self.previous[self.masters[id(p)]]
-        index, start = _cached_locate(self.where, self.versions.slots[HOME], p)
+            return self.before[id(p)], previous
         older = self.versions.tensors_of(self.versions.newest - 1)[index]
-        return (older.view(-1)[start:start + p.numel()].view_as(p),
-                self.previous[index].view(-1)[start:start + p.numel()].view_as(p))
+        return older.view(-1)[start:start + p.numel()].view_as(p), previous
 
     def state_loaded(self) -> None:
         """Nothing to redo: the hooks read U_{t-1} as loaded."""
@@ -235,52 +248,67 @@ class ErrorFeedback:
     holds_state = True
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """U_{t-1} of every parameter. Under a layer-wise optimizer each data-parallel rank
-        writes only the entries of the parameters it steps: the replicas' entries are summed
-        (the others' are zeros there), a collective every rank of the group makes at a save."""
-        if self.sharding is None:
-            return self.previous
+        """U_{t-1} of every parameter. Where a data-parallel group shares the steps (the
+        distributed optimizer's shards, the layer-wise optimizer's parameters), each rank
+        sends the ranges it writes (zeros elsewhere) into one sum over the group: a
+        collective every rank of the group makes at a save, in the chain's order."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        mine = [t if i in self.stepped else torch.zeros_like(t)
-                for i, t in enumerate(self.previous)]
-        flat = _flatten_dense_tensors(mine)
-        torch.distributed.all_reduce(flat, group=self.sharding)
-        return list(_unflatten_dense_tensors(flat, mine))
+        full = list(self.previous)
+        for group, shared in self.shared.items():
+            ranges, indices = self.written.get(group, []), sorted(shared)
+            mine = {index: torch.zeros_like(self.previous[index]) for index in indices}
+            for index, start, size in ranges:
+                mine[index].view(-1)[start:start + size] = \
+                    self.previous[index].view(-1)[start:start + size]
+            flat = _flatten_dense_tensors([mine[index] for index in indices])
+            torch.distributed.all_reduce(flat, group=group)
+            for index, summed in zip(indices, _unflatten_dense_tensors(
+                    flat, [mine[index] for index in indices])):
+                full[index] = summed
+        return full
 
     def load_targets(self) -> list[torch.Tensor]:
         return self.previous
 
 
-
-
-def _layer_wise_sharding(optimizer):
-    """The data-parallel group a layer-wise optimizer (--optimizer dist_muon) shares the
-    parameters' steps over, or None (every rank steps all of its stage's parameters, or its
-    shards of all of them)."""
-    if getattr(optimizer, "dp_cp_params_list", None) is None:
-        return None
-    return optimizer.pg_collection.dp_cp
+def _sharing(optimizer, inner, params: list) -> tuple:
+    """(the data-parallel group whose ranks share the steps of ``inner``, a member of
+    ``optimizer``'s chain, each stepping a part; the model parameters they share, the same
+    list on every rank): the distributed optimizer's group and its buffers' parameters (each
+    rank steps a shard of them), the layer-wise optimizer's and the stage's parameters (each
+    rank steps some whole); (None, []) where each rank steps all of its parameters."""
+    if getattr(optimizer, "dp_cp_params_list", None) is not None:
+        return optimizer.pg_collection.dp_cp, params
+    group = getattr(inner, "data_parallel_group", None)
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return None, []
+    return group, [p for buffer in inner.buffers for p in buffer.params]
 
 
 def _params(torch_optimizer) -> list[torch.Tensor]:
     return [p for group in torch_optimizer.param_groups for p in group["params"]]
 
 
-def _master_copies(chain: list, params: list) -> dict[int, int]:
-    """id of each fp32 master copy the chain's optimizers step (bf16 weights, no distributed
-    optimizer) -> the index of its model parameter in ``params``."""
+def _master_copies(chain: list, params: list) -> dict[int, tuple[int, int]]:
+    """id of each fp32 master copy the chain's optimizers step (bf16 weights) -> (the index
+    of its model parameter in ``params``, the element the copy starts at): 0 for the
+    mixed-precision optimizer's whole copies, the shard's start in the parameter for the
+    distributed optimizer's."""
     from megatron_2bw.deferred import _MAIN_GROUPS
 
     index = {id(p): i for i, p in enumerate(params)}
     found = {}
     for optimizer in chain:
-        for model_name, main_name in _MAIN_GROUPS[:1]:
+        for model_name, main_name in _MAIN_GROUPS[:2]:
             for model_group, main_group in zip(getattr(optimizer, model_name, ()),
                                                getattr(optimizer, main_name, ())):
                 for model_param, main_param in zip(model_group, main_group):
-                    if id(model_param) in index:
-                        found[id(main_param)] = index[id(model_param)]
+                    if id(model_param) not in index:
+                        continue
+                    start = 0 if model_name == "float16_groups" else \
+                        optimizer._get_model_param_range_map(model_param)["param"].start
+                    found[id(main_param)] = (index[id(model_param)], start)
     return found
 
 
@@ -304,5 +332,4 @@ def _locate(home: list[torch.Tensor], param: torch.Tensor) -> tuple[int, int]:
         if weights.dtype == param.dtype and 0 <= offset < weights.numel() * size:
             return index, offset // size
     raise RuntimeError("a stale-weight correction: an optimizer parameter is neither a view "
-                       "of the model's weights nor a master copy of one (with --bf16, the "
-                       "distributed optimizer's shards are not supported yet)")
+                       "of the model's weights nor a master copy of one")

@@ -519,7 +519,6 @@ def test_flag_line_passes_validate_args(tmp_path):
 REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) -> flag
     ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
     ("muon", "fp16", "none", False, False): "--fp16",
-    ("adam", "bf16", "ef", True, False): "--stale-weight-correction",
     ("adam", "bf16", "predict", False, False): "--stale-weight-correction",
     ("muon", "fp32", "none", True, True): "--optimizer",
 }
@@ -564,7 +563,8 @@ def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
     assert planned >= {("muon", "fp32", "ef", False, False), ("adam", "bf16", "none", True, True),
                        ("muon", "bf16", "ef", False, False), ("muon", "bf16", "ef", True, False),
                        ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False),
-                       ("muon", "bf16", "ef", False, True), ("adam", "fp32", "dc", False, True)}
+                       ("muon", "bf16", "ef", False, True), ("adam", "fp32", "dc", False, True),
+                       ("adam", "bf16", "ef", True, False)}
 
 
 def test_flags_carry_no_clipping_and_the_in_place_step():

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests import dist as launch
-from tests.test_interleaved import _resume_dir, _same, _train, train_saving
+from tests.test_interleaved import _resume_dir, _same, _train, tear_down_groups, train_saving
 from tests.test_model_features import LLAMA
 
 SAVED_AT = 2
@@ -85,6 +85,16 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     # stepping replica only (Newton-Schulz in fp32: RESHARDED's sums reordered stay 1e-7 apart)
     "2bw-gpt-ef-dist-muon-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--optimizer", "muon",
                                       "--use-distributed-optimizer", *EF_BF16],
+    # ef with the distributed optimizer: each replica writes U_{t-1} of its shards only (a
+    # resumed fp32 run logged validation 6.850642 against 6.883142 before a save summed them);
+    # under bf16 on the shards of the fp32 masters, as without sharding (SHARDED_LIKE_WHOLE)
+    "2bw-gpt-ef-distopt-DP2": ["--pipeline-schedule", "2bw", *PP1, "--use-distributed-optimizer",
+                               "--stale-weight-correction", "ef"],
+    "2bw-gpt-ef-distopt-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
+                                    "--use-distributed-optimizer", "--stale-weight-correction",
+                                    "ef"],
+    "2bw-gpt-ef-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
+                            "--stale-weight-correction", "ef"],
     # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
@@ -185,11 +195,9 @@ def _from_release(rank: int, saved: Path, into: Path):
 
 def _tear_down() -> None:
     """What test_interleaved's _train does after a run, for one that raised."""
-    from megatron.core import parallel_state as ps
-
     from megatron_2bw.schedules import executor
 
-    ps.destroy_model_parallel()
+    tear_down_groups()
     executor.reset_runners()
 
 
@@ -237,6 +245,23 @@ def test_a_run_resumed_on_fewer_replicas_logs_the_uninterrupted_losses(matrix, c
     for seen, expected in [(resumed[i], full[i]) for i in (SAVED_AT + 1, 4)] + [
             (resumed_valid, full_valid)]:
         assert abs(seen - expected) <= RESHARDED_RTOL * abs(expected), (resumed, full)
+
+
+SHARDED_LIKE_WHOLE = ("2bw-gpt-ef-distopt-bf16-DP2", "2bw-gpt-ef-bf16-DP2")
+
+
+def test_ef_on_the_shards_of_bf16_masters_trains_as_on_whole_masters(matrix):
+    """ef under bf16 with the distributed optimizer (each replica corrects its shards of the
+    fp32 masters, U_{t-1} kept per shard) logs the losses of ef on whole masters (whose
+    correction tests/test_corrections.py checks against plain torch) to 1e-5: the
+    gradients' sums are reordered, the arithmetic is the same."""
+    sharded, whole = (matrix[name] for name in SHARDED_LIKE_WHOLE)
+    assert not isinstance(sharded, str) and not isinstance(whole, str), (sharded, whole)
+    (sharded_losses, sharded_valid), _ = sharded
+    (whole_losses, whole_valid), _ = whole
+    for seen, expected in [(sharded_losses[i], whole_losses[i]) for i in range(1, 5)] + [
+            (sharded_valid, whole_valid)]:
+        assert abs(seen - expected) <= RESHARDED_RTOL * abs(expected), (sharded, whole)
 
 
 def test_a_checkpoint_resumed_without_its_correction_is_refused(matrix):

@@ -595,7 +595,7 @@ class CostModel:
                 # 2BW: "at most two weight versions" per stage (Section 3.1), 2|W|/d in total;
                 # PipeDream 1 + ceil((d-1-i)/m): d - i at m = 1 (2BW paper, Section 2).
                 extra_versions=(spec.versions_on(d, m, i) - 1) * params * e
-                + self._correction_bytes(layout.schedule, params),
+                + self._correction_bytes(layout.schedule, params, layout.w),
                 gradients=params * GRAD_BYTES,
                 optimizer=self._optimizer_state(params, expert_params, dense_shard,
                                                 expert_shard, first or last, t)
@@ -667,13 +667,17 @@ class CostModel:
             largest = max(largest, model.padded_vocab(t) // t * model.hidden_size)
         return largest
 
-    def _correction_bytes(self, schedule: str, params: int) -> float:
+    def _correction_bytes(self, schedule: str, params: int, w: int) -> float:
         """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
         the stage's weights (predict's and dc's third version, ef's last update), and under
-        bf16 ef's copy of the fp32 masters before the step."""
+        bf16 ef's copy of the fp32 masters before the step (of this rank's 1/w shard of
+        them with a sharded optimizer)."""
         if schedule != "2bw" or self.correction == "none":
             return 0.0
-        return params * (8.0 if self.correction == "ef" and self.precision != "fp32" else 4.0)
+        before = 0.0
+        if self.correction == "ef" and self.precision != "fp32":
+            before = 4.0 / (w if self.distributed_optimizer else 1)
+        return params * (4.0 + before)
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
