@@ -1031,9 +1031,9 @@ def _validate_stale_correction(args: argparse.Namespace) -> None:
                  f"{rule} works on the fp32 weights the version store holds; with --bf16/--fp16 "
                  "the difference of two versions is lost to their rounding: train in fp32 (ef "
                  "runs with --bf16)")
-    if rule in ("predict", "ef"):
+    if rule == "predict":  # ef works on the optimizer's shards, before their all-gather
         _require(not args.overlap_param_gather, flag,
-                 f"{rule} reads the whole new version right after the step; with "
+                 "predict reads the whole new version right after the step; with "
                  "--overlap-param-gather the all-gather runs later: drop it")
 
 

@@ -140,7 +140,7 @@ FLAG_CASES = {
          "--use-distributed-optimizer"],
         1, "--stale-weight-correction", ["--fp16", "--bf16"]),
     "correction-with-late-all-gather": (
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef",
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],

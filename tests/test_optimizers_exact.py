@@ -61,6 +61,9 @@ CORRECTION_CASES = [
     Case("2bw", d=2, m=2, w=1, iters=7, correction="ef", tie=False, llama=True, drains=(3,),
          round_trip=True),
     Case("2bw", d=1, m=2, w=1, iters=6, correction="ef"),
+    # the corrected shards all-gathered by the next forward's hooks
+    Case("2bw", d=1, m=2, w=2, iters=6, correction="ef",
+         flags=DISTOPT + ("--overlap-grad-reduce", "--overlap-param-gather")),
 ]
 CASES = MUON_CASES + CORRECTION_CASES
 
