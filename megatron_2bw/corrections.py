@@ -189,12 +189,15 @@ class ErrorFeedback:
         chain = members(optimizer)
         self.masters = _master_copies(chain, versions.params)  # id -> (index, offset)
         self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
+        # the optimizer parameters with a step taken (fp16 skips steps that overflow)
+        self.stepped: set[int] = set()
         self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
         self.hooks = [hook for inner in chain for hook in (
             inner.optimizer.register_step_pre_hook(self._remember),
             inner.optimizer.register_step_post_hook(self._correct))]
         # the ranges of `previous` this rank writes, grouped by the data-parallel group the
         # optimizer that writes them shards over (None: not sharded)
+        self.masters_and_views = [p for inner in chain for p in _params(inner.optimizer)]
         self.written: dict = {}  # group -> ranges (parameter, offset, elements)
         self.shared: dict = {}  # group -> the parameters its ranks share (the same on all)
         position = {id(p): i for i, p in enumerate(versions.params)}
@@ -222,9 +225,10 @@ class ErrorFeedback:
         for p in _params(torch_optimizer):
             before, previous = self._views(p)
             update = before - p  # U_t
-            if self.versions.newest >= 2:  # step 0's gradient read the weights it updated
+            if id(p) in self.stepped:  # the first step's gradient read the weights it updated
                 p.add_(previous, alpha=self.beta).sub_(update, alpha=self.beta)
             previous.copy_(update)
+            self.stepped.add(id(p))
 
     def _place(self, p: torch.Tensor) -> tuple[int, int]:
         """(model parameter, element offset) the optimizer's parameter ``p`` is a copy or a
@@ -243,7 +247,10 @@ class ErrorFeedback:
         return older.view(-1)[start:start + p.numel()].view_as(p), previous
 
     def state_loaded(self) -> None:
-        """Nothing to redo: the hooks read U_{t-1} as loaded."""
+        """The hooks read U_{t-1} as loaded: every parameter has a step taken once the
+        checkpoint's version is past the first."""
+        if self.versions.newest >= 1:
+            self.stepped.update(id(p) for p in self.masters_and_views)
 
     holds_state = True
 

@@ -1,14 +1,16 @@
-"""``ef`` on the fp32 master copies of bf16 weights, against a plain-torch reference (one process).
+"""``ef`` on the fp32 master copies of 16-bit weights, against a plain-torch reference (one process).
 
-A megatron-core transformer layer in bf16 (Float16Module, DDP, megatron-core's mixed-precision
-Adam, no clipping, no weight decay) and 2BW's version store with ``ErrorFeedback`` bound to the
-optimizer take 4 steps on fixed gradients. The reference steps fp32 copies of the initial master
-weights with torch.optim.Adam on the same gradients and applies
-W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}) (t >= 1) itself. Prints one JSON line: the masters'
-relative error against the reference, their distance from the uncorrected reference, and
-whether the bf16 weights are the masters rounded.
+A megatron-core transformer layer in bf16 or fp16 (Float16Module, DDP, megatron-core's
+mixed-precision Adam, no clipping, no weight decay; fp16 at a constant loss scale of 1) and
+2BW's version store with ``ErrorFeedback`` bound to the optimizer take 4 steps on fixed
+gradients; with a step's index, that step's gradient holds an inf, so megatron-core skips it. The
+reference steps fp32 copies of the initial master weights with torch.optim.Adam on the same
+gradients (none for a skipped step) and applies W(t+1) = W(t) - U_t - beta (U_t - U_{t-1})
+(from the second step taken on, U_{t-1} the last step taken) itself. Prints one JSON line: the
+masters' relative error against the reference, their distance from the uncorrected reference,
+and whether the 16-bit weights are the masters rounded.
 
-    python tests/master_ef_worker.py
+    python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BETA, STEPS = 2.0, 4
 
 
-def _megatron_layer():
+def _megatron_layer(precision: str):
     """(DDP-wrapped bf16 layer, its optimizer), one process on the CPU."""
     import torch
     from megatron.core import parallel_state as ps
@@ -44,8 +46,8 @@ def _megatron_layer():
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     model = ModelSpec("gpt", 1, 32, 4, 16, 64, dropout=False)
-    args = measure._training_args(model, "bf16", cpu=True)
-    args.clip_grad, args.weight_decay, args.lr = 0.0, 0.0, 1e-2
+    args = measure._training_args(model, precision, cpu=True)
+    args.clip_grad, args.weight_decay, args.lr, args.loss_scale = 0.0, 0.0, 1e-2, 1.0
     block, config = measure._block(args, model, "cpu", 1, False)
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
@@ -60,7 +62,9 @@ def main() -> None:
     from megatron_2bw.deferred import members
     from megatron_2bw.weights import WeightVersions
 
-    ddp, optimizer, args = _megatron_layer()
+    precision = sys.argv[1] if len(sys.argv) > 1 else "bf16"
+    skipped = int(sys.argv[2]) if len(sys.argv) > 2 else None  # the step given an inf
+    ddp, optimizer, args = _megatron_layer(precision)
     inner = members(optimizer)[0]
     weights = [p for group in inner.float16_groups for p in group]
     masters = [p for group in inner.fp32_from_float16_groups for p in group]
@@ -74,26 +78,34 @@ def main() -> None:
                   (plain, torch.optim.Adam(plain, lr=args.lr,
                                            betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps), 0.0)]
-    last = [None, None]
+    last, taken, skips = [None, None], 0, []
     generator = torch.Generator().manual_seed(7)
     for t in range(STEPS):
         versions.fork(t + 1)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
+        if t == skipped:
+            grads[0].view(-1)[0] = float("inf")
         for w, g in zip(weights, grads):
             w.main_grad.copy_(g)
-        optimizer.step()
+        succeeded, _, _ = optimizer.step()
+        skips.append(not succeeded)
+        if not succeeded:
+            continue
         for k, (params, adam, beta) in enumerate(references):
-            last[k] = _reference_step(params, adam, grads, beta, last[k], t)
+            last[k] = _reference_step(params, adam, grads, beta, last[k], taken)
+        taken += 1
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     print(json.dumps({
         "error": _relative(masters, corrected),
-        "from_plain": _relative(corrected, plain),
-        "rounded": all(torch.equal(w, m.bfloat16()) for w, m in zip(weights, masters))}))
+        "from_plain": _relative(corrected, plain), "skipped": skips,
+        "rounded": all(torch.equal(w, m.to(dtype)) for w, m in zip(weights, masters))}))
 
 
 def _reference_step(params, adam, grads, beta: float, last, t: int):
-    """One Adam step of the reference, then ef's correction from step 1 on; returns U_t."""
+    """One Adam step of the reference, then ef's correction from the second step taken on
+    (``t`` steps taken before it); returns U_t."""
     import torch
 
     before = [p.detach().clone() for p in params]
