@@ -8,10 +8,10 @@ W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
     dc       the clipped gradient g becomes g + lambda g*g (W(t) - W(t-1)) (DC-ASGD, 2017)
     ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1 (Zmushko et al., 2606.30634)
 
-predict and dc work on the fp32 weights the version store holds; ef where the optimizer steps,
-on its fp32 parameters (the weights in fp32, their master copies under bf16, or this rank's
-shards of either). Memory beyond the two versions, per stage: predict and dc one more version,
-ef one fp32 tensor (two under bf16).
+predict works on the fp32 weights the version store holds; dc and ef where the optimizer
+steps, on its fp32 parameters (the weights in fp32, their master copies under bf16 and fp16, or
+this rank's shards of either). Memory beyond the two versions, per stage: predict and dc one
+more version (dc under bf16 an fp32 W(t-1) too), ef one fp32 tensor (two under bf16).
 The rules in detail: docs/schedules.md; what each costs in iterations: docs/convergence.md.
 """
 
@@ -135,7 +135,9 @@ class PredictedVersions(WeightVersions):
 class DelayCompensation:
     """DC-ASGD's gradient: a pre-step hook on every torch optimizer of the stage adds
     lambda g * g * (W(t) - W(t-1)) to each parameter's (clipped) gradient, W(t) the weights
-    the step starts from and W(t-1) the older version the store keeps for it."""
+    the step starts from. In fp32 W(t-1) is the older version the store keeps; under bf16 and
+    fp16 the optimizer steps fp32 master copies, whose W(t-1) the hook keeps itself (the
+    16-bit versions' difference is mostly rounding), from the second step taken on."""
 
     def __init__(self, versions: WeightVersions, optimizer, lam: float):
         from megatron_2bw.deferred import members
@@ -144,6 +146,11 @@ class DelayCompensation:
         self.hooks = [inner.optimizer.register_step_pre_hook(self._compensate)
                       for inner in members(optimizer)]
         self._where: dict[int, tuple[int, int]] = {}
+        masters = _master_copies(members(optimizer), versions.params)
+        # W(t-1) of the master copies, where the optimizer steps them
+        self.state = _WeightShaped(versions, optimizer) if masters else None
+        self.holds_state = self.state is not None
+        self.stepped: set[int] = set()
 
     def detach(self) -> None:
         for hook in self.hooks:
@@ -152,62 +159,55 @@ class DelayCompensation:
     @torch.no_grad()
     def _compensate(self, torch_optimizer, args, kwargs) -> None:
         read = self.versions.newest - 2  # the step makes `newest`; its gradient read t - 1
-        if read not in self.versions.alive:
-            return  # the first step: its gradient read the weights it starts from
-        older = self.versions.tensors_of(read)
-        for group in torch_optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                index, start = self._locate(p)
+        older = self.versions.tensors_of(read) if read in self.versions.alive else None
+        for p in _params(torch_optimizer):
+            if p.grad is None:
+                continue
+            if self.state is not None and id(p) in self.state.masters:
+                before = self.state.view(p)
+                if id(p) in self.stepped:
+                    p.grad.addcmul_(p.grad * (p - before), p.grad, value=self.lam)
+                before.copy_(p)
+                self.stepped.add(id(p))
+            elif older is not None:  # else the first step: it read the weights it starts from
+                index, start = _cached_locate(self._where, self.versions.slots[HOME], p)
                 before = older[index].view(-1)[start:start + p.numel()].view_as(p)
                 p.grad.addcmul_(p.grad * (p - before), p.grad, value=self.lam)
 
-    def _locate(self, param: torch.Tensor) -> tuple[int, int]:
-        return _cached_locate(self._where, self.versions.slots[HOME], param)
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.state.summed()
 
-    holds_state = False  # W(t-1) is the checkpoint's older version
+    def load_targets(self) -> list[torch.Tensor]:
+        return self.state.tensors
+
+    def state_loaded(self) -> None:
+        if self.state is not None and self.versions.newest >= 1:
+            self.stepped.update(id(p) for p in self.state.params)
 
 
 class ErrorFeedback:
     """``ef`` where the optimizer steps: right after each torch optimizer's step wrote
     W' = W(t) - U_t into its parameters, and before megatron-core copies them into the model's
-    weights, subtract beta (U_t - U_{t-1}) there (from step 1 on). The optimizer's parameters
-    are the fp32 main parameters: the weights in fp32 (or this rank's shard, a view of them,
-    with the distributed optimizer), where W(t) is the version store's copy; their fp32
-    master copies (or shards of them) under bf16, where W(t) is a copy taken before the step.
-    A step megatron-core skips (a non-finite gradient) leaves the state as it was. U_{t-1} is
-    kept in fp32, shaped as the model's weights (the checkpoint's entries): where the
-    optimizer is sharded over the replicas, each writes its part and a save sums them."""
+    weights, subtract beta (U_t - U_{t-1}) there (from the second step taken on). The
+    optimizer's parameters are the fp32 main parameters: the weights in fp32 (or this rank's
+    shard, a view of them, with the distributed optimizer), where W(t) is the version store's
+    copy; their fp32 master copies (or shards of them) under bf16 and fp16, where W(t) is a
+    copy taken before the step. A step megatron-core skips (a non-finite gradient) leaves the
+    state as it was. U_{t-1} is kept in fp32, shaped as the model's weights."""
+
+    holds_state = True
 
     def __init__(self, versions: WeightVersions, optimizer, beta: float):
         from megatron_2bw.deferred import members
 
         self.versions, self.beta = versions, beta
-        self.previous = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                         for t in versions.slots[HOME]]  # U_{t-1}
-        chain = members(optimizer)
-        self.masters = _master_copies(chain, versions.params)  # id -> (index, offset)
+        self.state = _WeightShaped(versions, optimizer)
+        self.previous = self.state.tensors  # U_{t-1}
         self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
-        # the optimizer parameters with a step taken (fp16 skips steps that overflow)
-        self.stepped: set[int] = set()
-        self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
-        self.hooks = [hook for inner in chain for hook in (
+        self.stepped: set[int] = set()  # the optimizer parameters with a step taken
+        self.hooks = [hook for inner in members(optimizer) for hook in (
             inner.optimizer.register_step_pre_hook(self._remember),
             inner.optimizer.register_step_post_hook(self._correct))]
-        # the ranges of `previous` this rank writes, grouped by the data-parallel group the
-        # optimizer that writes them shards over (None: not sharded)
-        self.masters_and_views = [p for inner in chain for p in _params(inner.optimizer)]
-        self.written: dict = {}  # group -> ranges (parameter, offset, elements)
-        self.shared: dict = {}  # group -> the parameters its ranks share (the same on all)
-        position = {id(p): i for i, p in enumerate(versions.params)}
-        for inner in chain:
-            group, shared = _sharing(optimizer, inner, versions.params)
-            if group is None:
-                continue
-            self.shared.setdefault(group, set()).update(position[id(p)] for p in shared)
-            for p in _params(inner.optimizer):
-                self.written.setdefault(group, []).append((*self._place(p), p.numel()))
 
     def detach(self) -> None:
         for hook in self.hooks:
@@ -217,66 +217,97 @@ class ErrorFeedback:
     def _remember(self, torch_optimizer, args, kwargs) -> None:
         """W(t) of the master copies (the others' is the store's)."""
         for p in _params(torch_optimizer):
-            if id(p) in self.masters:
+            if id(p) in self.state.masters:
                 self.before.setdefault(id(p), torch.empty_like(p)).copy_(p)
 
     @torch.no_grad()
     def _correct(self, torch_optimizer, args, kwargs) -> None:
         for p in _params(torch_optimizer):
-            before, previous = self._views(p)
-            update = before - p  # U_t
+            previous = self.state.view(p)
+            update = self._before(p) - p  # U_t
             if id(p) in self.stepped:  # the first step's gradient read the weights it updated
                 p.add_(previous, alpha=self.beta).sub_(update, alpha=self.beta)
             previous.copy_(update)
             self.stepped.add(id(p))
 
-    def _place(self, p: torch.Tensor) -> tuple[int, int]:
-        """(model parameter, element offset) the optimizer's parameter ``p`` is a copy or a
-        view of (all of it, or a shard)."""
-        if id(p) in self.masters:
-            return self.masters[id(p)]
-        return _cached_locate(self.where, self.versions.slots[HOME], p)
-
-    def _views(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W(t), U_{t-1}) of the optimizer's parameter ``p``."""
-        index, start = self._place(p)
-        previous = self.previous[index].view(-1)[start:start + p.numel()].view_as(p)
-        if id(p) in self.masters:
-            return self.before[id(p)], previous
+    def _before(self, p: torch.Tensor) -> torch.Tensor:
+        """W(t) of the optimizer's parameter ``p``."""
+        if id(p) in self.state.masters:
+            return self.before[id(p)]
+        index, start = self.state.place(p)
         older = self.versions.tensors_of(self.versions.newest - 1)[index]
-        return older.view(-1)[start:start + p.numel()].view_as(p), previous
+        return older.view(-1)[start:start + p.numel()].view_as(p)
 
     def state_loaded(self) -> None:
         """The hooks read U_{t-1} as loaded: every parameter has a step taken once the
         checkpoint's version is past the first."""
         if self.versions.newest >= 1:
-            self.stepped.update(id(p) for p in self.masters_and_views)
-
-    holds_state = True
+            self.stepped.update(id(p) for p in self.state.params)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """U_{t-1} of every parameter. Where a data-parallel group shares the steps (the
-        distributed optimizer's shards, the layer-wise optimizer's parameters), each rank
-        sends the ranges it writes (zeros elsewhere) into one sum over the group: a
-        collective every rank of the group makes at a save, in the chain's order."""
+        return self.state.summed()
+
+    def load_targets(self) -> list[torch.Tensor]:
+        return self.state.tensors
+
+
+class _WeightShaped:
+    """One fp32 tensor per model weight, of which this rank writes the ranges its optimizer's
+    parameters cover (whole weights, master copies, or this rank's shards of either). Where a
+    data-parallel group shares the steps (the distributed optimizer's shards, the layer-wise
+    optimizer's parameters) a save sums the group's ranks' ranges (zeros elsewhere): a
+    collective every rank of the group makes, in the chain's order."""
+
+    def __init__(self, versions: WeightVersions, optimizer):
+        from megatron_2bw.deferred import members
+
+        chain = members(optimizer)
+        self.home = versions.slots[HOME]
+        self.tensors = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                        for t in self.home]
+        self.masters = _master_copies(chain, versions.params)  # id -> (index, offset)
+        self.params = [p for inner in chain for p in _params(inner.optimizer)]
+        self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
+        self.written: dict = {}  # group -> ranges (parameter, offset, elements) written here
+        self.shared: dict = {}  # group -> the parameters its ranks share (the same on all)
+        position = {id(p): i for i, p in enumerate(versions.params)}
+        for inner in chain:
+            group, shared = _sharing(optimizer, inner, versions.params)
+            if group is None:
+                continue
+            self.shared.setdefault(group, set()).update(position[id(p)] for p in shared)
+            for p in _params(inner.optimizer):
+                self.written.setdefault(group, []).append((*self.place(p), p.numel()))
+
+    def place(self, p: torch.Tensor) -> tuple[int, int]:
+        """(model weight, element offset) the optimizer's parameter ``p`` is a copy or a view
+        of (all of it, or a shard)."""
+        if id(p) in self.masters:
+            return self.masters[id(p)]
+        return _cached_locate(self.where, self.home, p)
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        """The range of the tensors that the optimizer's parameter ``p`` covers."""
+        index, start = self.place(p)
+        return self.tensors[index].view(-1)[start:start + p.numel()].view_as(p)
+
+    def summed(self) -> list[torch.Tensor]:
+        """Every weight's tensor whole on every rank (see the class docstring)."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        full = list(self.previous)
+        full = list(self.tensors)
         for group, shared in self.shared.items():
-            ranges, indices = self.written.get(group, []), sorted(shared)
-            mine = {index: torch.zeros_like(self.previous[index]) for index in indices}
-            for index, start, size in ranges:
+            indices = sorted(shared)
+            mine = {index: torch.zeros_like(self.tensors[index]) for index in indices}
+            for index, start, size in self.written.get(group, []):
                 mine[index].view(-1)[start:start + size] = \
-                    self.previous[index].view(-1)[start:start + size]
+                    self.tensors[index].view(-1)[start:start + size]
             flat = _flatten_dense_tensors([mine[index] for index in indices])
             torch.distributed.all_reduce(flat, group=group)
             for index, summed in zip(indices, _unflatten_dense_tensors(
                     flat, [mine[index] for index in indices])):
                 full[index] = summed
         return full
-
-    def load_targets(self) -> list[torch.Tensor]:
-        return self.previous
 
 
 def _sharing(optimizer, inner, params: list) -> tuple:

@@ -310,3 +310,23 @@ def tiny_training_flags(*, seq_length: int, train_iters: int) -> list[str]:
         "--log-interval", "1", "--eval-interval", str(train_iters), "--eval-iters", "2",
         "--split", "90,10,0", "--distributed-timeout-minutes", "2",
     ]
+
+
+def tear_down_groups() -> None:
+    """megatron-core's model-parallel state reset, and every process group but the default one
+    and the trainer's control group destroyed: megatron-core's reset only forgets its groups,
+    and each gloo group keeps its threads (a process running 40 trainings in a row held ~2,000
+    and slowed to a crawl). For processes that run one training after another."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_2bw.training import loop
+
+    ps.destroy_model_parallel()
+    kept = (c10d.GroupMember.WORLD, loop._CPU_GROUP)  # the trainer's gloo group lives on
+    for group in [g for g in list(c10d._world.pg_map) if g not in kept]:
+        dist.destroy_process_group(group)
+    gc.collect()  # the run's objects that hold groups lie in reference cycles

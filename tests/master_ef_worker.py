@@ -1,16 +1,17 @@
-"""``ef`` on the fp32 master copies of 16-bit weights, against a plain-torch reference (one process).
+"""``ef`` and ``dc`` on the fp32 master copies of 16-bit weights, against a plain-torch reference.
 
 A megatron-core transformer layer in bf16 or fp16 (Float16Module, DDP, megatron-core's
 mixed-precision Adam, no clipping, no weight decay; fp16 at a constant loss scale of 1) and
-2BW's version store with ``ErrorFeedback`` bound to the optimizer take 4 steps on fixed
-gradients; with a step's index, that step's gradient holds an inf, so megatron-core skips it. The
-reference steps fp32 copies of the initial master weights with torch.optim.Adam on the same
-gradients (none for a skipped step) and applies W(t+1) = W(t) - U_t - beta (U_t - U_{t-1})
-(from the second step taken on, U_{t-1} the last step taken) itself. Prints one JSON line: the
-masters' relative error against the reference, their distance from the uncorrected reference,
-and whether the 16-bit weights are the masters rounded.
+2BW's version store with ``ErrorFeedback`` (or ``DelayCompensation``) bound to the optimizer
+take 4 steps on fixed gradients, in one process; with a step's index, that step's gradient
+holds an inf, so megatron-core skips it. The reference steps fp32 copies of the initial master
+weights with torch.optim.Adam on the same gradients (none for a skipped step) and applies the
+rule itself from the second step taken on: W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), or the
+gradient g + lambda g * g (W(t) - W(t-1)). Prints one JSON line: the masters' relative error
+against the reference, their distance from the uncorrected reference, the steps skipped, and
+whether the 16-bit weights are the masters rounded.
 
-    python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP]
+    python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP|-] [ef|dc]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BETA, STEPS = 2.0, 4
+BETA, LAMBDA, STEPS = 2.0, 1e3, 4
 
 
 def _megatron_layer(precision: str):
@@ -58,18 +59,22 @@ def _megatron_layer(precision: str):
 def main() -> None:
     import torch
 
-    from megatron_2bw.corrections import ErrorFeedback
+    from megatron_2bw.corrections import DelayCompensation, ErrorFeedback
     from megatron_2bw.deferred import members
     from megatron_2bw.weights import WeightVersions
 
     precision = sys.argv[1] if len(sys.argv) > 1 else "bf16"
-    skipped = int(sys.argv[2]) if len(sys.argv) > 2 else None  # the step given an inf
+    skipped = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
+    rule = sys.argv[3] if len(sys.argv) > 3 else "ef"
     ddp, optimizer, args = _megatron_layer(precision)
     inner = members(optimizer)[0]
     weights = [p for group in inner.float16_groups for p in group]
     masters = [p for group in inner.fp32_from_float16_groups for p in group]
     versions = WeightVersions(list(ddp.parameters()), keep_from=lambda v: v - 1)
-    ErrorFeedback(versions, optimizer, BETA)
+    if rule == "ef":
+        ErrorFeedback(versions, optimizer, BETA)
+    else:
+        DelayCompensation(versions, optimizer, LAMBDA)
     corrected = [m.detach().clone() for m in masters]
     plain = [m.detach().clone() for m in masters]
     references = [(corrected, torch.optim.Adam(corrected, lr=args.lr,
@@ -78,6 +83,7 @@ def main() -> None:
                   (plain, torch.optim.Adam(plain, lr=args.lr,
                                            betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps), 0.0)]
+    step_of = _reference_step if rule == "ef" else _reference_dc_step
     last, taken, skips = [None, None], 0, []
     generator = torch.Generator().manual_seed(7)
     for t in range(STEPS):
@@ -94,7 +100,7 @@ def main() -> None:
         if not succeeded:
             continue
         for k, (params, adam, beta) in enumerate(references):
-            last[k] = _reference_step(params, adam, grads, beta, last[k], taken)
+            last[k] = step_of(params, adam, grads, beta, last[k], taken)
         taken += 1
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     print(json.dumps({
@@ -118,6 +124,22 @@ def _reference_step(params, adam, grads, beta: float, last, t: int):
             for p, u, u_last in zip(params, update, last):
                 p.sub_(u - u_last, alpha=beta)
     return update
+
+
+def _reference_dc_step(params, adam, grads, on: float, last, t: int):
+    """DC-ASGD's gradient g + lambda g * g * (W(t) - W(t-1)) from the second step taken on
+    (``last``: W(t-1), the weights the last step taken started from), then one Adam step;
+    returns W(t). ``on``: 0 for the uncorrected reference."""
+    import torch
+
+    before = [p.detach().clone() for p in params]
+    for p, g, older in zip(params, grads, last or [None] * len(params)):
+        p.grad = g.clone()
+        if on and t >= 1:
+            with torch.no_grad():
+                p.grad.addcmul_(g * (p - older), g, value=LAMBDA)
+    adam.step()
+    return before
 
 
 def _relative(ours, reference) -> float:

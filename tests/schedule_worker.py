@@ -264,7 +264,9 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     model_spec = replace(MODEL, **run.get("model", {}))
     world = int(os.environ["WORLD_SIZE"])
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        from tests.dist import tear_down_groups
+
+        tear_down_groups()  # the last run's groups (and their gloo threads) go
     args = parse_args(training_flags(run, model_spec, world), world_size=world)
     info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,
                                   timeout_minutes=timeout_minutes,
@@ -397,7 +399,7 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_2bw.corrections import ErrorFeedback
+    from megatron_2bw.corrections import DelayCompensation, ErrorFeedback
     from megatron_2bw.runtime.lifetime import bind_helpers_to_this_process
 
     bind_helpers_to_this_process()  # as training's saves: no Manager server to outlive the rank
@@ -409,7 +411,8 @@ def _round_trip_versions(fb, model, directory: Path) -> None:
     dist_checkpointing.save(sharded, str(directory))
     stale = getattr(fb, "stale", None)
     state = None if stale is None or not getattr(stale, "holds_state", True) else (
-        stale.previous if isinstance(stale, ErrorFeedback) else stale.state_tensors())
+        stale.load_targets() if isinstance(stale, (ErrorFeedback, DelayCompensation))
+        else stale.state_tensors())
     with torch.no_grad():
         for tensors in [t for _, t in fb.versions.older_versions()] + [state or []]:
             for tensor in tensors:

@@ -133,10 +133,10 @@ FLAG_CASES = {
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--bf16"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict"],
         1, "--stale-weight-correction", ["fp32", "--bf16"]),
-    "dc-in-fp16": (
+    "predict-in-fp16": (
+        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--fp16"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc", "--fp16"],
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef", "--fp16"],
-        1, "--stale-weight-correction", ["fp32", "ef runs with --bf16 and --fp16"]),
+        1, "--stale-weight-correction", ["fp32", "dc and ef run with --bf16 and --fp16"]),
     "correction-with-late-all-gather": (
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],

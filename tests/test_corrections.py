@@ -168,22 +168,25 @@ def test_blockwise_muon_refuses_the_modes_that_need_emerging_optimizers(mode):
         BlockwiseMuon([torch.nn.Parameter(torch.zeros(2, 2))], mode=mode)
 
 
-@pytest.mark.parametrize("precision, skipped", [("bf16", None), ("fp16", 0), ("fp16", 2)])
-def test_ef_corrects_the_fp32_master_copies_of_16_bit_weights(precision, skipped):
-    """Under --bf16 and --fp16 ef works where megatron-core's mixed-precision Adam steps, on
-    the fp32 master copies (tests/master_ef_worker.py: a real layer, 4 steps on fixed
-    gradients): they follow a plain-torch Adam reference with the correction applied by hand
-    within 1e-6, lie far from the uncorrected reference, and the 16-bit weights are the masters
-    rounded. A step megatron-core skips (an inf in the gradient, as fp16's loss scaling meets
-    early on) changes nothing, and the correction starts at the second step taken: with the
-    first step skipped, correcting from the second step made (the rule before) lay 0.26 away."""
-    argv = [precision] + ([] if skipped is None else [str(skipped)])
+@pytest.mark.parametrize("precision, skipped, rule", [
+    ("bf16", None, "ef"), ("fp16", 0, "ef"), ("fp16", 2, "ef"), ("bf16", None, "dc"),
+    ("fp16", 0, "dc")])
+def test_corrections_work_on_the_fp32_master_copies_of_16_bit_weights(precision, skipped, rule):
+    """Under --bf16 and --fp16 ef and dc work where megatron-core's mixed-precision Adam
+    steps, on the fp32 master copies (tests/master_ef_worker.py: a real layer, 4 steps on fixed
+    gradients; dc keeps the masters' W(t-1) itself): they follow a plain-torch Adam reference
+    with the correction applied by hand within 1e-6, lie away from the uncorrected reference,
+    and the 16-bit weights are the masters rounded. A step megatron-core skips (an inf in the
+    gradient, as fp16's loss scaling meets early on) changes nothing, and the correction starts
+    at the second step taken: with the first step skipped, ef corrected from the second step
+    made (the rule before) lay 0.26 away."""
+    argv = [precision, "-" if skipped is None else str(skipped), rule]
     done = subprocess.run([sys.executable, str(REPO / "tests" / "master_ef_worker.py"), *argv],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["error"] < 1e-6 and result["from_plain"] > 1e-2, result
+    assert result["error"] < 1e-6 and result["from_plain"] > 1e-3, result
     assert result["rounded"], result
     assert result["skipped"] == [step == skipped for step in range(4)], result
 

@@ -69,7 +69,6 @@ SYNC_CASES = [_moe(s) for s in ("flush", "megatron", "gpipe", "naive", "zb-h1")]
     _moe("zb-h1", model=MIXED, tag="mixed"),
     _moe("flush", model=BIAS, tag="bias"),
     _moe("zb-h1", model=BIAS, tag="bias"),
-    _moe("flush", optimizer="muon"),
 ]
 TWOBW_CASES = [
     _moe("2bw", tie=True, clip=0.3),  # deferred: the tied embedding's all-reduce, then two
@@ -81,13 +80,18 @@ TWOBW_CASES = [
     _moe("2bw", flags=DISTOPT),
     _moe("pipedream"),
     _moe("pipemare"),
+]
+OPTIMIZER_CASES = [  # launched as a group of their own (a fresh set of processes)
     # Muon per expert matrix (megatron-core's expert optimizer over the expert groups) and on
     # the router's weight (a 2-D hidden-layer weight to megatron-core's split)
+    _moe("flush", optimizer="muon"),
     _moe("2bw", optimizer="muon"),
     _moe("2bw", optimizer="muon", correction="ef", coeff=2.0),  # on both Muon members' steps
     _moe("2bw", correction="predict", flags=DISTOPT),  # the experts' versions predicted too
     _moe("2bw", correction="dc", coeff=1000.0, deferred=False),
 ]
+SYNC_CASES += OPTIMIZER_CASES[:1]
+TWOBW_CASES += OPTIMIZER_CASES[1:]
 CASES = SYNC_CASES + TWOBW_CASES
 
 
@@ -113,8 +117,14 @@ A2A = _moe("zb-h1", iters=2, tag="moe-a2a")
 """zb-h1 whose all-to-alls are counted by the pass that issues them."""
 
 
+def _group(case: Case) -> str:
+    """The launch group ``case`` runs in."""
+    return f"moe-{'optimizers-' if case in OPTIMIZER_CASES else ''}world{case.world}"
+
+
 def _groups() -> dict:
-    groups = groups_by_world(CASES, "moe-world")
+    groups = groups_by_world([c for c in CASES if c not in OPTIMIZER_CASES], "moe-world")
+    groups.update(groups_by_world(OPTIMIZER_CASES, "moe-optimizers-world"))
     runs = groups[f"moe-world{FROM_SEED.world}"]["runs"]
     runs.append({**FROM_SEED.run(), "from_seed": True})
     runs.append({**A2A.run(), "count_all_to_alls": True})  # last: its counters stay installed
@@ -131,7 +141,7 @@ def launch(tmp_path_factory) -> Launch:
 def test_synchronous_moe_runs_match_gradient_accumulation(launch, case):
     """PP = 2 x EP = 2: the weights and losses of the single-process gradient-accumulation
     reference (the run's experts gathered from both expert-parallel ranks)."""
-    launch.finished(f"moe-world{case.world}")
+    launch.finished(_group(case))
     _check_against_reference(launch, case)
 
 
@@ -143,7 +153,7 @@ def test_stale_moe_runs_match_their_rules(launch, case):
     one norm all-reduce per chain member (each over its own grad-stats group; one for both with the
     distributed optimizer, whose members share the world as theirs); without clipping none
     (megatron-core's chain would all-reduce both norms every step)."""
-    launch.finished(f"moe-world{case.world}")
+    launch.finished(_group(case))
     shards = [torch.load(path) for path in sorted((launch.out / case.name).glob("rank*.pt"))]
     if case.schedule == "2bw":
         modes = {shard["step_mode"] for shard in shards}
@@ -205,7 +215,7 @@ def test_load_balancing_losses_are_logged_as_megatron_lm_logs_them(launch, case)
     group has none), the logging replica's own for z_loss (megatron-core reduces it over the
     pipeline only). Under 2bw a call runs forwards of the next batch too; the values are still
     the batch's (booked by batch, not by call)."""
-    launch.finished(f"moe-world{case.world}")
+    launch.finished(_group(case))
     expected = torch.load(launch.out / f"{case.reference()}.pt")["aux_losses"]
     shards = [torch.load(path) for path in sorted((launch.out / case.name).glob("rank*.pt"))]
     logged = {shard["dp"]: shard["logged"] for shard in shards if shard["logged"]}

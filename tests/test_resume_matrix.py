@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests import dist as launch
-from tests.test_interleaved import _resume_dir, _same, _train, tear_down_groups, train_saving
+from tests.test_interleaved import _resume_dir, _same, _train, train_saving
 from tests.test_model_features import LLAMA
 
 SAVED_AT = 2
@@ -99,6 +99,9 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
                    "--stale-weight-correction-coeff", "1000"],
+    # under bf16 dc keeps the fp32 masters' W(t-1) itself: the checkpoint holds it
+    "2bw-gpt-dc-bf16": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
+                        "--stale-weight-correction-coeff", "1000", "--bf16"],
     "2bw-gpt-dc-distopt-DP2": ["--pipeline-schedule", "2bw", *PP1, "--use-distributed-optimizer",
                                "--stale-weight-correction", "dc",
                                "--stale-weight-correction-coeff", "1000"],
@@ -197,7 +200,7 @@ def _tear_down() -> None:
     """What test_interleaved's _train does after a run, for one that raised."""
     from megatron_2bw.schedules import executor
 
-    tear_down_groups()
+    launch.tear_down_groups()
     executor.reset_runners()
 
 

@@ -668,16 +668,18 @@ class CostModel:
         return largest
 
     def _correction_bytes(self, schedule: str, params: int, w: int) -> float:
-        """What 2BW's stale-weight correction keeps beyond the two versions: one fp32 copy of
-        the stage's weights (predict's and dc's third version, ef's last update), and under
-        bf16 ef's copy of the fp32 masters before the step (of this rank's 1/w shard of
-        them with a sharded optimizer)."""
+        """What 2BW's stale-weight correction keeps beyond the two versions: predict's and
+        dc's third version of the weights, ef's last update (fp32, weight-shaped); under bf16
+        and fp16 dc's fp32 W(t-1) of the masters (weight-shaped) and ef's copy of the masters
+        before the step (of this rank's 1/w shard of them with a sharded optimizer)."""
         if schedule != "2bw" or self.correction == "none":
             return 0.0
-        before = 0.0
-        if self.correction == "ef" and self.precision != "fp32":
-            before = 4.0 / (w if self.distributed_optimizer else 1)
-        return params * (4.0 + before)
+        mixed = self.precision != "fp32"
+        if self.correction == "ef":
+            return params * (4.0 + (4.0 / (w if self.distributed_optimizer else 1)
+                                    if mixed else 0.0))
+        return params * (self.element_bytes + (4.0 if mixed and self.correction == "dc"
+                                               else 0.0))
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
