@@ -266,6 +266,7 @@ def _run(run: dict, init_path: str, out: Path, timeout_minutes: float) -> None:
     if ps.model_parallel_is_initialized():
         from tests.dist import tear_down_groups
 
+        executor.reset_runners()  # the last run's runner holds its model and optimizer
         tear_down_groups()  # the last run's groups (and their gloo threads) go
     args = parse_args(training_flags(run, model_spec, world), world_size=world)
     info = distributed.initialize(run["tp"], run["pp"], model_spec.seed, force_cpu=True,

@@ -117,14 +117,25 @@ A2A = _moe("zb-h1", iters=2, tag="moe-a2a")
 """zb-h1 whose all-to-alls are counted by the pass that issues them."""
 
 
+def _kind(case: Case) -> str:
+    """The launch group's name part of ``case``: groups of fewer runs each start fresh
+    processes (each run there leaves ~50 gloo threads behind, and a group of all the cases
+    slowed from 3 s to 18 s a run)."""
+    if case in OPTIMIZER_CASES:
+        return "optimizers-"
+    return "stale-" if case in TWOBW_CASES else ""
+
+
 def _group(case: Case) -> str:
     """The launch group ``case`` runs in."""
-    return f"moe-{'optimizers-' if case in OPTIMIZER_CASES else ''}world{case.world}"
+    return f"moe-{_kind(case)}world{case.world}"
 
 
 def _groups() -> dict:
-    groups = groups_by_world([c for c in CASES if c not in OPTIMIZER_CASES], "moe-world")
-    groups.update(groups_by_world(OPTIMIZER_CASES, "moe-optimizers-world"))
+    groups: dict = {}
+    for kind in ("", "stale-", "optimizers-"):
+        groups.update(groups_by_world([c for c in CASES if _kind(c) == kind],
+                                      f"moe-{kind}world"))
     runs = groups[f"moe-world{FROM_SEED.world}"]["runs"]
     runs.append({**FROM_SEED.run(), "from_seed": True})
     runs.append({**A2A.run(), "count_all_to_alls": True})  # last: its counters stay installed
