@@ -1012,8 +1012,8 @@ def _validate_muon(args: argparse.Namespace) -> None:
 
 
 def _validate_stale_correction(args: argparse.Namespace) -> None:
-    """--stale-weight-correction: 2bw's one-step delay; predict on fp32 weights, whole new
-    versions right after the step; dc and ef on the optimizer's fp32 parameters."""
+    """--stale-weight-correction: 2bw's one-step delay, corrected on the optimizer's fp32
+    parameters (or master copies, or shards) under every precision and optimizer."""
     rule = args.stale_weight_correction
     if rule == "none":
         _require(args.stale_weight_correction_coeff is None, "--stale-weight-correction-coeff",
@@ -1024,15 +1024,6 @@ def _validate_stale_correction(args: argparse.Namespace) -> None:
              f"only with --pipeline-schedule 2bw, not {args.pipeline_schedule}: its corrections "
              "assume 2BW's delay of one step on every stage (pipedream and pipemare delay "
              "some microbatches of a batch on some stages)")
-    if rule == "predict":  # dc and ef work on the optimizer's fp32 parameters or masters
-        _require(not (args.bf16 or args.fp16), flag,
-                 "predict works on the fp32 weights the version store holds; with --bf16/--fp16 "
-                 "the difference of two versions is lost to their rounding: train in fp32 (dc "
-                 "and ef run with --bf16 and --fp16)")
-    if rule == "predict":  # ef works on the optimizer's shards, before their all-gather
-        _require(not args.overlap_param_gather, flag,
-                 "predict reads the whole new version right after the step; with "
-                 "--overlap-param-gather the all-gather runs later: drop it")
 
 
 # Megatron-LM's entry scripts' `args_defaults` (core_v0.16.1): pretrain_gpt.py and

@@ -8,16 +8,17 @@ W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
     dc       the clipped gradient g becomes g + lambda g*g (W(t) - W(t-1)) (DC-ASGD, 2017)
     ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1 (Zmushko et al., 2606.30634)
 
-predict works on the fp32 weights the version store holds; dc and ef where the optimizer
-steps, on its fp32 parameters (the weights in fp32, their master copies under bf16 and fp16, or
-this rank's shards of either). Memory beyond the two versions, per stage: predict and dc one
-more version (dc under bf16 an fp32 W(t-1) too), ef one fp32 tensor (two under bf16).
+Each works where the optimizer steps, on its fp32 parameters (the weights in fp32, their
+master copies under bf16 and fp16, or this rank's shards of either). Memory beyond the two
+versions, per stage: predict and dc one more version (under bf16 an fp32 W(t) or W(t-1) of
+the masters too), ef one fp32 tensor (two under bf16).
 The rules in detail: docs/schedules.md; what each costs in iterations: docs/convergence.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ class StaleCorrection:
         """The rule's per-stage object: after_update() after each step (predict, ef), the
         optimizer's pre-step hooks (dc); None for none."""
         if self.rule == "predict":
-            return versions
+            return versions.watch(optimizer)
         if self.rule == "dc":
             return DelayCompensation(versions, optimizer, self.coeff)
         if self.rule == "ef":
@@ -78,12 +79,45 @@ class PredictedVersions(WeightVersions):
     """2BW's store under ``predict``: the home slot holds the newest true weights W (the
     optimizer steps them, evaluation reads them); the slot of each alive version v holds
     R(v), what microbatches read. ``fork`` copies W(t) into the new version's slot and
-    ``after_update`` turns it into R(t+1) once the optimizer wrote W(t+1): three slots."""
+    ``after_update`` turns it into R(t+1) once the optimizer wrote W(t+1): three slots.
+    Bound to an optimizer with fp32 master copies or a sharded state (``watch``), R is made
+    where it steps and its ranges are summed over the replicas that share the steps."""
 
     def __init__(self, params, keep_from, scale: float):
         super().__init__(params, keep_from)
         self.scale = scale
         self.pending: int | None = None  # the version whose R after_update makes
+        self.stepping: _Placement | None = None  # where R is made, when not from the slots
+        self.before: dict[int, torch.Tensor] = {}  # master copy -> W(t), during a step
+        self.fresh: set[int] = set()  # the master copies the pending step stepped
+        self.hooks: list = []
+
+    def watch(self, optimizer) -> "PredictedVersions":
+        """Make R from ``optimizer``'s fp32 parameters where the weights are not all of them:
+        its master copies (bf16, fp16: the difference of two 16-bit versions is mostly
+        rounding) or this rank's shards (the rest come from the replicas, all-gathered or not
+        yet, --overlap-param-gather)."""
+        from megatron_2bw.deferred import members
+
+        placement = _Placement(self, optimizer)
+        if placement.masters or placement.shared:
+            self.stepping = placement
+            self.hooks = [inner.optimizer.register_step_pre_hook(self._remember)
+                          for inner in members(optimizer)]
+        return self
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+    @torch.no_grad()
+    def _remember(self, torch_optimizer, args, kwargs) -> None:
+        """W(t) of the master copies the step is about to change."""
+        for p in _params(torch_optimizer):
+            if id(p) in self.stepping.masters:
+                self.before.setdefault(id(p), torch.empty_like(p)).copy_(p)
+                self.fresh.add(id(p))
 
     def use_trained(self) -> None:
         self._point(HOME)
@@ -102,6 +136,7 @@ class PredictedVersions(WeightVersions):
         snapshot = self._copy_home_to(self._free_slot(set(kept.values())))
         self.slot_of = {**kept, new_version: snapshot}
         self.pending, self.derived = new_version, None
+        self.fresh.clear()
         self._counters = [p._version for p in self.params]
 
     def _copy_home_to(self, slot: int) -> int:
@@ -110,15 +145,35 @@ class PredictedVersions(WeightVersions):
                 dst.copy_(src)
         return slot
 
+    @torch.no_grad()
     def after_update(self) -> None:
         """R(t+1) = (1 + s) W(t+1) - s W(t), in the slot fork filled with W(t)."""
         if self.pending is None:
             return
-        s = self.scale
-        with torch.no_grad():
-            for r, w in zip(self.slots[self.slot_of[self.pending]], self.slots[HOME]):
-                r.mul_(-s).add_(w, alpha=1.0 + s)
+        predicted = self.slots[self.slot_of[self.pending]]
+        if self.stepping is None:
+            for r, w in zip(predicted, self.slots[HOME]):
+                r.mul_(-self.scale).add_(w, alpha=1.0 + self.scale)
+        else:
+            self._predict_where_stepped(predicted)
         self.pending = None
+
+    def _predict_where_stepped(self, predicted: list[torch.Tensor]) -> None:
+        """R's ranges from the optimizer's fp32 parameters (W(t) a master copy's own, else
+        the slot's, fork's copy; a skipped step leaves R = W), then the shared weights whole."""
+        s, stepping = self.scale, self.stepping
+        for p in stepping.params:
+            r = stepping.range_of(predicted, p)
+            if id(p) not in stepping.masters:
+                r.mul_(-s).add_(p, alpha=1.0 + s)
+            elif id(p) in self.fresh:
+                r.copy_(p * (1.0 + s) - self.before[id(p)] * s)
+            else:
+                r.copy_(p)
+        self.fresh.clear()
+        for r, whole in zip(predicted, stepping.gathered(predicted)):
+            if whole is not r:
+                r.copy_(whole)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What a checkpoint holds beyond W and the older versions: R(newest)."""
@@ -234,9 +289,7 @@ class ErrorFeedback:
         """W(t) of the optimizer's parameter ``p``."""
         if id(p) in self.state.masters:
             return self.before[id(p)]
-        index, start = self.state.place(p)
-        older = self.versions.tensors_of(self.versions.newest - 1)[index]
-        return older.view(-1)[start:start + p.numel()].view_as(p)
+        return self.state.range_of(self.versions.tensors_of(self.versions.newest - 1), p)
 
     def state_loaded(self) -> None:
         """The hooks read U_{t-1} as loaded: every parameter has a step taken once the
@@ -251,20 +304,18 @@ class ErrorFeedback:
         return self.state.tensors
 
 
-class _WeightShaped:
-    """One fp32 tensor per model weight, of which this rank writes the ranges its optimizer's
-    parameters cover (whole weights, master copies, or this rank's shards of either). Where a
-    data-parallel group shares the steps (the distributed optimizer's shards, the layer-wise
-    optimizer's parameters) a save sums the group's ranks' ranges (zeros elsewhere): a
-    collective every rank of the group makes, in the chain's order."""
+class _Placement:
+    """Where each parameter a stage's optimizer chain steps lies in the model's weights (whole
+    weights, master copies, or this rank's shards of either), and which data-parallel groups
+    share the steps (the distributed optimizer's shards, the layer-wise optimizer's
+    parameters). ``gathered`` makes weight-shaped tensors whole from the ranges each rank
+    wrote: a collective every rank of each sharing group makes, in the chain's order."""
 
     def __init__(self, versions: WeightVersions, optimizer):
         from megatron_2bw.deferred import members
 
         chain = members(optimizer)
-        self.home = versions.slots[HOME]
-        self.tensors = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                        for t in self.home]
+        self.versions = versions
         self.masters = _master_copies(chain, versions.params)  # id -> (index, offset)
         self.params = [p for inner in chain for p in _params(inner.optimizer)]
         self.where: dict[int, tuple[int, int]] = {}  # _cached_locate's
@@ -279,6 +330,10 @@ class _WeightShaped:
             for p in _params(inner.optimizer):
                 self.written.setdefault(group, []).append((*self.place(p), p.numel()))
 
+    @property
+    def home(self) -> list[torch.Tensor]:
+        return self.versions.slots[HOME]
+
     def place(self, p: torch.Tensor) -> tuple[int, int]:
         """(model weight, element offset) the optimizer's parameter ``p`` is a copy or a view
         of (all of it, or a shard)."""
@@ -286,28 +341,49 @@ class _WeightShaped:
             return self.masters[id(p)]
         return _cached_locate(self.where, self.home, p)
 
-    def view(self, p: torch.Tensor) -> torch.Tensor:
-        """The range of the tensors that the optimizer's parameter ``p`` covers."""
+    def range_of(self, tensors: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+        """The range of weight-shaped ``tensors`` that the optimizer's parameter ``p`` covers."""
         index, start = self.place(p)
-        return self.tensors[index].view(-1)[start:start + p.numel()].view_as(p)
+        return tensors[index].view(-1)[start:start + p.numel()].view_as(p)
+
+    def gathered(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (weight-shaped) with each shared weight made whole: the sum over its
+        group of the ranges each rank wrote, zeros elsewhere (exact: one term is not zero),
+        one all-reduce per group and dtype. The others are ``tensors``' own."""
+        full = list(tensors)
+        for group, shared in self.shared.items():
+            for dtype in sorted({tensors[index].dtype for index in shared}, key=str):
+                indices = sorted(i for i in shared if tensors[i].dtype == dtype)
+                at = dict(zip(indices, itertools.accumulate(
+                    [tensors[i].numel() for i in indices], initial=0)))
+                flat = torch.zeros(sum(tensors[i].numel() for i in indices), dtype=dtype,
+                                   device=tensors[indices[0]].device)
+                for index, start, size in self.written.get(group, []):
+                    if index in at:
+                        flat[at[index] + start:at[index] + start + size] = \
+                            tensors[index].view(-1)[start:start + size]
+                torch.distributed.all_reduce(flat, group=group)
+                for index in indices:
+                    full[index] = flat[at[index]:at[index] + tensors[index].numel()].view_as(
+                        tensors[index])
+        return full
+
+
+class _WeightShaped(_Placement):
+    """One fp32 tensor per model weight, of which this rank writes the ranges its optimizer's
+    parameters cover; a save sums the ranges of the ranks that share the steps."""
+
+    def __init__(self, versions: WeightVersions, optimizer):
+        super().__init__(versions, optimizer)
+        self.tensors = [torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                        for t in self.home]
+
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        return self.range_of(self.tensors, p)
 
     def summed(self) -> list[torch.Tensor]:
-        """Every weight's tensor whole on every rank (see the class docstring)."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        full = list(self.tensors)
-        for group, shared in self.shared.items():
-            indices = sorted(shared)
-            mine = {index: torch.zeros_like(self.tensors[index]) for index in indices}
-            for index, start, size in self.written.get(group, []):
-                mine[index].view(-1)[start:start + size] = \
-                    self.tensors[index].view(-1)[start:start + size]
-            flat = _flatten_dense_tensors([mine[index] for index in indices])
-            torch.distributed.all_reduce(flat, group=group)
-            for index, summed in zip(indices, _unflatten_dense_tensors(
-                    flat, [mine[index] for index in indices])):
-                full[index] = summed
-        return full
+        """Every weight's tensor whole on every rank (see ``_Placement.gathered``)."""
+        return self.gathered(self.tensors)
 
 
 def _sharing(optimizer, inner, params: list) -> tuple:

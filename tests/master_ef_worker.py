@@ -1,4 +1,4 @@
-"""``ef`` and ``dc`` on the fp32 master copies of 16-bit weights, against a plain-torch reference.
+"""``ef``, ``dc`` and ``predict`` on the fp32 master copies of 16-bit weights, against plain torch.
 
 A megatron-core transformer layer in bf16 or fp16 (Float16Module, DDP, megatron-core's
 mixed-precision Adam, no clipping, no weight decay; fp16 at a constant loss scale of 1) and
@@ -9,9 +9,11 @@ weights with torch.optim.Adam on the same gradients (none for a skipped step) an
 rule itself from the second step taken on: W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), or the
 gradient g + lambda g * g (W(t) - W(t-1)). Prints one JSON line: the masters' relative error
 against the reference, their distance from the uncorrected reference, the steps skipped, and
-whether the 16-bit weights are the masters rounded.
+whether the 16-bit weights are the masters rounded. ``predict`` prints instead how far the
+16-bit R(4) the store made lies from the reference's (1 + s) W(4) - s W(3) rounded, and the
+16-bit versions' own R (what R was made from before) beside it.
 
-    python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP|-] [ef|dc]
+    python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP|-] [ef|dc|predict]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BETA, LAMBDA, STEPS = 2.0, 1e3, 4
+BETA, LAMBDA, SCALE, STEPS = 2.0, 1e3, 1.0, 4
 
 
 def _megatron_layer(precision: str):
@@ -67,6 +69,8 @@ def main() -> None:
     skipped = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     rule = sys.argv[3] if len(sys.argv) > 3 else "ef"
     ddp, optimizer, args = _megatron_layer(precision)
+    if rule == "predict":
+        return _predict(ddp, optimizer, args, precision, skipped)
     inner = members(optimizer)[0]
     weights = [p for group in inner.float16_groups for p in group]
     masters = [p for group in inner.fp32_from_float16_groups for p in group]
@@ -107,6 +111,56 @@ def main() -> None:
         "error": _relative(masters, corrected),
         "from_plain": _relative(corrected, plain), "skipped": skips,
         "rounded": all(torch.equal(w, m.to(dtype)) for w, m in zip(weights, masters))}))
+
+
+def _predict(ddp, optimizer, args, precision: str, skipped: int | None) -> None:
+    """predict's R(4) from the fp32 masters against the plain-torch reference's."""
+    import torch
+
+    from megatron_2bw.corrections import PredictedVersions
+    from megatron_2bw.deferred import members
+
+    inner = members(optimizer)[0]
+    weights = [p for group in inner.float16_groups for p in group]
+    versions = PredictedVersions(list(ddp.parameters()), lambda v: v - 1, SCALE).watch(optimizer)
+    reference = [m.detach().clone() for group in inner.fp32_from_float16_groups for m in group]
+    adam = torch.optim.Adam(reference, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                            eps=args.adam_eps)
+    generator, skips = torch.Generator().manual_seed(7), []
+    for t in range(STEPS):
+        versions.fork(t + 1)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
+        if t == skipped:
+            grads[0].view(-1)[0] = float("inf")
+        for w, g in zip(weights, grads):
+            w.main_grad.copy_(g)
+        older16 = [w.detach().clone() for w in weights]
+        before = [m.detach().clone() for m in reference]
+        succeeded, _, _ = optimizer.step()
+        versions.after_update()
+        skips.append(not succeeded)
+        if succeeded:
+            for m, g in zip(reference, grads):
+                m.grad = g.clone()
+            adam.step()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    expected = [((1 + SCALE) * m - SCALE * b).to(dtype) for m, b in zip(reference, before)]
+    index = {id(p): i for i, p in enumerate(versions.params)}
+    made = [versions.tensors_of(versions.newest)[index[id(w)]] for w in weights]
+    from_16_bit = [((1 + SCALE) * w.float() - SCALE * o.float()).to(dtype)
+                   for w, o in zip(weights, older16)]
+    print(json.dumps({
+        "mismatched": _mismatched(made, expected),
+        "mismatched_16_bit": _mismatched(from_16_bit, expected),
+        "from_weights": _relative(made, weights), "skipped": skips}))
+
+
+def _mismatched(ours, reference) -> float:
+    """The fraction of elements of ``ours`` not equal to ``reference``'s."""
+    return sum(int((a != b).sum()) for a, b in zip(ours, reference)) / \
+        sum(b.numel() for b in reference)
 
 
 def _reference_step(params, adam, grads, beta: float, last, t: int):

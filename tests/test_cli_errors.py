@@ -129,20 +129,6 @@ FLAG_CASES = {
         ["--pipeline-schedule", "flush", "--stale-weight-correction", "ef"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "ef"],
         1, "--stale-weight-correction", ["only with --pipeline-schedule 2bw", "flush"]),
-    "correction-in-bf16": (
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--bf16"],
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict"],
-        1, "--stale-weight-correction", ["fp32", "--bf16"]),
-    "predict-in-fp16": (
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict", "--fp16"],
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc", "--fp16"],
-        1, "--stale-weight-correction", ["fp32", "dc and ef run with --bf16 and --fp16"]),
-    "correction-with-late-all-gather": (
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "predict",
-         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-        ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
-         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
-        1, "--stale-weight-correction", ["--overlap-param-gather"]),
     "correction-coeff-without-correction": (
         ["--pipeline-schedule", "2bw", "--stale-weight-correction-coeff", "2"],
         ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",

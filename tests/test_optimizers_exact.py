@@ -49,6 +49,13 @@ CORRECTION_CASES = [
     Case("2bw", d=2, m=2, w=2, iters=6, correction="predict"),
     Case("2bw", d=2, m=2, w=1, iters=6, warmup=3, deferred=False, correction="predict"),
     Case("2bw", d=2, m=2, w=1, iters=6, tp=2, correction="predict"),
+    # R made on each replica's shards (of Adam's, whole parameters of dist_muon's) and summed
+    # over the replicas: right after the deferred step, and before --overlap-param-gather's
+    # all-gather of the weights (the next forward's)
+    Case("2bw", d=2, m=2, w=2, iters=6, correction="predict", flags=DISTOPT),
+    Case("2bw", d=2, m=2, w=2, iters=6, correction="predict", optimizer="muon", flags=DISTOPT),
+    Case("2bw", d=1, m=2, w=2, iters=6, correction="predict",
+         flags=DISTOPT + ("--overlap-grad-reduce", "--overlap-param-gather")),
     Case("2bw", d=2, m=2, w=1, iters=7, correction="predict", drains=(3,), round_trip=True),
     Case("2bw", d=2, m=2, w=1, iters=6, correction="dc", coeff=1000.0),
     Case("2bw", d=2, m=2, w=2, iters=6, deferred=False, correction="dc", coeff=1000.0,

@@ -145,6 +145,24 @@ def test_sharded_muon_deals_out_whole_parameters():
     assert whole.memory(layout).stages[0].optimizer == params * 8
 
 
+def test_predict_under_bf16_keeps_a_third_version_and_the_masters_before_the_step():
+    """--stale-weight-correction predict with --bf16: R's bf16 slot (2 bytes a parameter) and
+    the fp32 masters' W(t) during the step (4 bytes, 4 / w with the distributed optimizer);
+    sharded, R is summed over the w replicas: one ring all-reduce of the stage's bf16 weights
+    more in the step."""
+    layout = Layout(t=1, d=2, w=2, b=1, m=4, recompute=False, schedule="2bw")
+    link = _cluster_small().group_link(2, stride=1)
+    for sharded, per_parameter in ((False, 2 + 4), (True, 2 + 4 / 2)):
+        plain = CostModel(SMALL, _cluster_small(), "bf16", distributed_optimizer=sharded)
+        corrected = CostModel(SMALL, _cluster_small(), "bf16", distributed_optimizer=sharded,
+                              correction="predict")
+        for a, b in zip(plain.memory(layout).stages, corrected.memory(layout).stages):
+            assert b.extra_versions - a.extra_versions == a.parameters * per_parameter
+        first = plain.memory(layout).stages[0].parameters  # the fuller stage (embedding)
+        more = corrected.time(layout).step - plain.time(layout).step
+        assert more == pytest.approx(link.all_reduce(first * 2, 2) if sharded else 0.0)
+
+
 # ---- communication, by hand ---------------------------------------------------------------
 
 
@@ -519,7 +537,6 @@ def test_flag_line_passes_validate_args(tmp_path):
 REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) -> flag
     ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
     ("muon", "fp16", "none", False, False): "--fp16",
-    ("adam", "bf16", "predict", False, False): "--stale-weight-correction",
     ("muon", "fp32", "none", True, True): "--optimizer",
 }
 """Combinations the training refuses (each was planned, and its flags refused at launch)."""
@@ -564,7 +581,8 @@ def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
                        ("muon", "bf16", "ef", False, False), ("muon", "bf16", "ef", True, False),
                        ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False),
                        ("muon", "bf16", "ef", False, True), ("adam", "fp32", "dc", False, True),
-                       ("adam", "bf16", "ef", True, False)}
+                       ("adam", "bf16", "ef", True, False), ("adam", "bf16", "predict", True, False),
+                       ("muon", "bf16", "predict", True, False)}
 
 
 def test_flags_carry_no_clipping_and_the_in_place_step():

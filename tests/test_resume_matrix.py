@@ -95,6 +95,13 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
                                     "ef"],
     "2bw-gpt-ef-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
                             "--stale-weight-correction", "ef"],
+    # predict under bf16 from the fp32 masters (R(newest) in bf16 in the checkpoint); with the
+    # distributed optimizer each replica makes R on its shards and the replicas sum them
+    "2bw-gpt-predict-distopt-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
+                                         "--use-distributed-optimizer",
+                                         "--stale-weight-correction", "predict"],
+    "2bw-gpt-predict-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
+                                 "--stale-weight-correction", "predict"],
     # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
@@ -250,15 +257,19 @@ def test_a_run_resumed_on_fewer_replicas_logs_the_uninterrupted_losses(matrix, c
         assert abs(seen - expected) <= RESHARDED_RTOL * abs(expected), (resumed, full)
 
 
-SHARDED_LIKE_WHOLE = ("2bw-gpt-ef-distopt-bf16-DP2", "2bw-gpt-ef-bf16-DP2")
+SHARDED_LIKE_WHOLE = [("2bw-gpt-ef-distopt-bf16-DP2", "2bw-gpt-ef-bf16-DP2"),
+                      ("2bw-gpt-predict-distopt-bf16-DP2", "2bw-gpt-predict-bf16-DP2")]
 
 
-def test_ef_on_the_shards_of_bf16_masters_trains_as_on_whole_masters(matrix):
-    """ef under bf16 with the distributed optimizer (each replica corrects its shards of the
-    fp32 masters, U_{t-1} kept per shard) logs the losses of ef on whole masters (whose
-    correction tests/test_corrections.py checks against plain torch) to 1e-5: the
-    gradients' sums are reordered, the arithmetic is the same."""
-    sharded, whole = (matrix[name] for name in SHARDED_LIKE_WHOLE)
+@pytest.mark.parametrize("sharded_case, whole_case", SHARDED_LIKE_WHOLE)
+def test_a_correction_on_the_shards_of_bf16_masters_trains_as_on_whole_masters(
+        matrix, sharded_case, whole_case):
+    """ef and predict under bf16 with the distributed optimizer (each replica corrects its
+    shards of the fp32 masters, U_{t-1} kept per shard; predict's R made per shard and summed
+    over the replicas) log the losses of the rule on whole masters (which
+    tests/test_corrections.py checks against plain torch) to 1e-5: the gradients' sums are
+    reordered, the arithmetic is the same."""
+    sharded, whole = matrix[sharded_case], matrix[whole_case]
     assert not isinstance(sharded, str) and not isinstance(whole, str), (sharded, whole)
     (sharded_losses, sharded_valid), _ = sharded
     (whole_losses, whole_valid), _ = whole

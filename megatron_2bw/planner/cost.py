@@ -474,8 +474,8 @@ class CostModel:
     reduce-scatter and an all-gather of the same volume (Korthikanti et al. 2022, 4.2.2)."""
 
     correction: str = "none"
-    """2BW's --stale-weight-correction: predict and dc keep one more fp32 weight version per
-    stage, ef one fp32 tensor of the last update (megatron_2bw.corrections)."""
+    """2BW's --stale-weight-correction: predict and dc keep one more weight version per stage,
+    ef one fp32 tensor of the last update (megatron_2bw.corrections; `_correction_bytes`)."""
 
     flash_attention: bool = False
     """FlashAttention (`--attention-backend flash` or `fused`, or `auto` where
@@ -670,16 +670,23 @@ class CostModel:
     def _correction_bytes(self, schedule: str, params: int, w: int) -> float:
         """What 2BW's stale-weight correction keeps beyond the two versions: predict's and
         dc's third version of the weights, ef's last update (fp32, weight-shaped); under bf16
-        and fp16 dc's fp32 W(t-1) of the masters (weight-shaped) and ef's copy of the masters
-        before the step (of this rank's 1/w shard of them with a sharded optimizer)."""
+        and fp16 dc's fp32 W(t-1) of the masters (weight-shaped), and ef's and predict's copy
+        of the masters before the step (of this rank's 1/w of them with a sharded optimizer)."""
         if schedule != "2bw" or self.correction == "none":
             return 0.0
         mixed = self.precision != "fp32"
+        masters_before = 4.0 / (w if self.distributed_optimizer else 1) if mixed else 0.0
         if self.correction == "ef":
-            return params * (4.0 + (4.0 / (w if self.distributed_optimizer else 1)
-                                    if mixed else 0.0))
-        return params * (self.element_bytes + (4.0 if mixed and self.correction == "dc"
-                                               else 0.0))
+            return params * (4.0 + masters_before)
+        if self.correction == "predict":
+            return params * (self.element_bytes + masters_before)
+        return params * (self.element_bytes + (4.0 if mixed else 0.0))
+
+    def _predict_summed(self, schedule: str, w: int) -> bool:
+        """Whether predict's R is made on each replica's shards and summed over them (an
+        all-reduce of the stage's weights a step): with a sharded optimizer."""
+        return (schedule == "2bw" and self.correction == "predict" and w > 1
+                and self.distributed_optimizer)
 
     def _deferred(self, schedule: str, d: int) -> bool:
         """Whether 2BW's (and PipeDream's) step is deferred (it is whenever it would span the
@@ -797,6 +804,8 @@ class CostModel:
             + max(self._orthogonalization(n, t) for n in rank_layers) / self._muon_shards(w)
         if self._muon_shards(w) > 1:  # dist_muon all-gathers the updated parameters
             optimizer += max(dp_link.all_reduce(p * e, w) for p in stage_params) / 2
+        if self._predict_summed(layout.schedule, w):
+            optimizer += max(dp_link.all_reduce(p * e, w) for p in stage_params)
         pp_group = cluster.group_link(d, stride=t * w)
         # Muon's chain of two optimizers takes the norm also without clipping
         takes_norm = self.clip_grad or self.optimizer == "muon"
