@@ -1237,14 +1237,8 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  f"{etp} with the alltoall dispatcher needs an uneven all-gather, which gloo "
                  "lacks: use --expert-tensor-parallel-size 1 or --moe-token-dispatcher-type "
                  "allgather on the CPU")
-    for flag, given, why in (
-            ("--optimizer", args.optimizer == "dist_muon" or (
-                args.optimizer == "muon" and args.use_distributed_optimizer),
-             "Muon's sharded state (dist_muon) is not supported with --num-experts yet: use "
-             "--optimizer muon without --use-distributed-optimizer, or adam"),
-            ("--apply-layernorm-1p", getattr(args, "layernorm_zero_centered_gamma", False),
-             "not supported with --num-experts yet (the MoE block spec's local norms)")):
-        _require(not given, flag, why)
+    _require(not getattr(args, "layernorm_zero_centered_gamma", False), "--apply-layernorm-1p",
+             "not supported with --num-experts yet (the MoE block spec's local norms)")
 
 
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:

@@ -323,12 +323,13 @@ class _Placement:
         self.shared: dict = {}  # group -> the parameters its ranks share (the same on all)
         position = {id(p): i for i, p in enumerate(versions.params)}
         for inner in chain:
-            group, shared = _sharing(optimizer, inner, versions.params)
-            if group is None:
-                continue
-            self.shared.setdefault(group, set()).update(position[id(p)] for p in shared)
-            for p in _params(inner.optimizer):
-                self.written.setdefault(group, []).append((*self.place(p), p.numel()))
+            for param_group in inner.optimizer.param_groups:
+                group, shared = _sharing(optimizer, inner, param_group, versions.params)
+                if group is None:
+                    continue
+                self.shared.setdefault(group, set()).update(position[id(p)] for p in shared)
+                self.written.setdefault(group, []).extend(
+                    (*self.place(p), p.numel()) for p in param_group["params"])
 
     @property
     def home(self) -> list[torch.Tensor]:
@@ -386,14 +387,21 @@ class _WeightShaped(_Placement):
         return self.gathered(self.tensors)
 
 
-def _sharing(optimizer, inner, params: list) -> tuple:
-    """(the data-parallel group whose ranks share the steps of ``inner``, a member of
-    ``optimizer``'s chain, each stepping a part; the model parameters they share, the same
-    list on every rank): the distributed optimizer's group and its buffers' parameters (each
-    rank steps a shard of them), the layer-wise optimizer's and the stage's parameters (each
-    rank steps some whole); (None, []) where each rank steps all of its parameters."""
-    if getattr(optimizer, "dp_cp_params_list", None) is not None:
-        return optimizer.pg_collection.dp_cp, params
+def _sharing(optimizer, inner, param_group: dict, params: list) -> tuple:
+    """(the data-parallel group whose ranks share the steps of ``param_group`` of ``inner``,
+    a member of ``optimizer``'s chain, each stepping a part; the model parameters they share,
+    the same list on every rank): the distributed optimizer's group and its buffers'
+    parameters (each rank steps a shard of them); the layer-wise optimizer's data-parallel
+    group and the parameters it deals over it (whole ones; the experts' over the expert
+    data-parallel group); (None, []) where each rank steps all of them."""
+    dealt = getattr(optimizer, "dp_cp_params_list", None)
+    if dealt is not None:
+        if param_group.get("is_expert_parallel", False):
+            dealt = optimizer.expt_dp_params_list
+            if dealt is None:  # one expert data-parallel rank: it steps every expert
+                return None, []
+            return optimizer.pg_collection.expt_dp, [p for ps in dealt for p in ps]
+        return optimizer.pg_collection.dp_cp, [p for ps in dealt for p in ps]
     group = getattr(inner, "data_parallel_group", None)
     if group is None or torch.distributed.get_world_size(group) == 1:
         return None, []

@@ -75,8 +75,6 @@ CASES = {
         MOE + ["--moe-layer-freq", "([1]*2+[0]*2)", "--pipeline-model-parallel-size", "2"],
         MOE + ["--moe-layer-freq", "([1,0]*2)", "--pipeline-model-parallel-size", "2"], 2,
         "--moe-layer-freq", ["pipeline stage 1 holds layers [2, 3]"]),
-    "dist-muon-with-experts": (MOE + ["--optimizer", "dist_muon"], MOE + ["--optimizer", "muon"],
-                               2, "--optimizer", ["dist_muon", "--num-experts"]),
 }
 
 

@@ -39,6 +39,10 @@ CASES = {  # name -> flags: saved at SAVED_AT and resumed with the same flags
     # Muon per expert matrix (the expert optimizer's momentum) and ef's last update of each
     "2bw-muon-ef": ["--pipeline-schedule", "2bw", *EP2, "--optimizer", "muon",
                     "--stale-weight-correction", "ef"],
+    # Muon's state dealt out by parameter (dist_muon), the experts over their 2 data-parallel
+    # ranks at EP = 1, in bf16: each rank saves what it steps, ef's U_{t-1} summed per group
+    "2bw-dist-muon-ef-bf16": ["--pipeline-schedule", "2bw", "--optimizer", "dist_muon",
+                              "--stale-weight-correction", "ef", "--bf16"],
 }
 PP1 = ["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "flush"]
 RESHARDED = {  # name -> (flags saving, flags resuming): the optimizer's state resharded too

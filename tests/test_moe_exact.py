@@ -89,9 +89,14 @@ OPTIMIZER_CASES = [  # launched as a group of their own (a fresh set of processe
     _moe("2bw", optimizer="muon", correction="ef", coeff=2.0),  # on both Muon members' steps
     _moe("2bw", correction="predict", flags=DISTOPT),  # the experts' versions predicted too
     _moe("2bw", correction="dc", coeff=1000.0, deferred=False),
+    # Muon's state dealt out by parameter (dist_muon): at EP = 2 each replica steps its own
+    # experts whole (summed with the dense parameters, predict's R added the two replicas'
+    # different experts); at EP = 1 the experts are dealt over their 2 data-parallel ranks
+    _moe("2bw", optimizer="muon", flags=DISTOPT, correction="predict"),
+    _moe("2bw", optimizer="muon", ep=1, flags=DISTOPT, correction="ef", coeff=2.0),
 ]
-SYNC_CASES += OPTIMIZER_CASES[:1]
-TWOBW_CASES += OPTIMIZER_CASES[1:]
+SYNC_CASES += [case for case in OPTIMIZER_CASES if case.schedule != "2bw"]
+TWOBW_CASES += [case for case in OPTIMIZER_CASES if case.schedule == "2bw"]
 CASES = SYNC_CASES + TWOBW_CASES
 
 

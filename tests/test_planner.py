@@ -537,7 +537,6 @@ def test_flag_line_passes_validate_args(tmp_path):
 REFUSED_BY_TRAINING = {  # (optimizer, precision, correction, sharded, experts) -> flag
     ("sgd", "fp32", "none", True, False): "--use-distributed-optimizer",
     ("muon", "fp16", "none", False, False): "--fp16",
-    ("muon", "fp32", "none", True, True): "--optimizer",
 }
 """Combinations the training refuses (each was planned, and its flags refused at launch)."""
 
@@ -582,7 +581,7 @@ def test_every_combination_the_planner_accepts_launches(tmp_path, capsys):
                        ("adam", "fp32", "dc", True, False), ("muon", "bf16", "none", False, False),
                        ("muon", "bf16", "ef", False, True), ("adam", "fp32", "dc", False, True),
                        ("adam", "bf16", "ef", True, False), ("adam", "bf16", "predict", True, False),
-                       ("muon", "bf16", "predict", True, False)}
+                       ("muon", "bf16", "predict", True, False), ("muon", "bf16", "ef", True, True)}
 
 
 def test_flags_carry_no_clipping_and_the_in_place_step():

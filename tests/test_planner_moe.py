@@ -119,6 +119,21 @@ def test_experts_split_over_expert_ranks_and_the_optimizer_over_expert_data_rank
     assert stage.parameters - wider.parameters == experts // 2
 
 
+
+def test_sharded_muon_deals_out_whole_experts_over_the_expert_data_ranks():
+    # The same layout under --optimizer dist_muon: whole parameters dealt out, so the fullest
+    # rank keeps up to one largest tensor more than an even share of each: a dense layer's
+    # FC1 (4h x h; the stage holds no embedding) and an expert's FC1 (f_e x h); bf16 Muon
+    # keeps an fp32 master and a momentum, 8 bytes a parameter.
+    h, fe = 64, 96
+    experts = 2 * (4 // 2) * (h * fe + fe * h)
+    cost = CostModel(SMALL_MOE, preset("dgx-a100"), "bf16", distributed_optimizer=True,
+                     optimizer="muon")
+    stage = cost.memory(Layout(1, 2, 4, 1, 4, False, "flush", e=2)).stages[1]
+    assert stage.optimizer == pytest.approx(((stage.parameters - experts) / 4 + 4 * h * h
+                                             + experts / 2 + fe * h) * 8)
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------
 
 
@@ -369,8 +384,6 @@ def test_plan_cli_searches_or_fixes_the_expert_parallel_size(tmp_path, capsys):
 @pytest.mark.parametrize("argv,fragment", [
     (["--moe-router-topk", "2"], "--moe-router-topk: only with --num-experts"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size: needs --num-experts"),
-    (["--num-experts", "4", "--optimizer", "muon", "--use-distributed-optimizer"],
-     "--optimizer: Muon's sharded state (dist_muon) is not supported with --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "top-k 5"),
 ])
 def test_bad_moe_plan_flags_are_one_line(capsys, argv, fragment):

@@ -652,10 +652,14 @@ class CostModel:
                          expert_shard: int, embedding: bool, t: int) -> float:
         """Parameters whose optimizer state a rank of the stage keeps. Muon's sharded form
         (--optimizer dist_muon, megatron-core's layer-wise optimizer) deals out whole
-        parameters: the fullest rank keeps up to one largest tensor more than an even share."""
+        parameters: the fullest rank keeps up to one largest tensor more than an even share
+        (the experts' over their expert data-parallel ranks: one expert's FC1 more)."""
         dense = params - expert_params
         if self.optimizer == "muon" and dense_shard > 1:
-            return dense / dense_shard + self._largest_tensor(t, embedding)
+            experts = expert_params / expert_shard
+            if expert_params and expert_shard > 1:
+                experts += self.model.expert_fc1_width * self.model.hidden_size
+            return dense / dense_shard + self._largest_tensor(t, embedding) + experts
         return dense / dense_shard + expert_params / expert_shard
 
     def _largest_tensor(self, t: int, embedding: bool) -> int:
