@@ -44,6 +44,10 @@ MUON_CASES = [
     # parameters and all-gathers them (the deferred step's too; its norm spans the world)
     Case("2bw", d=2, m=2, w=2, iters=6, optimizer="muon", flags=DISTOPT),
     Case("flush", d=2, m=4, w=2, iters=5, optimizer="muon", flags=DISTOPT),
+    # dealt out with tensor parallelism (each TP rank's blocks of the parameters it steps) and
+    # over the chunks of virtual stages (one deferred step and all-gather for both)
+    Case("flush", d=1, m=2, w=2, iters=5, tp=2, optimizer="muon", flags=DISTOPT),
+    Case("2bw", d=2, m=4, w=2, iters=6, optimizer="muon", flags=TWO_CHUNKS + DISTOPT),
 ]
 CORRECTION_CASES = [
     Case("2bw", d=2, m=2, w=2, iters=6, correction="predict"),
