@@ -236,8 +236,8 @@ class DelayCompensation:
         return self.state.tensors
 
     def state_loaded(self) -> None:
-        if self.state is not None and self.versions.newest >= 1:
-            self.stepped.update(id(p) for p in self.state.params)
+        if self.state is not None:
+            _mark_stepped(self)
 
 
 class ErrorFeedback:
@@ -292,16 +292,20 @@ class ErrorFeedback:
         return self.state.range_of(self.versions.tensors_of(self.versions.newest - 1), p)
 
     def state_loaded(self) -> None:
-        """The hooks read U_{t-1} as loaded: every parameter has a step taken once the
-        checkpoint's version is past the first."""
-        if self.versions.newest >= 1:
-            self.stepped.update(id(p) for p in self.state.params)
+        _mark_stepped(self)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.state.summed()
 
     def load_targets(self) -> list[torch.Tensor]:
         return self.state.tensors
+
+
+def _mark_stepped(rule) -> None:
+    """After a load, ``rule`` (dc, ef) reads its state as loaded: every parameter has a step
+    taken once the checkpoint's version is past the first."""
+    if rule.versions.newest >= 1:
+        rule.stepped.update(id(p) for p in rule.state.params)
 
 
 class _Placement:

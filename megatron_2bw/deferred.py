@@ -165,6 +165,7 @@ class DeferredStep:
         # a layer-wise optimizer's rank that steps no copy of the embedding still sums its
         # gradient with the other stage's (that stage's rank of this replica may step it)
         self.foreign_embedding = embedding if self.embedding_index is None else None
+        self._foreign_copy: torch.Tensor | None = None
         self.gather = getattr(optimizer, "allgather_params", None)  # layer-wise: after step
         self.embedding_group = ps.get_embedding_group(check_initialized=False)
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -228,9 +229,12 @@ class DeferredStep:
             p.grad = None
         embedding_grad = (None if self.embedding_index is None
                           else self.copies[self.embedding_index])
-        if self.foreign_embedding is not None:
-            embedding_grad = self.foreign_embedding.main_grad.detach().to(torch.float32,
-                                                                          copy=True)
+        if self.foreign_embedding is not None:  # a copy kept across steps, as self.copies
+            grad = self.foreign_embedding.main_grad.detach()
+            if self._foreign_copy is None:
+                self._foreign_copy = torch.empty_like(grad, dtype=torch.float32)
+            embedding_grad = self._foreign_copy
+            embedding_grad.copy_(grad)
         self.pending_version, self.hyper, self._norm = new_version, None, None
         self._works, self._gate, self._chain = [], None, []
         self._squared = [None] * len(self.norm_groups)
