@@ -11,8 +11,7 @@ A record is one action as it ran on one stage: the executor's
 
 Invariant: a rank's file (:func:`save_records`) opens with a header holding ``wall_offset``,
 so :func:`merge_records` puts every rank on the wall clock, the earliest record at 0 (a file
-without it is aligned on its own, and merge_records says so).
-The file format: docs/schedules.md, "Timelines of real runs".
+without it is aligned on its own, and merge_records says so). docs/schedules.md has the format.
 """
 
 from __future__ import annotations
