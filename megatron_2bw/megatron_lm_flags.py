@@ -1,5 +1,5 @@
 """Every Megatron-LM flag our own parser does not define: accepted with Megatron-LM's names,
-types, nargs, choices and defaults, and given one status each.
+types, nargs, choices and defaults, and given one status each (docs/megatron_lm_flags.md).
 
 * ``cpu-noop`` -- a GPU-only feature: one note on rank 0 on the CPU; on CUDA copied into
   megatron-core's TransformerConfig as Megatron-LM copies it (``cuda="config"``/``"te"``), or
