@@ -11,7 +11,6 @@ Invariants: documents are always written in input order, so --partitions and
 --keep-sequential-samples give the same bytes as one partition; sentence splitting keeps every
 character; bad input ends the tool with one `error:` line and exit code 2, flags and files
 checked before megatron-core is imported.
-
 More (GPT-2 BPE files, sentences): docs/data.md, "Preprocessing".
 """
 
