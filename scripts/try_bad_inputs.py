@@ -10,7 +10,6 @@ Each case runs one command from the repository root in its own session, killed w
 case's timeout, every output pointed into a temporary folder; its output is classified as
 OK_ONE_LINE, OK_EXPECTED, or a failure (TRACEBACK, HANG, SILENT, MULTI_LINE, NO_ERROR_LINE,
 WRONG_MESSAGE, FAILED, SETUP_FAILED).
-
 Invariants: nothing is written into the checkout; without --keep-going no new case starts after
 the first one that is not OK_*; the exit code is 0 only when every case that ran is OK_*.
 Each outcome's rule: docs/checkpoints_and_faults.md, "The sweep of bad inputs".
