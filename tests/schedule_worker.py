@@ -8,7 +8,6 @@ reference jobs (tests/reference.py; they write the initial weights), then per la
 `world` processes over gloo, which run the group's runs one after another: build with
 megatron_2bw.training.build from Megatron-LM flags, load their slice of the initial weights,
 train like the loop, and write their parameters under PP=1/TP=1 names and their losses.
-
 Invariants: every process of a group is waited for on its own (only the group's deadline
 kills); each group's exit codes and wall time land in <out>/launch.json, each rank's output in
 <out>/<group>/rank<r>.log, each run's result in <out>/<run>/rank<r>.pt. The spec and the run
