@@ -98,8 +98,10 @@ FAST_EXCEPT = (
     "tests/test_planner.py::test_every_combination_the_planner_accepts_launches",
     "tests/test_planner.py::test_written_launch_script_trains_from_another_folder",
     "tests/test_planner_moe.py::test_every_feasible_moe_layout_passes_the_trainings_validation",
+    "tests/test_planner.py::test_gpt3_175b_on_1024_h100s_plans_fast",
 )
-"""Tests under FAST that train, or validate every feasible layout (9 s): `make test` only."""
+"""Tests under FAST that train, validate every feasible layout (9 s), or hold a wall-clock bound
+that a machine busy with other runs breaks: `make test` only."""
 
 
 def pytest_configure(config):
