@@ -3,18 +3,15 @@
 Invariant: a tool given bad input (a flag out of range, a missing or unparsable input file, an
 output folder it cannot write) prints exactly one line ``error: <flag or file>: <what is
 wrong>`` to stderr and exits with code 2: no argparse usage block, no traceback. A bug in the
-tool still ends in a traceback: only the user errors below are caught.
+tool still ends in a traceback: only user errors are caught.
 
-- :class:`ToolParser` is argparse whose errors raise :class:`FlagError` naming the flag (the
-  training entry's parser, :mod:`megatron_2bw.arguments`); its subparsers are ToolParsers.
-- The ``type=`` helpers (:func:`positive_int`, :func:`existing_file`, :func:`writable_dir`, ...)
-  reject a value at parse time with a message saying what was expected and what was given.
-- :func:`reading` turns an input that cannot be read or parsed into a :class:`ToolError` naming
-  the flag and the file; a tool's ``main`` decorated with :func:`main_guard` turns every user
-  error into the one line, also when a test calls it in-process.
-
-This module imports nothing heavy (no torch, no megatron-core), so a tool that parses its flags
-first fails fast.
+:class:`ToolParser` is argparse whose errors raise :class:`FlagError` naming the flag; the
+``type=`` helpers (:func:`positive_int`, :func:`existing_file`, :func:`writable_dir`, ...)
+reject a value at parse time; :func:`reading` turns an unreadable input into a
+:class:`ToolError` naming the flag and the file; :func:`main_guard` turns every user error into
+the one line, also when a test calls a tool's ``main`` in-process. This module imports nothing
+heavy (no torch, no megatron-core), so a tool that parses its flags first fails fast.
+See docs/checkpoints_and_faults.md, "Bad flags and bad data".
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ W(max(t-1, 0)) (weight decay included). Each rule changes one thing:
     dc       the clipped gradient g becomes g + lambda g*g (W(t) - W(t-1)) (DC-ASGD, 2017)
     ef       W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), t >= 1 (Zmushko et al., 2606.30634)
 
-Each works where the optimizer steps, on its fp32 parameters (the weights in fp32, their
-master copies under bf16 and fp16, or this rank's shards of either). Memory beyond the two
-versions, per stage: predict and dc one more version (under bf16 an fp32 W(t) or W(t-1) of
-the masters too), ef one fp32 tensor (two under bf16).
-The rules in detail: docs/schedules.md; what each costs in iterations: docs/convergence.md.
+Invariants: each works where the optimizer steps, on its fp32 parameters (the weights, or
+the master copies under bf16 and fp16, or this rank's shards of either). Memory per stage
+beyond the two versions: predict and dc one more version (under bf16 the masters' fp32 W(t)
+or W(t-1) too), ef one fp32 tensor (two under bf16). docs/schedules.md, "Correcting 2BW's
+stale update".
 """
 
 from __future__ import annotations

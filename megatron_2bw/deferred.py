@@ -10,9 +10,8 @@ stage crosses at matching exchanges), at the next begin() at the latest, and bef
 
 Invariants: at most one step is pending; the copy is taken before any gradient of batch t+1
 exists; every rank issues each group's collectives in the same order; the result equals the
-synchronous step bit for bit in fp32. The whole story (the grad-norm chain, the collectives
-per group and their order, chained and MoE optimizers, what is not deferred):
-docs/deferred_step.md.
+synchronous step bit for bit in fp32. The whole story (the grad-norm chain, the collectives per
+group and their order, chained and MoE optimizers, what is not deferred): docs/deferred_step.md.
 """
 
 from __future__ import annotations

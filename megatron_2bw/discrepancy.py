@@ -1,23 +1,17 @@
 """PipeMare's discrepancy correction T2 (Yang et al., MLSys 2021) on one stage.
 
-A backward whose forward read an older version (tau_fwd > tau_bkwd) runs with the weights
-extrapolated back towards the forward's:
-
-    w_bkwd - (tau_fwd - tau_bkwd) * delta,
-    delta(t+1) = gamma * delta(t) + (1 - gamma) * (W(t+1) - W(t)),  delta(0) = 0,
-    gamma = D ** (1 / s),  s = the stage's largest tau_fwd - tau_bkwd (> 0).
+A backward whose forward read an older version runs with the weights extrapolated back towards
+the forward's, w_bkwd - (tau_fwd - tau_bkwd) * delta, with delta a running average of the
+stage's last weight changes (gamma = D ** (1 / s)).
 
 Invariants:
-  * ``delta`` holds delta(``version``); ``track()`` folds in each newer version once, while the
-    version before it is still alive in the store: call it right after a step's weights are
-    written (never between ``fork`` and the optimizer's write).
-  * The corrected weights live in the store's spare slot (``WeightVersions.use_derived``): the
-    backwards that read them come after every forward of the call that reads the older
-    version there.
-  * ``delta`` is fp32 whatever the parameters' dtype, as megatron-core keeps main parameters:
-    in bf16 a learning-rate-sized W(t+1) - W(t), scaled by 1 - gamma, is below the rounding
-    step of delta and would be lost; each difference of two versions is taken in fp32 (exact
-    for 16-bit weights), and the corrected weights are rounded to the parameters' dtype once.
+  * ``delta`` holds delta(``version``); ``track()`` folds in each newer version once, right
+    after a step's weights are written (never between ``fork`` and the optimizer's write).
+  * The corrected weights live in the store's spare slot (``WeightVersions.use_derived``).
+  * ``delta`` is fp32 whatever the parameters' dtype, so in bf16 a learning-rate-sized step
+    is not rounded away; the corrected weights are rounded to the parameters' dtype once.
+
+The formulas and why: docs/schedules.md, "PipeMare".
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Read back what the training loop prints (``megatron_2bw.training.logs``), and Megatron-LM's
-own training logs (``training_log()`` in megatron/training/training.py, core_v0.16.1):
-
-    [...] iteration       10/     200 | consumed samples:          160 |
-        elapsed time per iteration (ms): 812.5 | learning rate: 1.000000E-03 |
-        global batch size:    16 | lm loss: 5.123000E+00 | loss scale: 1.0 | grad norm: 0.800 |
-        number of skipped iterations:   0 | number of nan iterations:   0 |
-        samples/s: 19.69 | tokens/s: 2521 | TFLOP/s per device: 0.0123 |
-        peak memory (MiB): 611 | ETA: 0h02m36s |
-    validation loss at iteration 50 | lm loss value: 4.812E+00 | lm loss PPL: 1.23E+02 |
-    training 2bw schedule on 2 cpu processes: TP=1 PP=2 DP=1, 4 microbatches per batch
-
-Megatron-LM's logs have no such header line; it prints its arguments at start-up instead
-(``_print_args`` in megatron/training/arguments.py), one ``  name .... value`` line each
-between ``---- arguments ----`` and ``---- end of arguments ----``. Their layout and batch
-(``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``data_parallel_size``,
-``world_size``, ``global_batch_size``, ``micro_batch_size``) make the run's header there,
-with Megatron's own schedule (``megatron``) unless a ``pipeline_schedule`` argument says
-otherwise.
-
-The fields up to "number of nan iterations" are Megatron-LM's; the rest are ours. Lines are
-split at ``|`` into ``name: value`` fields, so fields may move or be added without breaking the
-parser; a line without the fields a record needs is skipped. On Megatron-LM's line (no
-samples/s) samples/s is global batch size / time per iteration, and TFLOP/s per device is its
-"throughput per GPU" (with --log-throughput); earlier logs of ours ("skipped iterations",
-no ETA) parse too. Tools that launch
-runs add one line per process with that process's peak memory (:func:`rank_memory_line`): the
-loop logs only on the last rank.
+own training logs (``training_log()`` in megatron/training/training.py, core_v0.16.1).
 
     log = parse_log(text)
     log.iterations[-1].ms_per_iteration, log.validations[-1].loss, log.rank_memory_mib
+
+Lines are split at ``|`` into ``name: value`` fields, so fields may move or be added without
+breaking the parser; a line without the fields a record needs is skipped. Megatron-LM's logs
+have no header line: their printed arguments (``---- arguments ----``) make the run's header,
+with Megatron's own schedule unless a ``pipeline_schedule`` argument says otherwise. Tools
+that launch runs add one line per process with its peak memory (:func:`rank_memory_line`).
+
+Invariant: our lines and Megatron-LM's parse into the same records (samples/s and TFLOP/s
+derived where Megatron-LM's line lacks them). The format: docs/megatron_lm_compatibility.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Every Megatron-LM flag our own parser does not define: accepted with Megatron-LM's names,
-types, nargs, choices and defaults, and given one status each.
+types, nargs, choices and defaults, and given one status each (docs/megatron_lm_flags.md).
 
-* ``cpu-noop`` -- a GPU-only feature: on the CPU, one note on rank 0 per flag given; on CUDA
-  the flag is copied into megatron-core's TransformerConfig as Megatron-LM's
-  ``core_transformer_config_from_args`` copies it (``cuda="config"``; ``"te"``: only where
-  transformer-engine imports), or refused;
-* ``noop`` -- accepted with one note (deprecated in Megatron-LM itself, or the value is our only
-  behaviour);
-* ``refused`` -- a FlagError of one line saying why, unless the flag holds Megatron-LM's default
-  (Megatron-LM command lines often spell defaults out).
+* ``cpu-noop`` -- a GPU-only feature: one note on rank 0 on the CPU; on CUDA copied into
+  megatron-core's TransformerConfig as Megatron-LM copies it (``cuda="config"``/``"te"``), or
+  refused;
+* ``noop`` -- accepted with one note (deprecated in Megatron-LM itself, or our only behaviour);
+* ``refused`` -- a FlagError of one line saying why, unless the flag holds Megatron-LM's
+  default (Megatron-LM command lines often spell defaults out).
 
-Flags our parser defines have status ``works``. The flags themselves (option strings, dest,
-type, default, ...) come from ``megatron_lm_flags_core_v0.16.1.json``, Megatron-LM's parser at
-core_v0.16.1 as built by ``tools/flag_table.py --from-source``; this file holds only the
-status of each, by category: a flag's first matching pattern in :data:`_BY_FLAG`, else its
-Megatron-LM argument group in :data:`_BY_GROUP`.
+Flags our parser defines have status ``works``. The flags themselves come from
+``megatron_lm_flags_core_v0.16.1.json`` (Megatron-LM's parser at core_v0.16.1, built by
+``tools/flag_table.py --from-source``); this file holds only each one's status: its first
+matching pattern in :data:`_BY_FLAG`, else its argument group in :data:`_BY_GROUP`.
 """
 
 from __future__ import annotations

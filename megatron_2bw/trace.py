@@ -2,24 +2,16 @@
 
 A record is one action as it ran on one stage: the executor's
 :class:`~megatron_2bw.schedules.executor.TimelineRecord` (a real run) or the simulator's
-:class:`~megatron_2bw.schedules.Span` (``records_from_simulation``). Both become
+:class:`~megatron_2bw.schedules.Span` (``records_from_simulation``); both become
 :class:`TraceRecord`, which also carries the rank that wrote it.
 
     records = records_from_simulation(simulate(pipeline_actions("2bw", 4, 4, 3)))
     to_chrome_trace(records, "2bw.json")     # chrome://tracing or ui.perfetto.dev
     to_png(records, "2bw.png", "PipeDream-2BW, d=4, m=4")
 
-Per-rank files of a real run (one JSON-lines file per rank, :func:`save_records`): the first
-line is a header ``{"rank", "stage", "clock": "perf_counter", "wall_offset"}``, then one record
-per line with ``start``/``end`` in that process's ``time.perf_counter()`` seconds. On CUDA the
-executor times each action with CUDA events, placed on that time line after each call
-(``runtime.clock``), so an action's span is its compute on the device, not its launch.
-``wall_offset = time.time() - time.perf_counter()`` is sampled once when the file is written,
-so ``start + wall_offset`` is wall-clock time, comparable across processes and (with NTP)
-across hosts. :func:`load_records` / :func:`merge_records` put every rank on that wall clock
-and shift the earliest record of all ranks to 0. A file without ``wall_offset`` falls back to
-aligning its own earliest record with 0, which loses the stages' start offsets (the
-pipeline fill is no longer visible); ``merge_records`` reports which alignment it used.
+Invariant: a rank's file (:func:`save_records`) opens with a header holding ``wall_offset``,
+so :func:`merge_records` puts every rank on the wall clock, the earliest record at 0 (a file
+without it is aligned on its own, and merge_records says so). docs/schedules.md has the format.
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """A pipeline stage's weight versions: PipeDream-2BW's double buffer (Narayanan et al., ICML
 2021, Section 3.1) and its N-slot generalisation for PipeDream's weight stashing at m < d.
 
-The 2BW update is
+`WeightVersions` keeps one storage ("slot") per alive version; `use(v)` points every
+parameter's ``.data`` at v's slot, and `fork(v_new)` retires the versions no pass reads any
+more, copies the newest out of slot 0 when it is kept, and leaves the parameters on slot 0.
 
-    W(t+1) = W(t) - lr * grad f(W(t-1))
+Invariants: the new version is always made in slot 0, the parameters' own storage, which
+megatron-core's buffers (and the distributed optimizer's shard views) alias, so the optimizer
+never writes storage an in-flight microbatch reads; a retired version is one no in-flight or
+later pass reads; autograd version counters are reset after an in-place step (`after_step`).
 
-so the optimizer step after batch t reads the newest version W(t) and writes W(t+1), while
-batch t+1's microbatches, already forwarded with W(t), keep reading W(t) until their
-backward passes are done. Under PipeDream at m = 1 (an update per microbatch) stage i's
-in-flight microbatches read d - i - 1 older versions (schedules/pipedream.py): the store
-keeps as many slots as versions alive, N = 1 + ceil((d-i-1)/m).
-
-Invariants:
-  * One storage per alive version ("slot"); ``use(v)`` points every parameter's ``.data`` at
-    ``v``'s slot. Forward, recomputation and backward of a microbatch all run after
-    ``use(version)`` (megatron's linear layers read ``p.data`` in backward).
-  * The new version is always made in slot 0, the "home" slot: the parameters' own storage at
-    construction, which megatron-core's buffers alias (with the distributed optimizer, each
-    DDP bucket's ``param_data``, the optimizer's fp32 shard views of it and the parameter
-    all-gather into it). ``fork(v_new)`` retires every version older than ``keep_from(v_new)``
-    (by default the newest: 2BW's two versions), copies the newest (always in slot 0) out to a
-    free slot if it is kept (the slot of a retired version, else a new one), and points the
-    parameters at slot 0: the optimizer then writes ``v_new`` there, through the parameters or
-    through views of the buffers, without touching storage an in-flight microbatch reads.
-    A retired version is one no in-flight or later pass reads, so its slot may be rewritten.
-  * ``use_derived`` fills slot 1 with weights derived from the newest version
-    (PipeMare's discrepancy-corrected backward weights) and retires the older versions.
-  * An optimizer that updates a Parameter in place bumps its autograd version counter, which
-    in-flight backward passes would take for a modification of what they saved. The counters
-    are reset to their pre-step values (``after_step``): the storage those passes saved was not
-    written.
+The update rule, the slots and why: docs/executor.md, "Weight versions".
 """
 
 from __future__ import annotations

@@ -5,47 +5,13 @@
         PYTHONPATH=/tmp/site:. python scripts/gpu_check.py            # on the GPU machine
     python scripts/gpu_check.py --cpu                                  # tiny sizes, CI
 
-Each part runs in its own process with its own time limit (one that fails or hangs does not stop
-the others). Under ``$OUT`` (else ``--out``, else runs/gpu_check/) go three files, few enough
-for a device call to bring back: ``gpu_check.log`` (every part's full log, in order),
-``summary.json`` (every part's numbers) and the GPU's layer profile ``<gpu>.json``. One short
-table comes last; the exit code is 0 only when every part passed.
-
-  matmul    the device's bf16 matrix-product rate (the MFU denominator): a big torch.matmul
-  train     PP=1 bf16 GPT (~355M parameters on a GPU, local layer spec, mock data) under
-            megatron, flush and 2bw: flush's losses equal megatron's at every iteration, 2bw's
-            at the first only (from the 2nd on it reads the 1-stale weights); ms/iteration,
-            TFLOP/s and MFU side by side
-  resume    2bw with --swiglu: saved at iteration K, resumed from that checkpoint to N; the
-            resumed iterations' losses equal the uninterrupted run's (exactly as printed, or
-            within BF16_NOISE relative, said which)
-  versions  the weight-version harness on a real megatron-core GPT, DDP and optimizer: forward
-            at version 0, fork, optimizer step, use(0), backward: gradients bit-equal to a
-            no-step reference; with the Float16 and the distributed optimizer
-  deferred  2bw's deferred step against its in-place step (fp32): equal weights (relative
-            error <= 1e-6, as the tests' bound); the deferred step's gradient copy holds one
-            fp32 buffer of the stage's parameters (the README's statement), and on a GPU the
-            memory allocated between iterations grows by that much (within 5%; the peak is
-            reported). One GPU holds one stage, where the executor keeps the step in place
-            (nothing to wait for): the harness defers it there all the same
-  waits     host waits on a 1-rank group (NCCL on a GPU): work.wait(timeout=...) against
-            work.wait() behind queued compute; megatron-core's timer start/stop and
-            torch.cuda.empty_cache() behind a pending all-reduce (milliseconds the host blocks)
-  profile   tools/plan.py profile for one layer at shapes that fit one GPU, written as
-            tools/profiles/<gpu>.json (and under $OUT), and the planner's closed-form per-layer
-            prediction error against it
-
-``--cpu`` runs the same parts with tiny sizes on gloo, one process (tests/test_gpu_check.py), so
-the script cannot rot before a GPU is lent.
-
-Through a runner that copies the working tree to the GPU machine, ``wheels/`` is git-ignored and
-must be carried by name; with this workplace's device tool:
-
-    run(command="pip install -q --no-deps --target /tmp/site wheels/*.whl && "
-                "PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. python scripts/gpu_check.py",
-        carry=["wheels"], timeout_s=540)
-
-(``$OUT`` is set there; the three files above come back.)
+Parts: matmul (the bf16 rate), train (megatron, flush and 2bw side by side), resume, versions,
+deferred, waits, profile. Each runs in its own process with its own time limit (one that
+fails or hangs does not stop the others); ``$OUT`` (else --out, else runs/gpu_check/) gets
+gpu_check.log, summary.json and the GPU's layer profile, and one short table comes last.
+Invariants: the exit code is 0 only when every part passed; ``--cpu`` runs the same parts at
+tiny sizes on gloo (tests/test_gpu_check.py); ``wheels/`` is git-ignored, so a runner that
+copies the working tree must carry it by name. What each part checks: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -2,34 +2,17 @@
 """A sweep of what a new user gets wrong: bad flags, bad data and tokenizer files, bad tool
 inputs, and faults (a killed rank, SIGTERM/Ctrl-C, divergence, damaged checkpoints).
 
-Each case runs one command from the repository root, in its own session (process group),
-killed with that group at the case's timeout, with stdout and stderr in one stream
-(``PYTHONUNBUFFERED=1``, ``OMP_NUM_THREADS=1``, ``MEGATRON_2BW_DATA_CACHE`` and every output
-pointed into a temporary folder, so nothing is written into the checkout). Its output is then
-classified:
-
-  OK_ONE_LINE    an error was expected: non-zero exit, the last non-empty line starts with
-                 ``error:``, it is the only distinct ``error:`` line, no usage block, no
-                 ``Traceback`` (under torchrun, torchrun's own ``ChildFailedError`` summary
-                 block and its ``torch.distributed.elastic`` log lines are left out first)
-  OK_EXPECTED    success was expected (SIGTERM, fallback to an older checkpoint, ...): exit 0
-                 and the expected line is in the output
-  TRACEBACK      a ``Traceback`` in the output (after the above is left out)
-  HANG           still running at the timeout (killed)
-  SILENT         exit 0 where an error was expected
-  MULTI_LINE     more than one distinct ``error:`` line, or an argparse usage block
-  NO_ERROR_LINE  non-zero exit, no traceback, but the last line is not an ``error:`` line
-  WRONG_MESSAGE  the outcome was right but the line the case expects is not there
-  FAILED         non-zero exit (one error line) where success was expected
-  SETUP_FAILED   the case's own preparation failed (a bug of this script or of a fixture)
-
     python scripts/try_bad_inputs.py --jobs 2 --keep-going
     python scripts/try_bad_inputs.py --only tool- --keep-going
     python scripts/try_bad_inputs.py --list
 
-Without ``--keep-going`` the sweep stops starting new cases after the first one that is not
-OK_* (the cases in flight finish; the rest are NOT_RUN). The exit code is 0 when every case
-that ran is OK_*, else 1.
+Each case runs one command from the repository root in its own session, killed with it at the
+case's timeout, every output pointed into a temporary folder; its output is classified as
+OK_ONE_LINE, OK_EXPECTED, or a failure (TRACEBACK, HANG, SILENT, MULTI_LINE, NO_ERROR_LINE,
+WRONG_MESSAGE, FAILED, SETUP_FAILED).
+Invariants: nothing is written into the checkout; without --keep-going no new case starts after
+the first one that is not OK_*; the exit code is 0 only when every case that ran is OK_*.
+Each outcome's rule: docs/checkpoints_and_faults.md, "The sweep of bad inputs".
 """
 
 from __future__ import annotations

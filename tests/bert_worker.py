@@ -4,32 +4,14 @@ the reference jobs once the initial weights are written).
 
     python tests/bert_worker.py SPEC.json
 
-The spec: {"out": dir, "init": path, "timeout_minutes": float,
-           "reference": {job: {"rule", "microbatches", "iterations", "binary_head"}},
-           "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
-A run is {"name", "schedule", "pp", "m", "iters", "binary_head"}; data parallelism is
-world / pp. The model is tests.reference.MODEL's size (4 layers, hidden 32, 4 heads, sequence
-16, vocabulary 64, micro batch 2, fp32, no dropout) as a BertModel with tied embeddings, and
-Adam's eps is 1e-6 (see tests/test_schedules_exact.py for why).
+The model is tests.reference.MODEL's size as a BertModel with tied embeddings; the reference
+trains it by torch.optim.AdamW as megatron-core sets it up, under the sync or the 2bw rule, on
+masked-LM + sentence-order loss; each pipeline process builds its stage with
+pretrain_bert_2bw's parser, model provider and forward_step and trains like the loop.
 
-Reference (one process, no pipeline, no DDP, no megatron optimizer): the PP=1 BertModel trained
-by torch.optim.AdamW as megatron-core sets it up on the CPU (no weight decay on biases and 1-D
-parameters, clipping by the global norm), with
-
-    sync:  W(t+1) = AdamW(W(t), g(W(t)))
-    2bw:   W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
-
-g being the gradient of the mean over microbatches of masked-LM loss + sentence-order loss.
-It writes the initial weights to SPEC["init"] and each job's result to <out>/<job>.pt.
-
-Pipeline: each process builds its stage with pretrain_bert_2bw's parser, model provider and
-forward_step, loads its slice of the initial weights, and trains like the loop (zero_grad_buffer,
-zero_grad, forward_backward_func, step); it writes its parameters under their PP=1 names and
-the "lm loss"/"sop loss" its last stage saw to <out>/<run>/rank<r>.pt.
-
-Both read the same microbatches: `microbatch(batch, replica, j)` stacks samples of
-megatron_2bw.data.bert.MockBERTDataset (random ids, random padding, BERT's masking, A/B swapped
-at random).
+Invariant: both sides read the same microbatches (``microbatch(batch, replica, j)`` over
+megatron_2bw.data.bert.MockBERTDataset) and write results under PP=1 names.
+The spec and the rules: docs/testing.md, "The pipeline workers".
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""Shared test set-up: one thread per process, the strict NCCL mode in every child process, and
-a tiny GPT dataset built once per session.
+"""Shared test set-up: one thread per process, the strict NCCL mode in every child process, a
+tiny GPT dataset built once per session, and the ``fast`` marker.
 
-CI has 2 cores and the multi-process tests run 2 processes each: more threads per process only
-make them contend, so every child process inherits OMP_NUM_THREADS=1 from here.
+Every child process inherits OMP_NUM_THREADS=1 (CI has 2 cores and the multi-process tests
+run 2 processes each: more threads only make them contend), and PYTHONPATH with
+``tests/strict`` first, whose ``sitecustomize`` installs strict NCCL mode before anything else
+runs (off with ``MEGATRON_2BW_STRICT=0``). After each test the collectives recorded by the runs
+it started are compared member by member; a disagreement fails the test (records no test read,
+at the end of the session: a disagreement there fails the session).
 
-Strict mode (``tests/strict/strict_comm.py``; off with ``MEGATRON_2BW_STRICT=0``): every
-process a test starts (spawned workers, torchrun and its workers, plain subprocesses) inherits
-PYTHONPATH with ``tests/strict`` first, whose ``sitecustomize`` installs the wrappers before
-anything else runs. After each test, the collectives recorded by the runs it started are
-compared member by member; a disagreement fails the test (records no test read, at the end
-of the session: a disagreement there fails the session).
+`make test-fast` runs the tests marked ``fast`` (`FAST`): the unit tests, which start no
+training process, and one exactness run of every schedule. docs/testing.md says more.
 """
 
 from __future__ import annotations
@@ -76,6 +76,57 @@ def example_data(tmp_path_factory) -> Path:
                           str(root)], timeout=120)
     assert done.returncode == 0, done.tail()
     return root
+
+
+FAST = (
+    # unit tests: schedules as data, the simulator, the planner, flags, parsers, tokenizers
+    "tests/test_compare.py::", "tests/test_flag_table.py::", "tests/test_fusions.py::",
+    "tests/test_host_waits.py::", "tests/test_import_layers.py::",
+    "tests/test_interleaved_data.py::", "tests/test_layer_split.py::", "tests/test_moe.py::",
+    "tests/test_planner.py::", "tests/test_planner_megatron_memory.py::",
+    "tests/test_planner_moe.py::", "tests/test_planner_published.py::",
+    "tests/test_planner_split.py::", "tests/test_planner_structure.py::",
+    "tests/test_schedules_data.py::", "tests/test_schedules_nccl.py::",
+    "tests/test_tokenizers.py::", "tests/test_trace.py::", "tests/test_versions.py::",
+    "tests/test_vshape.py::", "tests/test_weights.py::", "tests/test_wgrad.py::",
+    # one exactness run of every schedule against its single-process reference, in one launch
+    # group of 2 processes: the loop, virtual stages and the V, each on an uneven split
+    "tests/test_layouts_exact.py::",
+)
+"""Node-id prefixes of the tests `make test-fast` runs (marked ``fast``), but FAST_EXCEPT."""
+FAST_EXCEPT = (
+    "tests/test_planner.py::test_every_combination_the_planner_accepts_launches",
+    "tests/test_planner.py::test_written_launch_script_trains_from_another_folder",
+    "tests/test_planner_moe.py::test_every_feasible_moe_layout_passes_the_trainings_validation",
+    "tests/test_planner.py::test_gpt3_175b_on_1024_h100s_plans_fast",
+)
+"""Tests under FAST that train, validate every feasible layout (9 s), or hold a wall-clock bound
+that a machine busy with other runs breaks: `make test` only."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "fast: in `make test-fast` (unit tests and one exactness run per schedule)")
+
+
+def _fast_only(config) -> bool:
+    return config.getoption("markexpr", "") == "fast"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m fast`` a test module without fast tests is not even imported."""
+    if _fast_only(config) and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_"):
+        module = collection_path.relative_to(config.rootpath).as_posix() + "::"
+        if module not in FAST:
+            return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(FAST) and not item.nodeid.startswith(FAST_EXCEPT):
+            item.add_marker(pytest.mark.fast)
 
 
 _records = None

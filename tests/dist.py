@@ -1,21 +1,16 @@
 """Launch multi-process runs for tests: spawned gloo workers and torchrun.
 
-Every launch has a wall-clock limit, so a hung collective fails the test instead of hanging CI.
-
     spawn(fn, world_size, *args, out_dir=..., timeout=...) -> [fn's return value on each rank]
-        runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with torchrun's
-        environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port); ``fn`` must be
-        importable (module level) and return something ``torch.save`` can write.
     torchrun(script_args, nproc, ...) -> Launch
-        ``torchrun --nproc-per-node N script ...`` with a free port; stdout and stderr together.
-    python(script_args, ...) -> Launch
-        the same script in one plain process (fast: no launcher, no process group).
+    python(script_args, ...) -> Launch          # one plain process
     tagged_processes(tag) -> [pid]
-        the live processes started with MEGATRON_2BW_TEST_TAG=tag in their environment.
 
-``spawn``, ``torchrun`` and ``python`` fork their processes from tests/prefork.py, which has
-imported torch and megatron-core once per session, unless the launch changes what a process
-reads at its start (see ``_forkable`` and ``_prefork_server``).
+Invariant: every launch has a wall-clock limit, so a hung collective fails the test instead of
+hanging CI. ``spawn``, ``torchrun`` and ``python`` fork their processes from tests/prefork.py,
+which has imported torch and megatron-core once per session, unless the launch changes what a
+process reads at its start (``_forkable``, ``_prefork_server``).
+
+The functions in full: docs/testing.md, "Launching".
 """
 
 from __future__ import annotations

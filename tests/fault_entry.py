@@ -2,20 +2,14 @@
 
     torchrun ... tests/fault_entry.py pretrain_gpt_2bw.py FLAGS...
 
-With ``MEGATRON_2BW_TEST_ENOSPC=SUBSTRING`` (and, optionally, ``MEGATRON_2BW_TEST_ENOSPC_RANK``
-naming the only rank it hits), opening for writing any path that contains SUBSTRING raises
-``OSError(ENOSPC)``, as a full file system would: ``open``, ``io.open`` and ``pathlib``'s
-``Path.open`` (torch.distributed.checkpoint's file writer) all go through it. Reads and other
-paths are untouched.
+``MEGATRON_2BW_TEST_ENOSPC=SUBSTRING``: opening for writing a path that contains SUBSTRING
+raises ``OSError(ENOSPC)``, as a full file system would. ``MEGATRON_2BW_TEST_STALL=
+MODULE:ATTRIBUTE:N``: the process stops itself (SIGSTOP) at the N-th call of that function.
+``MEGATRON_2BW_TEST_EXIT_DIR=DIR``: each rank writes its exit code to ``DIR/rank<RANK>``.
+``..._RANK`` variables limit a fault to one rank.
 
-With ``MEGATRON_2BW_TEST_STALL=MODULE:ATTRIBUTE:N`` (and ``MEGATRON_2BW_TEST_STALL_RANK``, the
-only rank it hits), the process stops itself (SIGSTOP: a frozen node) at the N-th call of
-``MODULE.ATTRIBUTE`` (a function or ``Class.method``), e.g.
-``megatron_2bw.schedules.p2p:StageComm.exchange:20``.
-
-With ``MEGATRON_2BW_TEST_EXIT_DIR=DIR``, each rank writes its exit code to ``DIR/rank<RANK>``
-(``exception`` when the script raised) in its last exit hook, once nothing (a helper process
-joined at exit) holds it any more.
+Invariant: nothing else changes (reads and other paths are untouched).
+The variables in full: docs/testing.md, "Launching".
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Read a package's imports from its source with `ast`, for the tests that hold its layers.
 
-Every import statement counts, at any depth: module level, inside functions and methods, under
-``if TYPE_CHECKING:``; a lazy import that closes a circle is still a circle (it only moves the
-failure from import time to the first call). Nothing is imported or run: pure Python,
-milliseconds.
-
-An import names one module: ``import a.b`` and ``from a.b import c`` name ``a.b``, or
-``a.b.c`` where that is a module of the package (``from megatron_2bw import schedules``
-names the subpackage ``megatron_2bw.schedules``). The parent packages Python initialises on the
-way (``a``'s ``__init__``) are not counted: every module would otherwise import the
-top-level ``__init__``.
-
     graph = import_graph(REPO / "megatron_2bw")    # {"megatron_2bw.cli": {"megatron_2bw..."}}
     circles(within(graph, "megatron_2bw"))   # [["a", "b", "a"], ...]: one per knot, [] if none
+
+Invariants: every import statement counts, at any depth (functions, ``if TYPE_CHECKING:``; a
+lazy import that closes a circle is still a circle); an import names one module (``a.b``, or
+``a.b.c`` where that is a module of the package), not the parent packages initialised on the
+way; nothing is imported or run.
+
+More: docs/testing.md, "Reading imports".
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """A process that has imported torch, megatron-core and megatron_2bw once and forks the tests'
 launches of the entry scripts from there (``tests/dist.py``'s ``torchrun`` and ``python``).
 
-Each process of a launch otherwise spends most of its life importing (about 8 s of CPU for
-torch, megatron-core, transformers and TorchDynamo on CI's machine; a 2-rank torchrun launch
-pays it twice plus torchrun's own import of torch). Forked from here, every launch starts with
-those modules in memory and the suite saves that much per launch.
-
-What a forked launch keeps of the launch it replaces:
-  * each rank is its own process in its own session (as torchrun starts them), with
-    torchrun's environment variables and signal dispositions (whatever this process
-    inherited: nohup, a CI runner), the launch's environment and working directory,
-    ``sys.argv`` and ``sys.path[0]`` of ``python SCRIPT ...``, the script run as ``__main__``,
-    its exit code (an uncaught exception: its traceback and 1; ``sys.exit("text")``: the text
-    and 1), and non-daemon threads and ``atexit`` functions run at its end;
-  * the strict NCCL mode: this process starts with ``tests/strict`` first on its path, so its
-    ``sitecustomize`` installs the wrappers before anything binds ``torch.distributed``;
-  * torchrun's reaction to a failed rank: SIGTERM to the others' sessions, SIGKILL 30 s later,
-    and exit code 1; a plain launch's exit code is its process's;
-  * stdout and stderr of every rank interleaved in one output;
-  * only modules the GPT and BERT runs import are imported here, megatron_2bw first (its
-    import hook decides megatron-core's fuser at megatron-core's import, as in every entry
-    script); nothing runs here that a run's own start would do (no process group, no seed).
-Launches that change the interpreter's start (a variable read before the script runs,
-torchrun's own flags, ``python -c``) run the ordinary way (``tests/dist.py`` decides). Off
-with ``MEGATRON_2BW_TEST_PREFORK=0``.
-
     python -m tests.prefork SOCKET    # serves launches, one at a time, until its parent ends
 
-A request: {"argv": [script, ...], "nproc": N (0: a plain process), "env": {...}, "cwd": dir,
-"port": master port, "out": output file, "timeout_s": s}, or for ``spawn`` "call": {"module",
-"name", "args": pickle file, "out_dir"} instead of "argv"; the answer: {"returncode",
-"exit_codes", "timed_out"}.
+Invariants: a forked launch keeps what the launch it replaces would have: each rank its own
+process and session with torchrun's environment and signal dispositions, the script as
+``__main__`` with its argv, path and exit code, strict NCCL mode, torchrun's reaction to a
+failed rank, the ranks' output interleaved; nothing runs here that a run's own start would do.
+Launches that change the interpreter's start run the ordinary way (``tests/dist.py`` decides);
+off with ``MEGATRON_2BW_TEST_PREFORK=0``.
+
+The request and answer formats and what is kept, item by item: docs/testing.md, "Launching".
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Single-process references for the schedule exactness tests (tests/test_schedules_exact.py).
 
-One full-size GPT (GPT-2-style, or Llama-style with ``Model.llama``; no pipeline, no tensor
-parallelism, no DDP, no megatron optimizer), trained by a plain PyTorch loop with
-``torch.optim.AdamW`` set up as megatron-core's ``get_megatron_optimizer`` sets it up on the
-CPU (torch AdamW; no weight decay on biases and 1-D parameters; gradient clipping by the global
-norm as ``megatron/core/optimizer/clip_grads.py`` does it):
-
-    synchronous (GPipe, Flush, naive):  W(t+1) = AdamW(W(t), g(W(t)))
-    2BW (Section 3.1):                  W(t+1) = AdamW(W(t), g(W(max(t-1, 0))))
-    PipeDream (weight stashing, d stages, m microbatches per batch, any m >= 1):
-        W_i(t+1) = AdamW(W_i(t), sum_j g_i,j) where microbatch j of batch t (global index
-        k = t m + j) reads, on stage i, W_i(max(floor((k - w_i) / m), 0)), w_i = d-i-1: in
-        1F1B its forward runs right after the backward of microbatch k - w_i - 1, so it reads
-        the version of the steps after every batch whose backwards are done by then (with
-        m >= d: W_i(t-1) for the look-ahead microbatches j < w_i, else W_i(t); with m = 1, an
-        update per microbatch, W_i(k - w_i), as in PipeDream, SOSP 2019, Section 3.3)
-    PipeMare (no stashing): forwards as PipeDream's, every backward at W_i(t) (with the
-        discrepancy correction W_i(t) - delta_i where the forward read W_i(t-1)); the first
-        `sync_iters` batches read W(t) throughout
-
-where g(W) is the gradient of the mean microbatch loss of batch t over all data-parallel
-replicas' microbatches, and stage i of d holds layers [i L/d, (i+1) L/d), the embedding on
-stage 0 and the final norm and output layer on stage d-1. A tied output layer is a copy of the
-word embedding on the last stage (as in Megatron's pipeline): under PipeDream the two copies are
-read at different versions, so the reference keeps them apart, sums their gradients (Megatron's
-embedding all-reduce) and counts the sum once in the clipping norm. The data (``microbatch``) is a pure function of (seed, batch, replica,
-microbatch) shared with the pipeline worker (tests/schedule_worker.py).
-
-A batch size that changes from batch to batch (``microbatches`` a list m_0, m_1, ...: a
---rampup-batch-size run, tests/test_batch_rampup.py) reads one stream per replica instead
-(``stream_microbatch``): batch t holds the m_t microbatches after those of batches < t, and
-g is the mean over its own m_t microbatches. ``lrs`` gives each step its learning rate.
+One full-size GPT (GPT-2-style, or Llama-style with ``Model.llama``), trained by a plain PyTorch
+loop with ``torch.optim.AdamW`` set up as megatron-core sets it up on the CPU, under each
+schedule's update rule: synchronous W(t+1) = AdamW(W(t), g(W(t))), 2BW's
+W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))), PipeDream's and PipeMare's per-stage rules.
 
     python tests/reference.py SPEC.json     # writes SPEC["init"] and SPEC["out"]/<job>.pt
 
-(tests/schedule_worker.py runs the same jobs in a forked process beside the pipeline runs.)
+Invariants: the data (``microbatch``, ``stream_microbatch`` for a changing batch size) is a
+pure function of (seed, batch, replica, microbatch) shared with tests/schedule_worker.py; a
+tied output layer is kept apart from the embedding (PipeDream reads the two at different
+versions), their gradients summed and counted once in the clipping norm.
+The rules in full: docs/testing.md, "The exactness references".
 """
 
 from __future__ import annotations

@@ -3,39 +3,15 @@
     python tests/schedule_worker.py SPEC.json               # launcher: forks every process
     torchrun --standalone --nproc-per-node N tests/schedule_worker.py SPEC.json --group NAME
 
-The spec: {"out": dir, "init": path | null, "timeout_minutes": float, "count_host_syncs"?: bool,
-           "reference": {job: {...}},                       # tests/reference.py jobs (optional)
-           "groups": {name: {"world": N, "timeout_s": s, "runs": [run, ...]}}}
-
-The launcher imports torch and megatron-core once, then forks: first one process for the
-single-process reference jobs (they also write the initial weights), then, once the initial
-weights are written and while the reference jobs go on beside them, per group, `world`
-processes over gloo. It waits for every process of a group on its own (no process is ended
-because a peer failed; the group's deadline kills, or a group whose live processes are all
-stopped by a signal) and writes each group's exit codes and
-wall time to <out>/launch.json; each process writes its output to <out>/<group>/rank<r>.log.
-
-Each process runs the group's runs one after another in the same process group: (re)initialize
-megatron's model-parallel groups for the run's TP x PP (DP = world / (TP x PP)), build model,
-optimizer and LR schedule with megatron_2bw.training.build from Megatron-LM flags, load this
-rank's slice of the initial weights, install the schedule and train like
-megatron_2bw/training/loop.py (zero_grad_buffer, zero_grad, forward_backward_func, step); a
-schedule with `prepare_drain` gets it before its last call and `drain()` after it. Each rank
-then writes its parameters under their PP=1/TP=1 names with the dimension tensor parallelism
-splits them on, and the losses its last stage saw, to <out>/<run>/rank<r>.pt.
-
-With "count_host_syncs" the launcher installs the host-sync counter (tests/strict/host_syncs.py)
-before it forks, and each rank's result holds its syncs per iteration by site ("host_syncs").
-Without "init" the runs keep megatron-core's initial weights (from the seed).
-
-A run is {"name", "schedule", "tp", "pp", "m", "iters", "recompute"?, "tie"?, "model"?, "fail"?,
-"from_seed"?, "split"?}; "from_seed": the run keeps its own initial weights (from --seed) and
-saves them; "split": its layers per virtual stage in model order, where its flags split them
-unevenly;
-"model" overrides fields of tests.reference.MODEL (``llama``: Megatron-LM's Llama-style
-flags, tests.reference.LLAMA_FLAGS); "fail": {"stage": s, "send": n} makes the
-exchange holding stage s's n-th pipeline send raise, "stall": {"stage": s, "exchange": n} stops
-stage s's process at its n-th exchange (faults of this test, not of the product).
+The launcher imports torch and megatron-core once, forks one process for the single-process
+reference jobs (tests/reference.py; they write the initial weights), then per launch group
+`world` processes over gloo, which run the group's runs one after another: build with
+megatron_2bw.training.build from Megatron-LM flags, load their slice of the initial weights,
+train like the loop, and write their parameters under PP=1/TP=1 names and their losses.
+Invariants: every process of a group is waited for on its own (only the group's deadline
+kills); each group's exit codes and wall time land in <out>/launch.json, each rank's output in
+<out>/<group>/rank<r>.log, each run's result in <out>/<run>/rank<r>.pt. The spec and the run
+fields (fail, stall, split, model, ...): docs/testing.md, "The pipeline workers".
 """
 
 from __future__ import annotations

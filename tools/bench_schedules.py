@@ -2,62 +2,16 @@
 
     python tools/bench_schedules.py [--depth 2 --microbatches 2 --iters 20 --warmup 3]
 
-Every schedule (2bw, flush, gpipe, pipedream, pipemare, zb-h1, naive, and megatron = Megatron's
-own 1F1B) trains the same GPT with PP = d on d single-threaded CPU processes (one stage per
-core, gloo p2p), and so does the same model on ONE process (PP = 1, same global batch) for the
-bubble-free ideal (2BW refuses m < d: with --microbatches below --depth its row,
-"2bw (m=d)", runs d microbatches per batch, and PipeDream's memory at m = 1 shows beside it):
+Every schedule trains the same GPT with PP = d on d single-threaded CPU processes, and the same
+model on ONE process gives the bubble-free ideal (single-process time / d); d copies of that
+process at once ("single, d at once", "vs busy") check what the machine's shared cores cost.
+Each run is torchrun over this file in worker mode, timing each ``train_step`` of megatron-2bw's
+``Trainer`` (no evaluation, checkpoint or log collective; warm-up and the drain not measured).
 
-    ideal time per iteration = single-process time / d
-
-and, as a check of the machine, d copies of that single process run at once, one per core
-("single, d at once"; the "vs busy" column): on a machine whose cores share caches, memory
-bandwidth or a host, a process runs slower while the other cores work, which a pipeline of d
-busy processes pays and a process alone does not. Each copy holds the whole model (a stage holds
-1/d of it), so this reference errs on the slow side.
-
-Each run is ``torchrun`` over this file in worker mode: an in-process harness builds megatron-2bw's
-``Trainer`` and times each ``train_step`` (forward/backward of the m microbatches, the
-optimizer step) with ``time.perf_counter``; no evaluation, no checkpoint, no log-interval
-collective. The first ``--warmup`` iterations and the last one (2BW's drain) are not measured.
-A stage's time per iteration is the median of its measured iterations; the table shows the
-slowest stage. Training data are random tokens (the data pipeline is not what is measured).
-
-Memory columns, per stage: peak stashed activations (microbatches forwarded and not yet
-through their backward: B, or I for zb-h1) from the schedule's action lists (Megatron's 1F1B
-has PipeDream-Flush's order); their bytes = count x the tensors one microbatch's forward saves
-for backward on that stage (measured with autograd's saved-tensor hooks, parameters excluded;
-the boundary activation alone is s*b*h*4 bytes in fp32); weights = the most bytes the stage's
-weight versions held at once, measured after every iteration (every alive version's tensors:
-2 versions for 2BW, 1 + ceil((d-1-i)/m) for PipeDream, d - i at m = 1); W = the most bytes zb-h1's pending
-weight-gradient passes keep at once (measured). ``copied`` counts the bytes written by tensor
-copies in one iteration (a dispatch mode on ``copy_``, ``clone`` and ``_to_copy``).
-
-Zero bubble: with flush and zb-h1 in the run, the lines under the table give each stage's
-measured action times (T_F, T_B; T_F, T_I, T_W: medians from the executor's timeline), the
-bubble the zero-bubble paper's formulas predict from them, (d-1)(T_F+T_B) and
-(d-1)(T_F+T_I-T_W) (Qi et al. 2024, Section 2.1), next to the measured one (per stage, an
-iteration's time outside its actions), zb-h1's samples/s over flush's and their copies.
-
-Fairness: by default ``--clip-grad 0 --untie-embeddings-and-output-weights``. A grad-norm
-all-reduce over the pipeline stages (clipping) or the tied-embedding all-reduce between the first
-and the last stage synchronises all stages at every optimizer step, which the other schedules
-pay anyway in their flush; under 2BW it would add a (d-1) x backward stall per batch, which the
-deferred step removes (``megatron_2bw.deferred``; ``--no-deferred-step`` keeps the stall).
-``--clip-grad 1.0 --tie-embeddings`` turns them back on; ``--sync-variants`` adds rows with them:
-2bw deferred, 2bw with the step where the loop calls it, and flush. ``--moe-variants`` adds
-"2bw +moe" and "flush +moe": the same GPT with every FFN a Mixture of Experts (``MOE_FLAGS``).
-megatron-core 0.16.1's ``ChainedOptimizer.step()`` computes the grad norm (an all-reduce over
-the model-parallel group) even with clipping off; the training code steps its one inner optimizer
-instead (``megatron_2bw.training.build``), and ``--chained-optimizer`` puts megatron-core's
-wrapper back to show what that all-reduce costs (2BW's deferred step skips it).
-
-Where the time goes, per stage (``a/b`` = stage 0/stage 1, medians over measured iterations):
-``cpu ms`` the main thread's CPU time (compute and Python), ``runq ms`` its run-queue delay
-(ready to run while another process had the core: load from outside the benchmark, or the
-stages of one pipeline sharing a core), ``recv ms`` time blocked in the executor's p2p exchanges
-(fused send/receive groups: idle waiting for the neighbour; '-' for Megatron's own schedule and PP=1). Per iteration,
-wall ~ cpu + runq + recv + time blocked in collectives.
+Invariants: every row trains the same model on the same random tokens; the table shows the
+slowest stage's median; memory columns are measured (saved-tensor hooks, weight versions after
+every iteration); clipping and tied embeddings are off unless asked for (they would synchronise
+the stages at every step). Every column and variant: docs/bench_schedules.md.
 """
 
 from __future__ import annotations

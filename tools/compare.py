@@ -3,30 +3,15 @@ model and global batch trained with several (schedule, layout) entries, side by 
 
     python tools/compare.py                       # tiny GPT, 2 CPU processes, 5 entries
     python tools/compare.py --from-logs "2BW=runs/a.log" "GPipe=runs/b.log"   # logs of GPU runs
-    python tools/compare.py --from-logs "Megatron-LM=runs/mlm.log" "2BW=runs/a.log"
 
---from-logs reads our logs and Megatron-LM's own (its ``training_log`` lines): schedule and
-layout come from our header line, else from Megatron-LM's printed arguments (its own schedule,
-``megatron``), else they show as n/a.
+The default entries (Tensor MP, Inter-layer MP, GPipe, PipeDream-Flush, PipeDream-2BW) are
+real ``pretrain_gpt_2bw.py`` runs under torchrun; --from-logs reads our logs and Megatron-LM's
+own (``megatron_2bw.logparse``). Prints one table and writes a PNG bar chart of throughput and
+peak memory per configuration.
 
-Default entries, each on ``--nproc`` processes:
-
-    Tensor MP         --pipeline-schedule megatron, TP=2 (Megatron-LM's intra-layer MP)
-    Inter-layer MP    --pipeline-schedule naive, PP=2 (model parallelism without pipelining)
-    GPipe             --pipeline-schedule gpipe, PP=2
-    PipeDream-Flush   --pipeline-schedule flush, PP=2
-    PipeDream-2BW     --pipeline-schedule 2bw, PP=2
-
-Every entry is a real ``pretrain_gpt_2bw.py`` (or ``pretrain_bert_2bw.py``) run under torchrun
-with ``--log-interval`` iterations per log line and no evaluation. Numbers come from its log
-lines (``megatron_2bw.logparse``): the median over the lines after ``--warmup`` iterations,
-without the last line (its interval holds the end-of-training drain); with ``--rounds N`` the
-entries run N times, interleaved, and the table shows each entry's median round. Each process prints its
-peak memory when it finishes (accelerator memory allocated on GPUs, resident set on CPUs, which
-includes the Python and torch runtime). ``stash`` and ``versions`` are what the schedule keeps
-per stage by its action lists (the simulator), as in the paper's Figure 7.
-
-Prints one table and writes a PNG bar chart of throughput and peak memory per configuration.
+Invariants: numbers are medians over the log lines after --warmup, without the last (its
+interval holds the drain), each entry's median round with --rounds; ``stash`` and ``versions``
+come from the action lists. Entries, columns: docs/schedules.md, "The paper's baseline comparison".
 """
 
 from __future__ import annotations

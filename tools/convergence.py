@@ -4,28 +4,14 @@ Section 5.1 and Figure 5.)
     python tools/convergence.py                   # small GPT, 2 CPU processes, ~10-20 min
     python tools/convergence.py --model bert      # the same for BERT (masked-LM loss)
     python tools/convergence.py --plot-only       # redraw from the logs of an earlier run
-    python tools/convergence.py --schedules 2bw,flush,pipedream,pipemare,pipemare-t2 \
-        --num-layers 2 --hidden-size 64 --seq-length 64 --lr 1e-3 --iters 800 \
-        --corpus-chars 16000000                   # docs/convergence.md's study, one config
 
-Trains the same model with ``--pipeline-schedule 2bw`` and with ``flush`` (PipeDream-Flush:
-the update of plain mini-batch SGD/Adam, the paper's "vanilla" optimizer) on PP=2 over 2 CPU
-processes, from the same initialization (same ``--seed``) on the same data (the embedded
-corpus, the same sample order). Plots training and validation loss against iteration on one
-PNG, prints the final losses and the relative gap of 2bw's final validation loss to flush's:
-
-    gap = (valid_2bw - valid_flush) / valid_flush
-
-and, as the paper measures 2BW's cost (Section 5.1: vanilla matches 2BW's perplexity with 20%
-fewer iterations), the iterations the reference (``--reference``, flush) needs to reach each
-other schedule's validation loss at a quarter, half, three quarters and the end of its run
-(interpolated along the reference's validation curve), and the time each takes to that loss:
-iterations x the run's own median logged ms/iteration. It prints how many epochs of the
-corpus's training split a run covers and warns past one: a run that repeats its data compares
-the schedules where validation loss flattens, and there a small loss gap is a large iteration
-gap; ``--corpus-chars`` takes a larger corpus.
-
-Logs, the PNG and a JSON summary go to ``--out`` (default ``runs/convergence/MODEL``).
+Trains the same model under each schedule (by default 2bw and flush) on PP=2 over 2 CPU
+processes, from the same initialization on the same data; plots training and validation loss,
+prints the final gap and the iterations the reference (--reference, flush) needs to reach each
+run's validation loss at a quarter, half, three quarters and the end of its run. Invariant: it
+warns when a run covers more than one epoch of the corpus's training split (--corpus-chars
+takes a larger one). Logs, PNG and JSON summary go to --out. The study and how to reproduce
+it: docs/convergence.md ("The tool", "Reproducing").
 """
 
 from __future__ import annotations

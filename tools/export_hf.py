@@ -2,31 +2,16 @@
 
     python tools/export_hf.py --load checkpoints/run --out hf/run [--iteration N]
 
-``--load`` is a --save directory (its latest_checkpointed_iteration.txt names the checkpoint;
-``--iteration`` picks another) or one ``iter_XXXXXXX`` folder. The folder gets
+``--load`` is a --save directory or one ``iter_XXXXXXX`` folder. The folder gets
 ``config.json``, ``model.safetensors`` and, where the run's tokenizer has a Hugging Face form,
-its files (GPT2BPETokenizer as a byte-level BPE tokenizer.json; BertWordPiece* as a WordPiece
-tokenizer.json with Megatron-LM's ids, [BOS]/[EOS] included; HuggingFaceTokenizer: the folder's
-tokenizer; the SentencePiece types: tokenizer.model as a LlamaTokenizer).
+its files. One CPU process builds the model at TP = PP = 1 from the saved flags and
+megatron-core's dist_checkpointing reshards the saved tensors into it (under 2BW the newer
+weight version); then names map: GPT-2 style -> ``GPT2LMHeadModel``, Llama style ->
+``LlamaForCausalLM``, BERT -> ``MegatronBertForPreTraining`` (binary head) or
+``MegatronBertForMaskedLM``. Invariant: a checkpoint of any TP/PP/V layout exports to the same
+folder; anything without a Hugging Face equivalent here is refused with one line.
 
-The checkpoint may have been saved with any TP/PP/V layout: one CPU process builds the model at
-TP = PP = 1 from the saved flags and megatron-core's dist_checkpointing reshards the saved
-tensors into it (the "model" entries: under 2BW the newer weight version). Then names map:
-
-* GPT-2 style (learned positions, LayerNorm, GeLU, biases, multi-head attention) ->
-  ``GPT2LMHeadModel`` (Conv1D weights are [in, out]: transposed);
-* Llama style (rope, RMSNorm, SwiGLU, no biases, GQA allowed) -> ``LlamaForCausalLM``;
-* BERT (megatron-core's BertModel: pre-LayerNorm layers, a final LayerNorm, learned positions,
-  GeLU, biases) -> ``MegatronBertForPreTraining`` with the binary head (its pooler and
-  sentence-order head), ``MegatronBertForMaskedLM`` without: transformers' BERT with
-  Megatron's LayerNorm placement (``BertForPreTraining``'s post-LayerNorm layers compute
-  another function).
-
-megatron-core's fused QKV weight holds, for each query group g, the group's query heads, then
-its key head, then its value head: rows [g * (q + 2) * d, (g + 1) * (q + 2) * d) with q query
-heads per group and head size d. Its GLU ``linear_fc1`` is [gate; up] (``torch.chunk`` in the
-MLP: activation(first half) * second half). Anything else has no Hugging Face equivalent here
-and is refused with one line.
+The mappings (fused QKV, GLU, Conv1D): docs/megatron_lm_compatibility.md, "Export to Hugging Face".
 """
 
 from __future__ import annotations

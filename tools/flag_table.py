@@ -5,19 +5,13 @@
     python tools/flag_table.py --from-source /work/.mirror/NVIDIA+Megatron-LM/repo \
         --tag core_v0.16.1                     # rewrite the reference list of Megatron-LM's flags
 
-The reference list (``megatron_2bw/megatron_lm_flags_core_v0.16.1.json``) is made by *building
-Megatron-LM's own parser*, not by reading its source: ``--from-source`` extracts
-megatron/training/{arguments,argument_utils,training_config,common_config,resilience_config}.py
-at ``--tag`` (from a bare git mirror, or a checkout when no tag is given) into a temporary
-``megatron/training`` package, next to the installed megatron-core (whose ``TransformerConfig``
-the ArgumentGroupFactory turns into ~170 flags), with two stubs: an empty package
-``__init__`` (the real one imports the whole training loop) and ``megatron.training.utils``
-(four printing/device helpers arguments.py imports and never calls while building the parser).
-It then calls ``add_megatron_arguments(parser)`` and records every action: its option strings,
-dest, argparse action, type, nargs, choices, default and group.
+Invariant: the reference list (``megatron_2bw/megatron_lm_flags_core_v0.16.1.json``) is made by
+*building Megatron-LM's own parser* at ``--tag`` (its training arguments modules extracted next
+to the installed megatron-core, with two stubs), not by reading its source: every action's
+option strings, dest, type, nargs, choices, default and group as argparse holds them. The
+table's status comes from our parsers (``works``) and from ``megatron_2bw/megatron_lm_flags.py``.
 
-The table's status comes from our parsers (``works``: GPT's or BERT's parser defines the flag)
-and from the registry of the rest (``megatron_2bw/megatron_lm_flags.py``).
+How the parser is built: docs/megatron_lm_compatibility.md, "Flags".
 """
 
 from __future__ import annotations

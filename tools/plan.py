@@ -4,24 +4,14 @@
            launch.sh (torchrun) and plan.sbatch (Slurm) under --out, print table and scripts
       tools/plan.py --cluster dgx-h100 --nodes 128 --global-batch-size 1536 \\
           --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
-      (Mixture of Experts: add Megatron-LM's --num-experts 8 --moe-router-topk 2 ...
-       --disable-bias-linear; --expert-model-parallel-size fixes or limits e)
   profile  measure one transformer layer (and the embedding, head, optimizer step, local
-           links) on this device; writes tools/profiles/<device>.json
-      tools/plan.py profile --num-layers 4 --hidden-size 128 --num-attention-heads 4 \\
-          --seq-length 128 --vocab-size 1024 --micro-batch-sizes 1,2,4 --tensor-parallel-sizes 1,2
-  profile --end-to-end  train layouts for a few iterations with torchrun, record time per
-           iteration and peak memory; with --profile also print predicted vs measured
-      tools/plan.py profile --end-to-end --layouts t1d2w1b4:2bw,t2d1w1b4:megatron ... \\
-          --global-batch-size 16 --profile tools/profiles/cpu-....json
+           links) on this device into tools/profiles/<device>.json; --end-to-end trains
+           layouts for a few iterations with torchrun instead (time and peak memory)
   report   predicted vs measured for an end-to-end profile
-      tools/plan.py report --measured e2e.json --profile tools/profiles/cpu-....json
   --evaluate  one given layout (a Megatron launch command, or t8d4b1v2:megatron+rc) beside the
            planner's choice: time per iteration, TFLOP/s per GPU, memory per stage, the limit
-      tools/plan.py --cluster dgx-a100 --nodes 64 --evaluate "pretrain_gpt.py \\
-          --tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --num-layers 48 \\
-          --hidden-size 8192 --num-attention-heads 64 --seq-length 2048 \\
-          --micro-batch-size 4 --global-batch-size 1536 --recompute-granularity full --fp16"
+
+Every subcommand's example, Mixture of Experts, profiles and accuracy: docs/planner.md.
 """
 
 from __future__ import annotations

@@ -2,20 +2,16 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my \\
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my \\
-        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
-        --append-eod --workers 2
 
 writes `data/my_text_document.bin/.idx` (`_sentence` with --split-sentences); pass
-`--data-path data/my_text_document` to training.
+`--data-path data/my_text_document` to training. Every flag of Megatron-LM's
+tools/preprocess_data.py (core_v0.16.1) is accepted.
 
-Every flag of Megatron-LM's tools/preprocess_data.py (core_v0.16.1) is accepted. Documents are
-always written in input order, so --partitions and --keep-sequential-samples give the same
-bytes as one partition; sentences are split by a language-independent rule that keeps every
-character (--lang is accepted, newlines are always kept).
-
-Bad input (a missing or unparsable file, a bad flag) ends the tool with one `error:` line and
-exit code 2; flags and files are checked before megatron-core is imported.
+Invariants: documents are always written in input order, so --partitions and
+--keep-sequential-samples give the same bytes as one partition; sentence splitting keeps every
+character; bad input ends the tool with one `error:` line and exit code 2, flags and files
+checked before megatron-core is imported.
+More (GPT-2 BPE files, sentences): docs/data.md, "Preprocessing".
 """
 
 import argparse

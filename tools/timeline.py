@@ -1,44 +1,17 @@
 """Draw pipeline timelines (PNG in the style of the PipeDream-2BW paper's Figures 1-3, and Chrome
 trace JSON for chrome://tracing or ui.perfetto.dev), simulated or recorded from a real run.
 
-Simulated schedule (no processes; time in units of one forward):
-
     python tools/timeline.py --simulate --schedule 2bw --depth 4 --microbatches 4 --batches 3 \
-        [--forward 1 --backward 2 --p2p 0] --png runs/timeline/sim_2bw.png \
-        --chrome-trace runs/timeline/sim_2bw.json
+        --png runs/timeline/sim_2bw.png --chrome-trace runs/timeline/sim_2bw.json
+    python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 --png OUT.png -- <flags>
+    torchrun --nproc-per-node 4 tools/timeline.py record --out DIR -- <flags>   # on a cluster
+    python tools/timeline.py --records DIR --png OUT.png
 
-Real run: ``run`` starts ``torchrun`` with ``record`` on every rank, then draws. ``record``
-runs ``pretrain_gpt_2bw.py``'s ``main()`` in the process with the executor's timeline turned
-on and writes ``OUT/rank{R}.jsonl`` when training ends (records in perf_counter seconds, the
-header holds ``time.time() - time.perf_counter()``, so the ranks are merged on the wall
-clock; see ``megatron_2bw.trace``). The 4-stage 2BW run on 4 CPU processes:
-
-    python tools/timeline.py run --nproc 4 --out runs/timeline/2bw_d4 \
-        --png runs/timeline/2bw_d4.png --chrome-trace runs/timeline/2bw_d4.json --batches 2:5 -- \
-        --pipeline-schedule 2bw --pipeline-model-parallel-size 4 --num-layers 4 \
-        --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 \
-        --train-iters 6 --lr 1e-4 --log-interval 6 --eval-iters 0
-
-A collective over all ranks lines the stages up and would hide 2BW's continuous pipeline:
-the training loop checks for a stop signal with one at every log line (hence
-``--log-interval`` = ``--train-iters``). Clipping and tied embeddings do not: 2BW defers its
-step (``megatron_2bw.deferred``), and the timeline shows a step twice, where the stage's batch
-ends (gradients copied, all-reduces started) and where the new weights are made, before the
-first forward that reads them; with ``--no-deferred-step`` the stages line up at every step.
-
-Without ``--data-path`` or ``--mock-data`` among the training flags, ``run`` uses the default
-data set (``python -m megatron_2bw.data.default``, built once and cached). The same in two
-steps, e.g. on a cluster:
-
-    torchrun --nproc-per-node 4 tools/timeline.py record --out runs/timeline/2bw_d4 -- <flags>
-    python tools/timeline.py --records runs/timeline/2bw_d4 --png runs/timeline/2bw_d4.png
-
-``--batches A:B`` draws only batches A..B-1 (0-indexed; a real run's first call fills the
-pipeline and its last drains it). Only this package's schedules record
-(``--pipeline-schedule 2bw|flush|gpipe|pipedream|zb-h1|naive``); Megatron's own 1F1B has no
-timeline hook. zb-h1's split backward shows as I (input gradient) and W (weight gradient)
-boxes; ``--weight-grad`` sets W's share of ``--backward`` in a simulation.
+``run`` starts ``torchrun`` with ``record`` on every rank, which runs ``pretrain_gpt_2bw.py``'s
+``main()`` with the executor's timeline on and writes ``OUT/rank{R}.jsonl`` (merged on the wall
+clock: ``megatron_2bw.trace``), then draws; ``--batches A:B`` draws batches A..B-1 only.
+Invariant: every schedule but ``megatron`` records. Why a real run wants --log-interval =
+--train-iters, and the full example: docs/schedules.md, "Timelines of real runs".
 """
 
 from __future__ import annotations

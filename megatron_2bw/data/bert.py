@@ -1,32 +1,17 @@
 """BERT datasets from `--data-path`/`--split` (megatron-core's masked word-piece dataset), and a
 mock BERT dataset.
 
-API:
-    build_bert_datasets(data_path, split, seq_length, seed, tokenizer, num_samples, *,
-                        binary_head=True, masking_probability=0.15,
-                        short_sequence_probability=0.1, cache_dir=None, is_built_on_rank=None)
-        -> (train, valid, test)
-        megatron-core `BERTMaskedWordPieceDataset`s (or `BlendedDataset`s for a weighted blend)
-        over sentence-level indexed data (`tools/preprocess_data.py --split-sentences`), with
-        Megatron-LM's pretrain_bert.py settings; collective like `gpt.build_gpt_datasets`.
-        DataError first when the tokenizer lacks BERT's special tokens, or when a split that
-        must give samples holds no document of enough sentences (two with the binary head).
-    build_mock_bert_datasets(seq_length, seed, vocab_size, num_samples, *, binary_head=True,
-                             masking_probability=0.15) -> (train, valid, test)
-        random `MockBERTDataset`s for `--mock-data` (no tokenizer, no files).
-    check_bert_tokenizer(tokenizer)
-        DataError unless the tokenizer has BERT's special tokens (`--tokenizer-type
-        SentencePieceTokenizer`).
+`build_bert_datasets` builds megatron-core `BERTMaskedWordPieceDataset`s (or `BlendedDataset`s)
+over sentence-level indexed data with Megatron-LM's pretrain_bert.py settings, collectively
+like `gpt.build_gpt_datasets`; `build_mock_bert_datasets` gives random `MockBERTDataset`s for
+`--mock-data`; `check_bert_tokenizer` checks BERT's special tokens.
 
-Every sample is a dict of `seq_length` int64 arrays, as megatron-core's BERT dataset yields it:
-    text          token ids: [CLS] A [SEP] B [SEP], some replaced by [MASK] or a random id,
-                  then padding (id 0)
-    types         token type: 0 for [CLS] A [SEP], 1 for B [SEP] (and 0 on padding)
-    labels        the original id at each masked position, -1 elsewhere
-    loss_mask     1 at the masked positions
-    padding_mask  1 on tokens, 0 on padding (BertModel's `attention_mask`)
-    is_random     (scalar) 1 when A and B were swapped: the sentence-order label
-    truncated     (scalar) 1 when A + B were cut to fit
+Invariants: every sample is a dict of `seq_length` int64 arrays as megatron-core yields it
+(text, types, labels, loss_mask, padding_mask, is_random, truncated); a tokenizer without
+BERT's special tokens, or a split that must give samples but holds no document of enough
+sentences, raises DataError before anything is built.
+
+The API and the sample fields: docs/data.md, "BERT datasets".
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The default corpus: the Python standard library's own source code, and for larger sizes
-the installed packages' sources and documentation.
+the installed packages' sources and documentation (no download needed).
 
-Every machine that runs this package has the standard library, so the demo needs no download.
-`build_corpus` writes one JSON line `{"text": <file contents>}` per file.
+`build_corpus` writes one JSON line `{"text": <file contents>}` per file, whole files only,
+stopping before the file that would take the total over `max_chars`.
 
 Invariants:
-- Sources come in a fixed order (`corpus_files`): the standard library's `.py` files, then
-  megatron-core's (`megatron/core`, pinned by setup.py), then every other `.py`, `.md` and `.rst`
-  file under site-packages. Within each source, files are visited in sorted order of their
-  POSIX path relative to its root, and only their bytes are read.
+- Sources come in a fixed order (`corpus_files`: the standard library, megatron-core, every
+  other `.py`, `.md` and `.rst` file under site-packages), files in sorted POSIX-path order.
 - So a corpus of a given `max_chars` is a prefix of every larger one, and two builds write
-  identical bytes on machines with the same Python minor version while `max_chars` stays within
-  the standard library (`DEFAULT_MAX_CHARS` does: about 11M characters of it on Python 3.11)
-  and the same megatron-core as well up to roughly 16M characters; past that the text depends
-  on the packages installed (the build's manifest records a digest of it).
-- Test suites (`test`, `tests`, `idle_test` directories), nested `site-packages`,
-  `__pycache__`, files over `max_file_bytes` and files that are not UTF-8 are skipped.
-- The corpus holds whole files only; it stops before the file that would take the total text
-  over `max_chars`.
+  identical bytes on machines with the same Python minor version while `max_chars` stays
+  within the standard library (`DEFAULT_MAX_CHARS` does).
+- Test suites, nested `site-packages`, `__pycache__`, files over `max_file_bytes` and files
+  that are not UTF-8 are skipped. The details: docs/data.md, "The default corpus".
 """
 
 import json

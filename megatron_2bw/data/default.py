@@ -1,26 +1,17 @@
 """The default data set: stdlib corpus -> sentencepiece tokenizer -> indexed datasets, cached.
 
 `prepare_default_data()` builds, once per (Python version, corpus size, vocabulary size), into
-`{cache_dir}/stdlib-py{X}{Y}-{max_chars}c-v{vocab_size}/`:
+`{cache_dir}/stdlib-py{X}{Y}-{max_chars}c-v{vocab_size}/`: the corpus, the tokenizer, GPT data
+(one sequence per file) and BERT data (one per sentence), and `manifest.json`, written last.
+`cache_dir` defaults to `$MEGATRON_2BW_DATA_CACHE`, else `<repo>/data/cache/default`.
 
-    corpus.jsonl                         the corpus (megatron_2bw.data.corpus)
-    tokenizer.model / tokenizer.vocab    sentencepiece BPE (megatron_2bw.data.tokenizer), trained
-                                         on the first DEFAULT_MAX_CHARS of it at most
-    stdlib_text_document.bin/.idx        GPT data: one sequence per file, [EOD] appended
-    stdlib_text_sentence.bin/.idx        BERT data: one sequence per sentence or line
-    manifest.json                        parameters, file sizes and the corpus's sha256,
-                                         written last
-
-`max_chars` beyond the default takes more text (the installed packages' sources and docs, see
-megatron_2bw.data.corpus), so that a long run sees each token once; such a corpus keeps the
-default's tokenizer (the same ids for the same text) and starts with the default's documents.
-
-The build happens in a temporary directory that is renamed into place only when complete, and
-under a file lock, so concurrent callers (several ranks) build once and an interrupted build is
-never taken for a finished one. `cache_dir` defaults to `$MEGATRON_2BW_DATA_CACHE`, else
-`<repo>/data/cache/default`.
+Invariants: the build happens in a temporary directory renamed into place only when complete,
+under a file lock, so concurrent callers (several ranks) build once and an interrupted build
+is never taken for a finished one; a larger `max_chars` keeps the default's tokenizer and
+starts with the default's documents.
 
 Run `python -m megatron_2bw.data.default` to build and print the flags that use it.
+The files: docs/data.md, "The default data set".
 """
 
 import argparse

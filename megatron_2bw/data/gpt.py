@@ -1,28 +1,17 @@
 """GPT datasets from `--data-path`/`--split`, and per-rank data iterators.
 
-API:
-    build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_samples,
-                       cache_dir=None, is_built_on_rank=None, **options) -> (train, valid, test)
-        megatron-core `GPTDataset`s (or `BlendedDataset`s for a weighted blend) built by
-        `BlendedMegatronDatasetBuilder`; a split is None where its `--split` weight is 0, or
-        where `is_built_on_rank()` is False while torch.distributed is initialized. Must be
-        called on every rank when a process group exists (rank 0 builds the index caches first,
-        then a barrier on the world group, then the other ranks load them).
-    make_data_iterator(dataset, micro_batch_size, data_parallel_rank, data_parallel_size,
-                       consumed_samples=0, cyclic=False, num_workers=0) -> iterator | None
-        yields dicts of tensors with a leading micro-batch dimension: tokens, labels,
-        loss_mask, position_ids (and attention_mask when created), as GPTDataset yields them.
-    blend_from_flags(data_path, split) -> (prefixes, weights | None)
-        parses `--data-path` (Megatron's blend syntax), checks `--split` and every dataset.
-    build_datasets(dataset_cls, config, num_samples, is_built_on_rank=None) -> (train, valid, test)
-        the builder call behind build_gpt_datasets, for other megatron-core dataset classes
-        (e.g. BERTMaskedWordPieceDataset with its config).
-    train_valid_test_num_samples(train_iters, global_batch_size, eval_interval, eval_iters)
+`build_gpt_datasets` builds megatron-core `GPTDataset`s (or `BlendedDataset`s for a weighted
+blend) with `BlendedMegatronDatasetBuilder` (`build_datasets` for other dataset classes);
+`make_data_iterator` yields a rank's microbatches as dicts of tensors; `blend_from_flags`
+parses `--data-path`'s blend syntax and checks `--split` and every dataset.
 
-Sample order (Megatron-LM's MegatronPretrainingSampler): global sample indices are taken in
-order from `consumed_samples`, in steps of `micro_batch_size * data_parallel_size`; data-parallel
-rank r gets positions [r * mbs, (r + 1) * mbs) of each step. A run resumed with the number of
-samples already consumed continues at the same sample.
+Invariants: building is collective when a process group exists (rank 0 builds the index
+caches, a barrier, then the others load them); the sample order is Megatron-LM's
+MegatronPretrainingSampler (global indices in order from `consumed_samples`, in steps of
+`micro_batch_size * data_parallel_size`, rank r taking positions [r*mbs, (r+1)*mbs)), so a
+run resumed with the samples consumed continues at the same sample.
+
+The API with its signatures: docs/data.md, "GPT datasets and data iterators".
 """
 
 import contextlib

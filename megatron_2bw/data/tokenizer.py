@@ -1,20 +1,17 @@
 """Tokenizers: sentencepiece training and Megatron-LM's `--tokenizer-type` names.
 
 `train_sentencepiece` learns a byte-fallback BPE model whose ids are fixed for the special
-pieces, so GPT and BERT datasets share one model:
+pieces (0 [PAD], 1 <unk>, 2 [EOD], 3 [CLS], 4 [SEP], 5 [MASK], 6 "\\n"), so GPT and BERT
+datasets share one model. `build_tokenizer` (or `TokenizerSpec(...).build()`) returns
+megatron-core tokenizer objects (`MegatronTokenizerText` over a text library) for every
+`--tokenizer-type` in `tokenizer_types.TOKENIZER_TYPES`.
 
-    0 [PAD]   1 <unk>   2 [EOD] (sentencepiece's eos)   3 [CLS]   4 [SEP]   5 [MASK]   6 "\\n"
+Invariants: `detokenize(tokenize(text)) == text` for any text without special pieces
+(identity normalization, whitespace kept); every tokenizer carries what `GPTDataset` and
+`BERTMaskedWordPieceDataset` read (`eod`, `pad`, `vocab_size`, `unique_identifiers`,
+`tokenize`, `detokenize`; BERT's types also `cls`, `sep`, `mask`, `inv_vocab`).
 
-Normalization is the identity and whitespace is kept, so `detokenize(tokenize(text)) == text`
-for any text that contains none of the special pieces (code indentation included).
-
-`build_tokenizer` (or `TokenizerSpec(...).build()`) returns megatron-core tokenizer objects
-(`MegatronTokenizerText` over a text library: megatron-core's sentencepiece, HuggingFace and
-null libraries, and our offline GPT-2 BPE and BERT WordPiece libraries in `vocab_tokenizers`),
-for every `--tokenizer-type` in `tokenizer_types.TOKENIZER_TYPES`. They carry what
-`GPTDataset` and `BERTMaskedWordPieceDataset` read: `eod`, `pad`, `vocab_size`,
-`unique_identifiers`, `tokenize`, `detokenize`, and for BERT's types also `cls`, `sep`, `mask`
-and `inv_vocab`.
+More: docs/data.md, "Tokenizers".
 """
 
 import functools

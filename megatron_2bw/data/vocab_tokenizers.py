@@ -1,20 +1,17 @@
 """Tokenizer libraries read from `--vocab-file` (and `--merge-file`), offline.
 
 megatron-core 0.16.1 builds `GPT2BPETokenizer` and `BertWordPiece*` through HuggingFace's
-`AutoTokenizer.from_pretrained("gpt2" / "bert-large-*")`, which needs the hub. These two classes
-implement megatron-core's `MegatronTokenizerTextAbstract` from the files alone, with the
-algorithms of Megatron-LM's `gpt2_tokenization.py` and `bert_tokenization.py`, and are wrapped
-by megatron-core's `MegatronTokenizerText` (megatron_2bw/data/tokenizer.py).
+`AutoTokenizer.from_pretrained`, which needs the hub. `GPT2BPE` (byte-level BPE) and
+`WordPiece` implement megatron-core's `MegatronTokenizerTextAbstract` from the files alone,
+with the algorithms of Megatron-LM's `gpt2_tokenization.py` and `bert_tokenization.py`, and are
+wrapped by megatron-core's `MegatronTokenizerText` (megatron_2bw/data/tokenizer.py).
 
-- `GPT2BPE`: byte-level BPE. Text is split by GPT-2's pattern, each piece's UTF-8 bytes are
-  mapped to printable characters (`bytes_to_unicode`), and merges are applied lowest rank
-  first. `eod` = `<|endoftext|>`. Decoding is exact: `ids_to_text(text_to_ids(t)) == t`.
-- `WordPiece`: BERT's basic tokenizer (cleanup, CJK split, optional lower-casing with accent
-  stripping, punctuation split) then greedy longest-match word pieces with `##` continuations.
-  The vocabulary is Megatron-LM's `_BertWordPieceTokenizer`'s: the file's tokens (id = line
-  number - 1), then `[BOS]`, `[EOS]` and `<extra_id_0>` ... (`vocab_extra_ids`), each appended
-  unless the file holds it; `bos`/`eos` are `[BOS]`/`[EOS]` and `eod` is `[EOS]`.
-Bad files raise DataError naming the flag, with one line.
+Invariants: GPT-2 decoding is exact (`ids_to_text(text_to_ids(t)) == t`); the WordPiece
+vocabulary is Megatron-LM's `_BertWordPieceTokenizer`'s (the file's tokens, then `[BOS]`,
+`[EOS]` and the extra ids, each unless the file holds it); bad files raise DataError naming
+the flag, with one line.
+
+The algorithms: docs/data.md, "Tokenizers".
 """
 
 import functools

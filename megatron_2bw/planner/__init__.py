@@ -7,23 +7,11 @@ and schedule to train a model with on a cluster, and the flags to launch it.
     plan = search(PlanRequest(model, preset("dgx-h100", nodes=128), global_batch_size=1536))
     write_plan(plan, "plan/")
 
-    model.py    parameters, FLOPs and activation bytes per layer
-    cluster.py  devices per node, memory, links; presets
-    profile.py  measured numbers as data: layer profiles (JSON files)
-    cost.py     memory and time per iteration of a layout
-    search.py   enumerate, filter, rank
-    flags.py    plan.json, rejected.csv, flags, torchrun and Slurm scripts
+Invariant: the modules depend one way, model -> cost -> search -> flags (cluster and profile
+beneath; tests/test_planner_structure.py); the ones that produce the numbers (measure, links,
+e2e, accuracy) import that line, never the reverse. The command line is `tools/plan.py`.
 
-They depend one way, model -> cost -> search -> flags (tests/test_planner_structure.py).
-Beside them, the modules that produce the numbers (they import the line, never the reverse):
-
-    measure.py   time one layer, the embedding, the head, the optimizer step (torch)
-    links.py     time all-reduces between two local processes
-    e2e.py       train whole layouts for a few iterations, read their logs; each run
-                 holds its Layout (`E2EProfile`, JSON files)
-    accuracy.py  predicted vs measured, and the calibration of a layer profile
-
-The command line is `tools/plan.py`.
+The module map and what each holds: docs/planner.md, "The planner as a library".
 """
 
 from .cluster import GiB, PRESETS, Cluster, Link, preset

@@ -1,22 +1,17 @@
 """Memory per device and time per iteration of a layout: PipeDream-2BW's MEMORY() and
 THROUGHPUT() (Section 4.3, "closed-form cost functions"), extended with tensor parallelism
-and the choice of pipeline schedule.
-
-A layout is (t, d, w, b, m, recompute, schedule): t-way tensor parallelism inside each of d
-pipeline stages, w data-parallel pipelines, microbatches of b sequences, m microbatches per
-iteration (global batch B = b w m). Ranks are placed as megatron-core places them (tensor
-fastest, then data, then pipeline: rank = tp + t (dp + w pp)). A Mixture-of-Experts model adds
-e expert-parallel ranks, carved as megatron-core carves them from the t w ranks of a stage with
-expert tensor parallelism 1 (order tp-ep-dp-pp of its expert groups: e consecutive ranks; their
-experts' gradients reduced over the t w / e expert-data-parallel ranks, e apart).
+and the choice of pipeline schedule. A layout is (t, d, w, b, m, recompute, schedule), plus e
+expert-parallel ranks for MoE.
 
     cm = CostModel(model, cluster, precision="bf16")            # closed forms
     cm = CostModel(model, cluster, "fp32", profile=Profile.load("tools/profiles/cpu.json"))
     cm.memory(layout).peak      # bytes on the fullest device
     cm.time(layout).iteration   # seconds per iteration (simulate=True: our schedule simulator)
 
-Where a profile is given, per-layer times and activation bytes are measured ones, scaled to
-this model by FLOPs and by the closed-form bytes when the profile was taken for other sizes.
+Invariants: ranks are placed as megatron-core places them (tensor fastest, then data, then
+pipeline; expert groups carved from a stage's t*w ranks in tp-ep-dp-pp order); a profile's
+measured times and bytes are scaled to this model by FLOPs and closed-form bytes.
+What each term charges: docs/planner.md ("The planner as a library", "One structure ...").
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@ script, a Slurm sbatch script, and `plan.json` with the ranked alternatives (plu
     write_plan(plan, "plan/", training=training)
     # plan.json, rejected.csv, flags.txt, launch.sh, plan.sbatch
 
-Invariants of the written scripts: they run from any working directory (the entry script by
-the absolute path of the checkout the plan was made in, `$REPO` to move it; the launcher is
-`python -m torch.distributed.run` of the plan's interpreter, `$PYTHON` to change it); they
-carry every flag the plan needs, the training length and learning rate included when they were
-given to the planner (else the run stops with one line asking for them); data flags are left
-to the user: `$DATA_PATH` and `$TOKENIZER_MODEL`, or a whole `$DATA_ARGS` (e.g.
-DATA_ARGS="--mock-data --vocab-size 51200"); arguments after the script's name are passed on.
-The Slurm script takes the rendezvous host from the allocation's first node and its port from
-the job id, as Megatron-LM's Slurm examples do.
+Invariants of the written scripts: they run from any working directory (`$REPO`, `$PYTHON`
+to move them); they carry every flag the plan needs (training length and learning rate when
+given to the planner, else the run asks for them in one line); data flags are left to the
+user (`$DATA_PATH` and `$TOKENIZER_MODEL`, or `$DATA_ARGS`); the Slurm script takes the
+rendezvous host and port from the allocation, as Megatron-LM's Slurm examples do.
+More: docs/planner.md, "The planner as a library".
 """
 
 from __future__ import annotations

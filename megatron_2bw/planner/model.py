@@ -7,20 +7,11 @@ given), b microbatch size, t tensor-parallel size, e bytes per activation elemen
 
     spec = ModelSpec("gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
                      seq_length=2048, vocab_size=51200)
-    spec.num_parameters()                 # 174.6e9 (GPT-3 175B)
-    spec.layer_forward_flops(b=1)         # 24bsh^2 + 4bs^2h
-    spec.layer_activation_bytes(b=1, t=8, element_bytes=2)
+    spec.num_parameters(), spec.layer_forward_flops(b=1)   # 174.6e9, 24bsh^2 + 4bs^2h
 
-Mixture of Experts (Megatron-LM's flags, docs/planner.md "Mixture of Experts"): E experts of
-FFN size f_e (`--moe-ffn-hidden-size`), k of them per token (`--moe-router-topk`), in the layers
-`--moe-layer-freq` names; e expert-parallel ranks each hold E/e experts whole (expert tensor
-parallelism 1) and a rank's s b/t tokens (sequence parallelism splits them over t) reach their
-experts by an all-to-all.
-
-    mixtral = ModelSpec("gpt", 32, 4096, 32, 4096, 32000, ffn_hidden_size=14336,
-                        num_query_groups=8, gated_linear_unit=True, untie_embeddings=True,
-                        add_bias_linear=False, num_experts=8, moe_router_topk=2)
-    mixtral.num_parameters(), mixtral.num_active_parameters()   # 46.7e9, 12.9e9
+Mixture of Experts: E experts of FFN size f_e, k per token, e expert-parallel ranks holding
+E/e experts whole. Examples (Mixtral: 46.7e9 parameters, 12.9e9 active) and the MoE terms:
+docs/planner.md, "The planner as a library" and "Mixture of Experts".
 """
 
 from __future__ import annotations

@@ -5,15 +5,13 @@ JSON files, nothing that measures (this module imports no torch and no training 
                  one device (`measure.measure`), the local link (`links.measure_links`), and
                  the scale to a whole iteration (`accuracy.calibrate`); `plan.py --profile`
 
-(`e2e.E2EProfile`, whole layouts trained for a few iterations, is saved through `JsonFile`.)
-
 Profiles are JSON, named after the device (`tools/profiles/<device name>.json`), and load
-anywhere (`Profile.load`), so a profile taken on a GPU node plans on a laptop. Invariant: a
-file holds no path of the machine that wrote it.
+anywhere (`Profile.load`), so a profile taken on a GPU node plans on a laptop.
 
-A file that is not such a profile (another format, a field of the wrong type or out of range)
-raises ValueError or TypeError naming the field; `megatron_2bw.cli.reading` turns that into
-the tool's one `error:` line.
+Invariants: a file holds no path of the machine that wrote it; a file that is not such a
+profile raises ValueError or TypeError naming the field (`megatron_2bw.cli.reading` turns that
+into the tool's one `error:` line).
+More: docs/planner.md, "The planner as a library".
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Clocks for timing work without stalling the device: host clocks on the CPU, CUDA events on a GPU.
 
-On a GPU the host only queues kernels: a host clock read around an action measures how long
-launching it took, and its compute shows up in whatever waits next (an exchange, a log line).
-Synchronizing the device around it would measure the compute but stall the launch queue, and
-wait for every stream, including the collectives 2BW's deferred step keeps in flight. So on
-CUDA a *mark* is a CUDA event recorded on the current stream (nothing waits), and marks are
-turned into seconds later, once per iteration or log line (:meth:`EventClock.seconds`,
-:meth:`EventClock.at`), when the events have long completed. On the CPU a mark is
-``time.perf_counter()``, which is the compute time there.
+On CUDA a *mark* is a CUDA event recorded on the current stream (nothing waits), turned into
+seconds later, once per iteration or log line, when the events have long completed; on the CPU
+a mark is ``time.perf_counter()``.
 
     clock = clock_for(device)          # HostClock on the CPU, EventClock on CUDA
     start = clock.mark(); work(); end = clock.mark()
-    ...                                # after the iteration:
-    clock.seconds(start, end)          # duration
+    clock.seconds(start, end)          # after the iteration: duration
     clock.at(start)                    # on the perf_counter time line (timelines)
 
-Invariants: :meth:`mark` never blocks the host, except the first mark of an *anchored*
-:class:`EventClock` (timelines): :meth:`EventClock.at` places events on the host's
-``perf_counter`` time line through one anchor event, synchronized once, when that clock makes
-its first mark.
+Invariant: :meth:`mark` never blocks the host, except the first mark of an *anchored*
+:class:`EventClock` (timelines), which synchronizes its one anchor event.
+Why not a host clock or a synchronize: docs/gpu.md, "The runtime, module by module".
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """An explicit CPU runtime for megatron-core: CUDA calls mapped to the CPU, collectives on gloo.
 
-megatron-core assumes a CUDA device: ``torch.cuda.current_device()`` for buffers, literal
-``device="cuda"`` tensors, ``.cuda()``, CUDA RNG state for its tensor-parallel RNG tracker,
-``torch.cuda.synchronize``/streams/events, and ``Tensor.type() == "torch.cuda.FloatTensor"``
-checks in its optimizers. This module maps exactly those to the CPU so that the same
-megatron-core code trains on CPU processes (laptops, CI, debugging).
+megatron-core assumes a CUDA device (``torch.cuda.current_device()``, ``device="cuda"``,
+``.cuda()``, CUDA RNG state, synchronize/streams/events, ``torch.cuda.FloatTensor`` type
+checks); this module maps exactly those to the CPU, so the same megatron-core code trains on
+CPU processes (laptops, CI, debugging).
 
 Invariants:
-  * It is installed only by :func:`install`, which refuses when CUDA is available: on a GPU
-    machine megatron-core runs untouched. :mod:`megatron_2bw.runtime.device` is the one place
-    that decides (from :func:`cuda_usable`), and refuses to train on CUDA while it is installed.
-  * Seeding is real, not a no-op: the "CUDA" generator is the CPU default generator, so the
-    tensor-parallel RNG tracker forks and restores real, distinct states.
-  * Device remapping stays active inside autograd's backward (activation recomputation replays
-    forward code there), because the backward entry points are re-run under the mode.
+  * Installed only by :func:`install`, which refuses when CUDA is available; everything
+    patched is recorded and restored by :func:`uninstall`.
+  * Seeding is real: the "CUDA" generator is the CPU default generator.
+  * Device remapping stays active inside autograd's backward (recomputation replays forwards).
 
-Everything patched is recorded and restored by :func:`uninstall`.
+More: docs/gpu.md, "The runtime, module by module".
 """
 
 from __future__ import annotations

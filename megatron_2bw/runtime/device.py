@@ -3,16 +3,15 @@ unless the user passed ``--cpu``; otherwise the CPU, with gloo and the CPU runti
 (:mod:`megatron_2bw.runtime.cpu`).
 
 :func:`choose_device` is the decision as a pure function; :func:`device_kind` asks it for this
-process without acting on it (flag validation, the planner's profilers); :func:`select_device`
-acts on it once per training process.
+process without acting on it; :func:`select_device` acts on it once per training process.
 
 Invariants:
-  * On CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` runs in :func:`select_device`, which the entry
-    scripts call right after flag parsing and ``distributed.initialize`` calls again before
-    ``init_process_group``: before any communicator or CUDA tensor exists.
+  * On CUDA, ``torch.cuda.set_device(LOCAL_RANK)`` runs in :func:`select_device` before any
+    communicator or CUDA tensor exists.
   * The CPU runtime is never active while training on CUDA (:func:`select_device` raises).
   * :func:`training_device` reports what :func:`select_device` chose; nothing else decides the
     device from ``torch.cuda.is_available()``.
+More: docs/gpu.md, "The runtime, module by module".
 """
 
 from __future__ import annotations

@@ -2,20 +2,16 @@
 :mod:`megatron_2bw.runtime.device` chose.
 
 Invariants:
-  * :func:`initialize` calls ``device.select_device`` (again: the entry scripts call it right
-    after flag parsing) before ``init_process_group``: before any communicator or CUDA tensor
-    exists.
-  * :func:`timeout` reports the bound :func:`initialize` gave the groups.
-  * Every group has a bounded wait: the default group and all megatron-core model-parallel groups
-    get ``--distributed-timeout-minutes``.
-  * Every communicator exists before the first training step (:func:`create_communicators`).
-    NCCL creates a group's communicator lazily, at its first collective or batched p2p, and that
-    blocks the host until every member of the group has called in; two stages whose first use of
-    a group comes at different points of a schedule (2BW's deferred step launches the grad-norm
-    all-reduce on the last stage at its batch's end, on stage 0 later) would each wait for the
-    other. On CUDA ``init_process_group`` gets ``device_id``, so ``new_group`` connects every
-    NCCL group at once; and on every device each group this rank belongs to is used once at
-    set-up, in creation order, which is the same on every rank.
+  * :func:`initialize` calls ``device.select_device`` (again) before ``init_process_group``:
+    before any communicator or CUDA tensor exists.
+  * Every group has a bounded wait: the default group and all megatron-core model-parallel
+    groups get ``--distributed-timeout-minutes`` (:func:`timeout` reports it).
+  * Every communicator exists before the first training step (:func:`create_communicators`):
+    on CUDA ``init_process_group`` gets ``device_id``, and every group is used once at set-up,
+    in creation order, the same on every rank (NCCL's lazy creation would otherwise block two
+    stages whose first use of a group comes at different points of a schedule).
+
+Why: docs/gpu.md, "The runtime, module by module".
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
 """A rank ends with its launcher, and its helper processes end with the rank.
 
-**Rank and launcher.** torchrun starts every rank in a session of its own, so a launcher killed
-without cleaning up (``kill -9``, the out-of-memory killer, a lost ssh session without Slurm's
-cgroups) left its ranks training on, writing checkpoints into the directory a restarted job
-loads from. :func:`bind_to_launcher` asks the kernel for SIGTERM when the process that started
-this one ends (``PR_SET_PDEATHSIG``; the parent recorded by :func:`remember_launcher` at
-start-up, so a launcher that died before the call is caught too). The training loop handles
-that SIGTERM as a pre-emption (``training.guard``): with the ranks still reaching each other
-they save a checkpoint and stop with one line; a rank that cannot reach the others stops with
-one line and saves nothing. Linux delivers the signal when the parent *thread* that forked this
-process ends: torchrun's agent starts its workers from its main thread, as do
-``torch.multiprocessing`` and ``subprocess`` from a script's main thread. nohup means "outlive
-the terminal", not "outlive the launcher": a rank is left unbound only where SIGHUP is ignored
-in it but not in the process that started it (``nohup python pretrain_gpt_2bw.py ... &`` from a
-shell, which ends with the terminal). A rank that inherited the ignored SIGHUP from its launcher
-(``nohup python my_launcher.py``, a CI runner ignoring SIGHUP) is bound: that launcher outlives
-the terminal too. torchrun handles SIGHUP itself, so its ranks start with the default and are
-bound.
+:func:`bind_to_launcher` asks the kernel for SIGTERM when the process that started this one
+ends (``PR_SET_PDEATHSIG``; the parent recorded by :func:`remember_launcher` at start-up), which
+the training loop handles as a pre-emption. :func:`end_helpers_with_this_process` makes every
+process forked from this one (checkpoint writers, DataLoader workers) get SIGKILL when it dies
+and ignore SIGTERM and SIGINT; :func:`bind_helpers_to_this_process` also hands megatron-core's
+checkpoint writer a plain in-process queue instead of a ``multiprocessing.Manager``'s.
 
-**Helpers and rank.** megatron-core's torch_dist checkpoint writer forks one writer process per
-bucket on every save and collected their results through a ``multiprocessing.Manager`` queue,
-whose server process lives as long as the Python process that spawned it; torch's DataLoader
-forks its workers. A rank killed with SIGKILL runs no clean-up, so they outlived it, and a
-SIGTERM to the whole job (Slurm's scancel, torchrun forwarding Ctrl-C to each worker's process
-group) killed the DataLoader workers under their rank, which then ended with an error instead
-of saving. :func:`end_helpers_with_this_process` (idempotent, Linux) makes every process forked
-from this one receive SIGKILL when this one dies and ignore SIGTERM and SIGINT: a helper ends
-with its rank, never before it. :func:`bind_helpers_to_this_process` also hands the checkpoint
-writer a plain in-process queue instead of the Manager's, so no spawned server exists at all.
-A synchronous save (--async-save is refused) puts its writers' collected results into that
-queue and reads them back in this same process; the forked writers report through a queue of
-their own. The queue must hand over synchronously: megatron-core reads it with ``get_nowait``
-right after the put, and a ``multiprocessing.Queue`` only reaches its pipe later, through a
-feeder thread, so under load the save failed with "results_queue should not be empty".
+Invariants: no rank trains on after its launcher died; no helper outlives its rank or dies
+before it; no spawned queue server exists, and the writer's results queue hands over
+synchronously (megatron-core reads it with ``get_nowait`` right after the put).
+Why, and what nohup changes: docs/checkpoints_and_faults.md, "Ranks, launchers and helpers".
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """One stage's schedule as data: `Action`, its string form, validation and implied communication.
 
-A schedule is, for each pipeline stage, an ordered list of actions (a list of such lists, indexed
-by stage, for the whole pipeline):
+A schedule is, per pipeline stage, an ordered list of actions: ``F3v1`` the forward of
+microbatch 3 on weight version 1, ``B3v1`` its backward, ``I3v1``/``W3v1`` the input- and
+weight-gradient parts of a split backward, ``S2`` the step that makes version 2, ``F3c1v1`` a
+forward on model chunk 1. Microbatches are numbered across batches (batch b holds b*m ..
+b*m+m-1); version 0 is the initial weights.
 
-    F3v1   forward of microbatch 3 with weight version 1
-    B3v1   backward of microbatch 3 (same version as its forward)
-    I3v1   input-gradient part of that backward: the gradient of the stage's input only
-    W3v1   weight-gradient part: the parameter gradients, any time after I3v1
-    S2     optimizer step after batch 1: makes weight version 2
-    F3c1v1 forward of microbatch 3 on the stage's model chunk 1 (virtual stage); chunk 0 is
-           not written
+Invariant: communication is never written down. `communication` derives it from the order by a
+pure pass (stage i's F(k) receives stage i-1's output of F(k); its B(k) or I(k) the gradient of
+stage i+1's), along the virtual stages of the `Placement` when stages hold several chunks.
 
-A microbatch's backward on a stage is either one fused B (the common case) or an I followed,
-later, by its W (zero-bubble schedules, Qi et al., ICLR 2024, Section 2, where the input
-gradient is called B; the letters here are those of torch.distributed.pipelining, which keeps
-B for the whole backward). With V model chunks
-per stage, chunk c of stage i is virtual stage c*d + i (Megatron's interleaved placement), or,
-in the V of ZB-V and DualPipeV, i and 2d-1-i (`Placement`).
-
-Microbatches are numbered globally across batches from 0: batch b holds microbatches
-b*m .. b*m+m-1, with m microbatches per batch. Version 0 is the initial weights; the step after
-batch b makes version b+1. Which version a batch reads is the schedule's rule (GPipe, Flush and
-naive: b; 2BW: max(b-1, 0), PipeDream-2BW Section 3.1).
-
-Communication is implied by the order and is derived here by a pure pass (`communication`):
-stage i's F(k) receives stage i-1's output of F(k), stage i's B(k) (or I(k)) receives the
-gradient from stage i+1's B(k) (or I(k)); W sends and receives nothing. With chunks, the
-neighbours are those of the virtual stage: the forward of chunk c on stage 0 receives from chunk
-c-1 on the last stage, whose backward receives from chunk c on stage 0.
+Notation and placements: docs/executor.md, "Actions".
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """Communication as schedule data: a pure pass that puts each stage's transfers into fused groups.
 
-A stage's *program* is its action list with `Exchange`s between the actions. An exchange is one
-``torch.distributed.batch_isend_irecv`` group: every send the action before it produced and
-every receive the action after it needs, to either neighbour:
+A stage's *program* is its action list with `Exchange`s between the actions; an exchange is one
+``torch.distributed.batch_isend_irecv`` group (every send the action before it produced and
+every receive the action after it needs), Megatron's ``P2PCommunicator`` pattern derived from
+the order:
 
     stage 0  F0v0 {sa0:1} F1v0 {sa1:1 rg0:1} B0v0 {rg1:1} B1v0 S1
     stage 1  {ra0:0} F0v0 B0v0 {sg0:0 ra1:0} F1v0 B1v0 {sg1:0} S1
 
-(``sa1:1``: send the activation of microbatch 1 to stage 1; ``rg0:1``: receive the gradient of
-microbatch 0 from stage 1.) Megatron's ``P2PCommunicator`` pattern, derived from the order.
-Invariants, for every pair of neighbours (the simulator's NCCL mode checks them): both sides
-see each other's transfers in the same order; every transfer completes within one call (2BW's
+Invariants, for every pair of neighbours (the simulator's NCCL mode checks them): both sides see
+each other's transfers in the same order; every transfer completes within one call (2BW's
 look-ahead activation is received early, before the step); the step never shares a group.
-The reasons: docs/schedules.md, "Communication that holds on NCCL".
+Why: docs/executor.md, "Programs", and docs/schedules.md, "Communication that holds on NCCL".
 """
 
 from __future__ import annotations

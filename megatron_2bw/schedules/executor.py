@@ -1,74 +1,17 @@
-"""Runs one stage's action list on a megatron-core model chunk: Megatron's
-``forward_backward_func`` for the schedules of this package.
+"""Runs one stage's action list on megatron-core model chunks: Megatron's
+``forward_backward_func`` for every schedule of this package.
 
-One executor for every schedule: it runs the stage's program for the call
-(:func:`megatron_2bw.schedules.call_program`: the action list with its fused send/receive
-groups), the weight versions of 2BW and PipeDream (the schedules that keep several,
-``schedules.keeps_versions``) live in :class:`~megatron_2bw.weights.WeightVersions`; what
-is said of 2BW below holds for both. With virtual stages (V model chunks per stage: flush
-and 2BW, whose one weight version spans the V chunks), an action names its chunk: it runs that chunk's model on that chunk's data iterator,
-and the stash, inbox and outbox are keyed by (microbatch, chunk); "first stage" and "last
-stage" below mean the first and last virtual stage (the runner's `Placement`: in the loop,
-chunk 0 of stage 0 and chunk V-1 of stage d-1, and stage 0 exchanges with stage d-1, whose
-chunk c feeds chunk c+1 of stage 0; in the V of zb-v and dualpipev, chunks 0 and 1 of stage
-0, and stage d-1's chunk 0 hands its output to its chunk 1 through ``handoff``, detached as a
-received tensor, without a transfer; the gradient comes back the same way).
-Steps are dispatched through a table:
+`PipelineRunner` runs the stage's program for a call (`schedules.call_program`: the actions
+with their fused send/receive groups), one handler per kind of step in a dispatch table
+(exchange, F, B, I, W, S), on the chunk and data iterator each action names. The weight
+versions of 2BW and PipeDream live in `weights.WeightVersions`, PipeMare's corrected backward
+weights in `discrepancy`, zb-h1's deferred weight gradients in `schedules.wgrad`.
 
-    {..}: one batch_isend_irecv group: send what earlier actions left in the outbox, receive
-          into the inbox (p2p.StageComm.exchange; bounded by --distributed-timeout-minutes)
-    F: point weights at the microbatch's version; x = inbox (stage > 0) or data;
-       y = forward(x); stash (x, y); outbox y (all but the last stage)
-    B: point weights at the microbatch's version (pipemare with --pipemare-discrepancy-decay,
-       a backward reading a newer version than its forward: the corrected weights,
-       megatron_2bw.discrepancy); g = inbox (last stage: the loss);
-       backward(stash.pop(mb), g); outbox dx (all but the first stage). All but the batch's
-       last backward run under ``config.no_sync_func``; with --overlap-grad-reduce the last
-       one launches the bucket reductions from DDP's hooks, or (``config.grad_sync_func``,
-       stages after the first, as Megatron's 1F1B) right after it (order: deferred.py)
-    I: as B, but the linear layers' weight-gradient GEMMs are left for the W (schedules/
-       wgrad.py): dx, and the gradients of the other parameters (norms, biases, embeddings)
-       with their DDP hooks; the graph is freed, the store keeps each deferred linear's
-       (input, output gradient)
-    W: the microbatch's deferred GEMMs, each weight gradient handed to its parameter's
-       accumulator and DDP hook as a fused backward hands it. A chunk's last I and last W
-       together complete its gradients, as its last B does with a fused backward
-    S: finalize the batch's gradients (data-parallel all-reduce, tied embeddings), and under
-       2BW fork the weights so Megatron's optimizer step writes the new version; or, with a
-       deferred 2BW step, begin it (the first action reading the new version applies it)
-
-Parameter all-gathers (the distributed optimizer with --overlap-param-gather): without virtual
-stages DDP's forward pre-hooks launch them. With virtual stages and --align-param-gather
-(``config.param_sync_func``, one per chunk) they are launched as megatron-core's interleaved
-1F1B launches them: chunks 0 and 1 when a training call begins (after the last step), chunk
-c+1 when chunk c's first forward of the call runs; each chunk's pre-hooks then wait for its
-own. Every rank of a data-parallel group runs the same action list, so they launch them in
-the same order.
-
-Split backward (zb-h1): one backward in two parts (``schedules.wgrad``), nothing run twice and
-nothing copied; the weights equal flush's (the tests' single-process reference; with
-gradient-accumulation fusion, checked on the CPU with a stand-in for apex's kernel). With
-transformer-engine's linear layers nothing is deferred (W is empty). Megatron's reentrant activation recomputation runs a
-nested backward that ignores ``inputs=`` (deferred weights' DDP hooks would fire in I without
-a gradient), so arguments.py refuses zb-h1 with --recompute-granularity.
-
-PipeMare (``configure_pipemare``): with --pipemare-sync-iters N, calls 0..N-1 run flush's
-program (they fill and drain; the version store still makes each step's version), the first
-asynchronous call fills; after each step's weights are written (the deferred step applied, or
-at the next call under the loop's step) the discrepancy correction folds the new version in.
-
-A 2BW call leaves its look-ahead forwards in flight (stashed, and their activations already
-received by the next stage); ``prepare_drain()`` makes the next call leave the pipeline empty
-(before an evaluation, a checkpoint or the end of training).
-
-The number of microbatches m may change from one call to the next (--rampup-batch-size). The
-other schedules fill and drain in every call and just take the new m. Under 2BW a call whose
-m differs from the last one's must find the pipeline empty (the loop drains before it): the
-look-ahead forwards of batch t+1 run in call t with call t's m (their global numbers
-(t+1)*m + j and their loss scale 1/m), so they cannot belong to a batch of another size.
-Draining keeps the weight semantics: batch t reads version max(t-1, 0) whichever call runs
-its forwards, so W(t+1) = W(t) - lr * grad f(W(t-1)) holds across the change, with grad f the
-mean over batch t's own m_t microbatches.
+Invariants: every F, B, I and W runs after pointing the weights at its microbatch's version;
+only the batch's last backward per chunk launches the gradient reductions; a 2BW call leaves
+its look-ahead forwards in flight unless `prepare_drain()` asked for an empty pipeline, and a
+call with another number of microbatches than the last one's finds the pipeline empty.
+The handlers, parameter all-gathers, PipeMare's warm-up and drains: docs/executor.md.
 """
 
 from __future__ import annotations

@@ -2,46 +2,16 @@
 on Megatron's batches; the same 1F1B order and per-stage updates as PipeDream
 (`pipedream.py`).
 
-A microbatch's forward reads the weights current at its forward and its backward the weights
-current at its backward, so the two differ for the look-ahead microbatches: on stage i,
+A microbatch's forward reads PipeDream's version, its backward the stage's newest, W_i(t).
+`delays` reads tau_fwd and tau_bkwd from the action data; `PipeMareOptions` holds the
+--pipemare-* options: T1 (learning-rate rescheduling, `lr_factor`), T2 (discrepancy
+correction, `correction_span`, m >= d only) and W (synchronous warm-up, `pipemare_version`).
 
-    microbatch k of batch t: forward reads W_i(max(floor((k - w_i) / m), 0)), w_i = d-i-1
-                             (PipeDream's rule: with m >= d, W_i(t-1) for the first w_i
-                             microbatches of the batch, else W_i(t)); backward reads W_i(t)
-    W_i(t+1) = W_i(t) - lr * sum_j grad_i f(forward at its version, backward at W_i(t))
+Invariants: one weight version is read (the spec's memory); the executor's second slot holds
+T2's corrected copy, or else the previous version only so that a drain refills the pipeline
+with the versions an undrained run reads (a resumed run is exact).
 
-The backward uses the activations its forward saved with the newer weights (autograd unpacks
-the saved parameters at their current storage, which the executor points at the backward's
-version).
-
-Delays (PipeMare's tau_fwd and tau_bkwd), read from the action data (`delays`): the step after
-batch t updates W_i(t), so tau_fwd(j) = t - (version F(j) reads) and tau_bkwd(j) = t - (version
-B(j) reads). tau_bkwd = 0 and tau_fwd = t - floor((k - w_i) / m) <= ceil(w_i / m): with m >= d
-0 or 1 (1 for the look-ahead microbatches of every batch after the first), with m < d up to
-ceil(w_i / m) (d - i - 1 at m = 1); the last stage (w = 0) is synchronous.
-
-Options (`PipeMareOptions`, flags --pipemare-*):
-
-  T1, learning-rate rescheduling: stage i steps with lr_k / tau_i ** p_k,
-      p_k = 1 - min(k / K, 1), tau_i the stage's largest tau_fwd floored at 1 (`lr_factor`).
-      With m >= d tau_i = 1 and the factor is 1 at every step; with m < d a stage with
-      tau_i > 1 steps with the smaller rate for the first K steps (the runner scales the
-      optimizer's learning rate around the step on that stage only).
-  T2, discrepancy correction (m >= d only: arguments.py refuses it at m < d): a backward reads
-      w_bkwd - (tau_fwd - tau_bkwd) * delta_i, where after each step
-      delta_i(t+1) = gamma_i * delta_i(t) + (1 - gamma_i) * (W_i(t+1) - W_i(t)), delta_i(0) = 0,
-      gamma_i = D ** (1 / s_i), s_i the stage's largest tau_fwd - tau_bkwd
-      (`correction_span`); no correction where s_i = 0 (the last stage).
-  W,  synchronous warm-up: the first N iterations run as PipeDream-Flush (the
-      pipeline drained every call; forward and backward of batch t < N read W(t)); from
-      batch N on the rule above, the refilled look-ahead forwards of batch N reading W(N-1)
-      as after any drain (`pipemare_version`).
-
-Memory: PipeMare keeps one weight version (what the spec declares and the simulator counts:
-no in-flight microbatch's later pass reads an older version), plus, with T2, delta and the
-corrected copy (`weight_buffers`). The executor's second weight slot holds the corrected copy;
-without T2 it holds the previous version only so that a drain (evaluation, checkpoint) refills
-the pipeline with the versions an undrained run reads and a resumed run is exact.
+The rule, the delays, T1, T2 and W: docs/schedules.md, "PipeMare".
 """
 
 from __future__ import annotations

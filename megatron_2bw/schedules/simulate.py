@@ -1,46 +1,16 @@
 """Discrete-event simulation of all stages' action lists with per-action costs.
 
-Each stage runs its list in order, one action at a time. An action starts when its stage is
-free and its inputs have arrived:
+Each stage runs its list in order, one action at a time; an action starts when its stage is
+free and its inputs have arrived (the previous virtual stage's F, the next one's B or I, its
+own step's version; a "pipeline" step waits for every stage). Sends are buffered, except in
+NCCL mode: when the lists are programs (`comm.fuse`) transfers are rendezvous at the
+exchanges, as on NCCL.
 
-    F(k) on stage i   after F(k) ended on stage i-1, plus `p2p`
-    B(k) on stage i   after B(k) ended on stage i+1, plus `p2p`; after F(k) on stage i
-    I(k) on stage i   as B(k); it takes `backward - weight_grad` (the input-gradient part)
-    W(k) on stage i   after I(k) on stage i; it takes `weight_grad` and needs no other stage
-    F/B/I/W reading v after stage i made version v (its step S(v))
-    S(v), "local"     when the stage gets to it (only its data-parallel replicas join)
-    S(v), "pipeline"  a collective over all stages (global grad norm for clipping, the tied
-                      embedding all-reduce): starts when every stage got to its S(v)
+Invariant: it never hangs. A stage waiting on an action later in its own list is a dependency
+violation, nothing runnable while actions remain is a deadlock (a cycle of stages waiting at
+exchanges in NCCL mode); both raise `ScheduleError` with the grid.
 
-With V model chunks per stage (V = one more than the largest chunk in the lists), "stage i-1"
-and "stage i+1" are the previous and next virtual stage (`actions.Placement`): in the loop
-placement chunk c of stage i is virtual stage c*d + i, so F(k) of chunk c on stage 0 waits for
-F(k) of chunk c-1 on stage d-1; in the V placement (chunk 1 of stage i is virtual stage
-2d-1-i) F(k) of chunk 1 on stage d-1 takes chunk 0's output on the same stage, a local
-hand-off without `p2p` and without an exchange.
-
-Sends are buffered: a send never waits for its receive (Megatron posts both sides at once; a
-schedule whose receives line up in order, as all of ours do, behaves the same).
-
-A stage waiting on another stage waits; a stage waiting on an action later in its own list (or
-missing) can never run: that is a dependency violation. When nothing can run while actions
-remain, the schedule deadlocks. Both raise `ScheduleError` with the grid, never hang.
-
-NCCL mode: when the lists are programs (`comm.fuse`: actions with `Exchange`s between them),
-transfers are rendezvous, as on NCCL. A stage that reaches an exchange posts all of its
-transfers and waits there until each one has met its peer's: the n-th send on a channel (one per
-ordered pair of stages, in issue order) meets the n-th receive, which must carry the same
-tensor, and only once the peer has posted the exchange that holds it. An exchange ends `p2p`
-after the last of its partners was posted. Actions then run as soon as their stage is free; an
-F or B whose input was not received in an exchange before it is a dependency violation. A cycle
-of stages waiting at exchanges is a deadlock, as it would be on NCCL.
-
-Bubble fraction (the paper's "pipeline bubble", Section 2): the share of stage time idle,
-
-    bubble = 1 - sum_i (busy_i + step_i) / (d * makespan)
-
-with busy_i the F, B, I and W time of stage i and step_i its step time; `stage_bubble[i]` is the
-same for stage i alone. With equal stages and no step cost, GPipe and Flush give (d-1)/(m+d-1).
+The timing rules, NCCL mode and the bubble fraction: docs/executor.md, "The simulator".
 """
 
 from __future__ import annotations

@@ -2,18 +2,15 @@
 
 A :class:`LayerSplit` lists the layers of every virtual stage in model order (virtual stage 0
 embeds, the last one holds the final norm, the output layer and the loss); a `Placement` says
-which rank and chunk holds each virtual stage, so one split serves the loop (plain and
-interleaved) and the V of zb-v and dualpipev alike.
+which rank and chunk holds each virtual stage, so one split serves the loop and the V alike.
 
     split = layer_split(LayoutFlags(num_layers=8, depth=2, last=1))   # (7, 1)
-    split.layout()                                                     # "E,t*7|t,L"
-    split.offset(1), split.count(1)                                    # 7, 1
+    split.layout(), split.offset(1), split.count(1)                    # "E,t*7|t,L", 7, 1
 
-:func:`layer_split` reads Megatron-LM's flags with megatron-core 0.16.1's semantics
-(``get_num_layers_to_build`` and ``get_transformer_layer_offset`` in transformer_block.py and
-transformer_layer.py, ``TransformerConfig.__post_init__``'s checks, Megatron-LM's
-``validate_args``) and raises :class:`LayoutError` (the flag to fix, one line) where they do not
-add up. docs/schedules.md ("Uneven layouts") says what each flag means.
+Invariant: :func:`layer_split` reads the flags with megatron-core 0.16.1's semantics
+(``get_num_layers_to_build``, ``get_transformer_layer_offset``, ``TransformerConfig``'s and
+Megatron-LM's checks) and raises :class:`LayoutError` (the flag to fix, one line) where they do
+not add up. docs/schedules.md ("Uneven layouts") says what each flag means.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """PipeDream-2BW: 1F1B that never flushes, with double-buffered weights (Section 3.1).
 
-The whole training is one continuous 1F1B over all N*m microbatches: stage i warms up with
-d-i-1 forwards at the start only and cools down at the end only. A new weight version is made
-every m microbatches, after a stage's last backward of a batch:
+The whole training is one continuous 1F1B over all N*m microbatches (stage i warms up with
+d-i-1 forwards at the start only); a new version is made after a stage's last backward of a
+batch, W(t+1) = W(t) - lr * grad f(W(t-1)), and batch b reads version max(b-1, 0).
 
-    W(t+1) = W(t) - lr * grad f(W(t-1))                          (Section 3.1)
+Invariants: each stage holds at most two versions (m >= d); in Megatron's call t a stage runs
+the backwards of exactly batch t and its forwards run ahead into batch t+1; the first call
+after a start or a drain also holds the warm-up forwards, and a drain (before an evaluation, a
+checkpoint, the end) holds no forward beyond batch t.
 
-and 1-indexed microbatch k reads version max(floor((k-1)/m) - 1, 0), i.e. batch b reads
-version max(b-1, 0). Each stage holds at most two versions; the paper requires m >= d.
-
-Megatron runs one call per batch: in call t a stage runs the backwards of exactly batch t, and
-its forwards run ahead by the warm-up lag into batch t+1. The first call (or the first after a
-drain) also holds the warm-up forwards; the last call (or a drain, before evaluation or a
-checkpoint) holds no forward beyond batch t.
+More: docs/schedules.md, "2BW in Megatron's one-call-per-batch API" and "2BW".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """The weight state a version-keeping schedule (2bw, pipedream, pipemare) puts into a checkpoint
 beside megatron-core's model state: the older weight version, and PipeMare T2's delta.
 
-megatron-core describes a model's checkpoint state with three kinds of sharded entries:
-
-  * ``ShardedTensor``: a parameter (or its tensor-parallel slice), ``data`` the Parameter;
-  * ``ShardedTensorFactory``: a parameter transformed on save and merged back on load,
-    ``data`` the Parameter: GLU ``linear_fc1`` (--swiglu: the two halves sharded apart), MoE
-    experts, Mamba mixers;
-  * ``ShardedObject``: extra state that is no parameter; it is the same in every version and
-    saved once, under "model".
-
-Each ``ShardedTensor`` and factory of a parameter is copied with its ``data`` pointed at the
-version's tensor and its key under a prefix ("twobw_older.", "pipemare_delta."), keeping the
-chunk layout ("chunk0", ... with virtual stages).
+Each ``ShardedTensor`` and ``ShardedTensorFactory`` of a parameter is copied with its ``data``
+pointed at the version's tensor and its key under a prefix ("twobw_older.",
+"pipemare_delta."), keeping the chunk layout; ``ShardedObject`` extra state is saved once.
 
 Invariants: a save covers every parameter of the stage, or fails (ValueError naming the
-parameters); a load fills every parameter's tensor from the checkpoint: each loaded entry is
-copied into its tensor after megatron-core merged the factories (a merge makes a new tensor),
-and a checkpoint that lacks any of the keys is refused before anything is read.
+parameters); a load fills every parameter's tensor from the checkpoint (copied in after
+megatron-core merged the factories), and a checkpoint that lacks any of the keys is refused
+before anything is read.
+
+More: docs/executor.md, "Weight versions in a checkpoint".
 """
 
 from __future__ import annotations

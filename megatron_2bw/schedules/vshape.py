@@ -1,40 +1,16 @@
 """V-shape schedules: ZB-V and DualPipeV, two model chunks per stage in the V placement.
 
 Stage i holds chunk 0 = virtual stage i and chunk 1 = virtual stage 2d-1-i
-(`actions.Placement.v`): a microbatch goes down the stages through chunk 0, turns on stage d-1
-(its chunk 0 hands its output to its chunk 1 without a transfer) and comes back up through
-chunk 1 to the loss on stage 0. Both split backwards into I (input gradient) and W (weight
-gradient), synchronous: batch b reads version b, and every call fills and drains.
+(`actions.Placement.v`): a microbatch goes down through chunk 0, turns on stage d-1 without a
+transfer and comes back up through chunk 1 to the loss on stage 0. ZB-V follows
+torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` order (Qi et al., ICLR 2024,
+Section 6), DualPipeV torch's ``ScheduleDualPipeV`` (DeepSeek-V3's DualPipe cut in half;
+m >= 2d), its overlapped forward-backward pairs run as an F then a B.
 
-ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Section 6 and Figure 8; the
-order of torch.distributed.pipelining's ``ScheduleZBVZeroBubble``), on stage i with
-n = max(m, 2d-1):
+Invariants: both split backwards into I and W and are synchronous (batch b reads version b;
+every call fills and drains).
 
-    warm-up    2(d-i)-1 x F0;  i x (F1 F0);  d-i x (F1 I1 W1)
-    steady     F0 (while microbatches are left) I0 W0 F1 I1 W1, until chunk 1 caught up
-    cool-down  i x (I0 I1);  d-i x (I0 W0);  the W1 left;  the W0 left
-
-then every pass of a microbatch >= m dropped (m < 2d-1 runs the same order, shorter). With
-T_F = T_I = T_W per chunk the schedule has no bubble in the steady state; the whole batch takes
-(the paper's Section 6) 3m T + (d-1)(T_F + T_I - T_W)... see tests/test_vshape.py for the
-simulated bubble against the formula.
-
-DualPipeV (DeepSeek-V3, 2024, Section 3.2.1, DualPipe cut in half as in
-github.com/deepseek-ai/DualPipe ``dualpipev.py``; the order of torch's ``ScheduleDualPipeV``),
-on stage i, m >= 2d, W's taken from a queue of the I's that ran, oldest first:
-
-    1  2(d-i-1) x F0
-    2  i+1 x (F0 F1)
-    3  d-i-1 x (I1 W F1)
-    4  m-2d+i+1 x (F0 B1 F1 B0)         the overlapped forward-backward pairs
-    5  d-i-1 x (B1 F1 B0)
-    6  i+1 x (B1 B0), the second half as I's (odd stages switch before the B1, even ones
-       between the B1 and the B0)
-    7  d-i-1 x (W B0), as I's once switched
-    8  i+1 x W
-
-B is the whole backward (input and weight gradient); a forward-backward pair, which
-DualPipe overlaps on two streams, runs here as its F then its B.
+The orders phase by phase: docs/schedules.md, "ZB-V and DualPipeV".
 """
 
 from __future__ import annotations

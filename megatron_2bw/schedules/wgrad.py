@@ -1,46 +1,17 @@
 """Zero-bubble's split backward as one backward in two parts: I computes the input gradients
 and leaves what the weight gradients need, W computes the weight-gradient GEMMs.
 
-Why this way. megatron-core's linear layers (``ColumnParallelLinear``, ``RowParallelLinear``,
-the output layer) run ``LinearWithGradAccumulationAndAsyncCommunication``, an autograd
-Function whose backward computes the input gradient and the weight gradient together. The
-ways to split it, as megatron-core 0.16.1 and torch 2.13 offer them:
-  * autograd restricted first to the stage input, then to the parameters (torch pipelining's
-    ``stage_backward_input``/``stage_backward_weight``): each restriction still runs the whole
-    Function backward, so W re-runs every layer's backward (both GEMMs), and the graph must
-    survive two traversals (saved tensors copied, since some backwards modify them in place).
-    What this package did before; zb-h1 was then slower than flush.
-  * megatron-core's ``delay_wgrad_compute`` / ``backward_dw()``: transformer-engine >= 2.3
-    only (CUDA); the local layers' ``backward_dw`` does nothing in 0.16.1. Its
-    ``defer_embedding_wgrad_compute`` (``grad_output_buffer``) covers the output layer only,
-    needs the fused CUDA kernel (without it the Function reads an unassigned input) and is
-    drained once per batch, not per microbatch.
-  * the zero-bubble authors' store (Qi et al. 2024; their Megatron patch's ``WeightGradStore``),
-    chosen: while an I runs, the Function's backward computes the input gradient and the bias
-    gradient and keeps (input, output gradient) for each weight; W runs the weight GEMMs from
-    them. Nothing is recomputed and nothing is copied: the input is the tensor autograd saved
-    (kept by reference after the graph is freed), the output gradient the one backward made.
+`WeightGradStore` swaps the backward of megatron-core's linear layers' autograd Function only
+while an I runs (`WeightGradStore.collecting`): it computes the input and bias gradients and
+keeps (input, output gradient) per weight; W runs the weight GEMMs from them and hands each
+gradient to its parameter's accumulator, so DDP's hooks run as in a fused backward.
 
-The store swaps the Function's ``backward`` only while an I runs (:meth:`WeightGradStore.
-collecting`); every other backward (flush, 2bw, ... and zb-h1's other work) runs megatron-core's
-own. Invariants:
-  * Deferred are the weights of the chunk's ``ColumnParallelLinear``/``RowParallelLinear``
-    modules, except any an embedding also holds (tied embeddings with the output layer on the
-    embedding's stage: that weight gets its gradient in I, by megatron-core's backward). Every
-    other parameter (norms, biases, embeddings) gets its gradient in I.
-  * I runs autograd restricted to the stage input and the parameters that are not deferred, so
-    a deferred weight's gradient accumulator does not run in I (it would call DDP's hook with
-    no gradient, which --overlap-grad-reduce asserts against).
-  * W hands each weight gradient to the parameter's own gradient accumulator through
-    autograd's engine (the parameter as the root), so ``.grad`` accumulation and DDP's hooks
-    (``main_grad += grad``, bucket readiness under --overlap-grad-reduce) run as in a fused
-    backward. With gradient-accumulation fusion (CUDA) the GEMM accumulates into ``main_grad``
-    with megatron-core's fused kernel and the hook gets megatron-core's placeholder gradient and
-    ``grad_added_to_main_grad``, as its fused backward does; each weight gradient is added once.
-  * The GEMMs are megatron-core's own (``grad_output.t() @ input`` on the same 2-D tensors, the
-    bias gradient the same sum), so the gradients equal a fused backward's bit for bit.
-  * A pending W keeps, per deferred linear, the input (already saved for backward; with
-    sequence parallelism the local part, gathered again in W) and the output gradient.
+Invariants: nothing is recomputed or copied; deferred are only the chunk's column- and
+row-parallel linear weights that no embedding holds, every other parameter gets its gradient
+in I; each weight gradient is added once, with megatron-core's own GEMMs, so the gradients
+equal a fused backward's bit for bit.
+
+Why this way and not another: docs/executor.md, "The split backward".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Loading megatron-core 0.16's DistributedOptimizer over torch's Adam (no Apex, no
-transformer-engine: megatron/core/optimizer/__init__.py falls back to ``torch.optim.Adam`` /
-``AdamW``), which keeps the Adam step count once per parameter (``state[p]["step"]``, a 0-dim
-tensor) where Apex's and TE's fused Adam keep it once per parameter group.
+transformer-engine), which keeps the Adam step count once per parameter
+(``state[p]["step"]``) where Apex's and TE's fused Adam keep it once per parameter group.
 
-megatron-core saves that count in the parameter groups (``DistributedOptimizer.state_dict``: the
-one value all parameters share) and has two gaps when it loads it back
-(megatron/core/optimizer/distrib_optimizer.py):
+megatron-core's load has two gaps there: an optimizer that has not stepped has no count, so
+every resume fails on an assertion (:func:`allocate` gives it the state of a first step without
+stepping); and the load shares ONE step tensor among all parameters, which torch's Adam then
+advances once per parameter per step (:func:`restore` gives each its own tensor).
 
-1. ``sharded_state_dict(is_loading=True)`` calls ``state_dict()``, which asserts that the
-   parameters' step counts are one value: an optimizer that has not stepped yet has none, so
-   every resume fails (AssertionError). :func:`allocate` gives such an optimizer the state
-   torch's Adam makes at its first step (step 0, zero moments), without stepping it (a dummy
-   step with zero gradients, megatron-core's ``_init_optimizer_states_with_dummy_values``,
-   would apply weight decay to the weights).
-2. ``load_state_dict`` puts ONE step tensor into every parameter's state, and its
-   'dp_reshardable' parameter-state load then copies into it the step tensor the state held
-   when the load was requested (0). torch's Adam increments each parameter's step in place,
-   so the shared tensor advances once per parameter per step: the bias corrections
-   ``1 - beta ** step`` are wrong from the first step after the resume. :func:`restore` gives
-   each parameter its own tensor holding the saved count.
+Invariant: both act only on a DistributedOptimizer whose inner optimizer is torch's
+Adam/AdamW; with Apex's or TE's Adam megatron-core's own load is left as is.
 
-Both act only on a DistributedOptimizer whose inner optimizer is torch's Adam/AdamW; with
-Apex's or TE's Adam (the step in the parameter groups) megatron-core's own load is left as is.
+The two gaps in detail: docs/checkpoints_and_faults.md, "Resuming the distributed optimizer
+over torch's Adam".
 """
 
 from __future__ import annotations

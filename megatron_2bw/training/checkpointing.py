@@ -4,33 +4,14 @@ with Megatron-LM's state, so that either program resumes the other's checkpoints
     {save}/iter_0000100/                 one dist_checkpointing directory per save
     {save}/latest_checkpointed_iteration.txt
 
-What a checkpoint holds is what Megatron-LM's ``generate_state_dict`` and ``save_checkpoint``
-(megatron/training/checkpointing.py, core_v0.16.1) write: "args" (the flags, a Namespace, with
-the data position in ``args.consumed_train_samples`` / ``consumed_valid_samples``),
-"checkpoint_version" 3.0, "iteration", "model" (with virtual pipeline stages "model0",
-"model1", ... one per chunk) and "optimizer" (sharded), "opt_param_scheduler"
-(counted in samples, as Megatron-LM steps it), "rng_state" (a ShardedObject of a list of one
-dict per (PP rank, TP rank)) and "num_floating_point_operations_so_far"; plus our own keys,
-which Megatron-LM ignores: "layout", "rng_device" (the kind of device, "cpu" or "cuda", whose
-generator the "cuda" RNG states come from) and a schedule's extras (2BW's older weight
-version). Checkpoints written by megatron-2bw before it wrote Megatron-LM's state still load.
-A checkpoint's device RNG states are restored only on the kind of device that wrote them; across
-kinds (a CPU checkpoint resumed on a GPU, or the reverse) the CPU generators are restored and
-the device's keep their state from --seed, with a warning.
+A checkpoint holds Megatron-LM's keys (args, iteration, model, optimizer, opt_param_scheduler,
+rng_state, ...) plus ours (layout, rng_device, a schedule's older weight version).
 
-Invariants: a checkpoint directory is complete before the tracker file names it (written under
-a temporary name, renamed after every rank finished), so a crash mid-save leaves the previous
-checkpoint as the latest; a checkpoint saved again at the same iteration replaces the old one
-only once the new one is complete (the old one is moved aside, then deleted), and the tracker
-is replaced atomically, last. Loading falls back from an unreadable newest checkpoint to the
-newest readable one, with a warning; all ranks agree on which one they loaded. A checkpoint
-that cannot serve the run (CheckpointRefused: another learning-rate schedule, weight versions
-missing) and a tracker file naming neither an iteration nor "release" end the load in one
-line. A resumed run continues exactly as an uninterrupted one would. A run with another layout loads the model and
-optimizer resharded and, where TP or PP changed, its own RNG state from --seed (said in a
-warning). The learning-rate schedule in a checkpoint must match the flags unless
---override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the
-checkpoint wins) says otherwise, as in Megatron-LM.
+Invariants: a checkpoint directory is complete before the tracker file names it, and one saved
+again at the same iteration replaces the old one only once complete; loading falls back from an
+unreadable newest checkpoint to the newest readable one, all ranks agreeing; a checkpoint that
+cannot serve the run ends the load in one line (:class:`CheckpointRefused`); a resumed run
+continues exactly as an uninterrupted one would. More: docs/checkpoints_and_faults.md.
 """
 
 from __future__ import annotations

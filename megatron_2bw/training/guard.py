@@ -1,35 +1,17 @@
 """Every iteration: has any rank been asked to stop, and has training diverged?
 
 One small all-reduce (MAX over every rank, on the loop's gloo control group, from the main
-thread) per iteration carries each rank's flags. It is launched with ``async_op=True`` after the
-iteration's optimizer step and waited for one iteration later, so it never holds a pipeline
-stage: under 2BW the first stage ends a batch last, and by the end of the next batch every rank
-has long launched the previous one. Before a checkpoint (and at the end of training) the loop
-settles every pending exchange, so a diverged step is never saved.
+thread) per iteration carries each rank's flags: launched with ``async_op=True`` after the
+iteration's step and waited for one iteration later, so it never holds a pipeline stage.
+Divergence: a non-finite loss or grad norm, in fp16 too many skipped steps or non-finite
+losses in a row, non-finite weights after a step (reduced on the device, read late:
+:class:`LateFlags`). A stop request: SIGTERM or SIGINT on any rank (:func:`catch_stop_signals`,
+from start-up), or --exit-duration-in-mins passed.
 
-Divergence, per iteration (Megatron-LM's ``--check-for-nan-in-loss-and-grad``, on by default):
-  * fp32/bf16: a non-finite loss (last pipeline stage) or gradient norm (when clipping);
-  * fp16 with dynamic loss scaling: a skipped step is normal (an overflow lowers the scale), but
-    ``--loss-scale-window`` consecutive skipped steps mean the scale cannot recover, and so
-    does a loss that is not finite in NONFINITE_LOSSES (3) consecutive iterations: the scale
-    acts on the backward only, it cannot make an overflowing forward finite again (one or two
-    such batches stay skipped steps);
-  * any precision: weights that are not finite after a step (fp16's model copy of fp32 main
-    weights grown past 65504 is inf; every later step would be skipped).
-Megatron-LM turns its check off under dynamic loss scaling and runs on in both fp16 cases; the
-last two rules are ours. The weights live on the device: after step t they are reduced there to
-one flag (``nonfinite``, no host sync), copied to the host without blocking, and read with
-iteration t+1's flags, when the device has long passed them (:class:`LateFlags`); ``settle``
-reads them at once.
-
-A stop request is a SIGTERM or SIGINT received by any rank, or ``--exit-duration-in-mins``
-passed on any rank (timed from the start of training). :func:`catch_stop_signals` records the
-signals from the rank's start-up on (``entry.run``), a SIGTERM from the kernel when the rank's
-launcher ended (``runtime.lifetime``) included; a signal received before training starts stops
-it after its first iteration.
-
-Invariant: every rank posts exactly one exchange per iteration and waits for them in order, so
-the control group sees the same sequence of all-reduces on every rank.
+Invariants: every rank posts exactly one exchange per iteration and waits for them in order,
+so the control group sees the same all-reduces on every rank; the loop settles every pending
+exchange before a checkpoint, so a diverged step is never saved.
+The rules and why: docs/checkpoints_and_faults.md, "The per-iteration guard".
 """
 
 from __future__ import annotations

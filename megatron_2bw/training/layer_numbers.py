@@ -1,25 +1,17 @@
 """Layers of each model chunk under the V placement (zb-v, dualpipev), so checkpoints key them
 alike whatever the placement and split.
 
-megatron-core sizes a chunk by ``get_num_layers_to_build(config, vp_stage, pp_rank)``
-(transformer_block.py) and numbers its layers from ``get_transformer_layer_offset(config,
-vp_stage, pp_rank)`` (transformer_layer.py, 0.16.1), both for its interleaved placement (the
-loop: chunk c of rank i holds virtual stage c*d + i) and its split (even, or Megatron-LM's
-uneven flags, which ``training.build`` passes on in the loop). Each TransformerLayer keeps the
-number it was built with (attention's query-key scaling reads it), and
-``TransformerBlock.sharded_state_dict`` keys the layer's tensors by it (the global layer index
-along the checkpoint's layer axis), calling the offset again to find the layer's index in the
-chunk. Under the V chunk 1 of rank i holds virtual stage 2d-1-i; numbered by the loop, it
-would be saved as stage d+i.
+megatron-core sizes and numbers a chunk's layers (``get_num_layers_to_build``,
+``get_transformer_layer_offset``) for its interleaved placement, under which chunk 1 of rank i
+would be saved as stage d+i instead of the V's 2d-1-i. :func:`number_layers_by` records the V
+placement and the split on the TransformerConfig, and those two functions, wrapped once per
+process, answer for that config's chunks from them.
 
-:func:`number_layers_by` records the V placement and the split (``schedules.LayerSplit``,
-virtual stages in model order) on the TransformerConfig, and megatron-core's two functions,
-wrapped once per process, answer for that config's chunks from them: the virtual stage
-``placement.virtual(rank, chunk)`` holds ``split.count(v)`` layers numbered from
-``split.offset(v)``. A chunk's layers then carry their true global numbers, at build and at
-every save and load: a zb-v checkpoint holds the keys a flush checkpoint of the same model
-holds, with any split on either side, and either loads under the other. Configs without a
-recorded placement are sized and numbered by megatron-core.
+Invariants: a chunk's layers carry their true global numbers at build and at every save and
+load, so a zb-v checkpoint holds a flush checkpoint's keys (any split on either side) and
+either loads under the other; configs without a recorded placement are megatron-core's.
+
+More: docs/checkpoints_and_faults.md, "Layer numbers under the V".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Megatron-LM's training log: the text line, TensorBoard (and W&B) scalars, megatron-core timers.
 
-Follows Megatron-LM core_v0.16.1 ``megatron/training/training.py``: ``training_log()`` (the line,
-the per-iteration scalars, the timers) and ``evaluate_and_print_results()`` (validation), with
-its flag names and defaults (``LoggerConfig`` in ``megatron/training/training_config.py``):
+Follows Megatron-LM core_v0.16.1's ``training_log()`` and ``evaluate_and_print_results()``
+with its flag names and defaults: every ``--tensorboard-log-interval`` iterations the logging
+rank (the last; it holds the loss) writes the scalars, every ``--log-interval`` it prints the
+line (:meth:`IterationLog.line`) and writes the timers, and validation writes
+``<loss> validation``. megatron-core's ``Timers`` are attached where Megatron-LM attaches them.
 
-* Every ``--tensorboard-log-interval`` iterations the logging rank (the last; it holds the loss)
-  writes this iteration's ``learning-rate``, ``batch-size``, each loss of the loss dict (``lm
-  loss``; BERT's binary head adds ``sop loss``), ``loss-scale``
-  (unless ``--no-log-loss-scale-to-tensorboard``), ``world-size`` (with
-  ``--log-world-size-to-tensorboard``), ``grad-norm``, ``num-zeros`` (``--log-num-zeros-in-grad``),
-  ``params-norm`` (``--log-params-norm``), each also as ``<tag> vs samples`` (x = consumed
-  samples), and with ``--log-memory-to-tensorboard`` the ``mem-*`` tags.
-* Every ``--log-interval`` iterations it prints the line (Megatron-LM's fields, names, order and
-  number formats, then ours; see :meth:`IterationLog.line`), and with
-  ``--log-timers-to-tensorboard`` writes ``iteration-time``, ``throughput`` (with
-  ``--log-throughput``) and the megatron-core timers of ``--timing-log-level`` as ``<name>-time``
-  (max over ranks, ms per iteration), plus our schedule's tags (:data:`SCHEDULE_TAGS`).
-* Validation writes ``<loss> validation`` for each loss (+ ``vs samples``; ``... ppl`` with
-  ``--log-validation-ppl-to-tensorboard``); a test-set evaluation writes ``<loss> test``.
+Invariants: the line keeps Megatron-LM's fields, names, order and number formats, ours after
+them, so Megatron-LM's log parsers read it; TensorBoard tags are Megatron-LM's, plus our
+schedule's (:data:`SCHEDULE_TAGS`); reading the timers is a collective (an all-gather over all
+ranks) at each log line when the level is >= 1.
 
-Timers: megatron-core's ``Timers``, attached where Megatron-LM attaches them (the model config
-and the optimizer config), so megatron-core's own ``forward-compute``/``backward-compute``
-(level 2), ``all-grads-sync``/``optimizer-*`` (level 1) run inside our schedules too; the loop
-times ``forward-backward`` and ``optimizer`` as Megatron-LM's ``train_step`` does. Reading them
-is a collective (an all-gather over all ranks) at each log line when the level is >= 1.
+Every tag and the flag that turns it on: docs/megatron_lm_compatibility.md, "Logging".
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Mixture of Experts: megatron-core's MoE layers from Megatron-LM's flags, on every device.
 
-What this module guarantees (docs/moe.md tells why each is needed):
+What this module guarantees:
   * :func:`config_fields`: the TransformerConfig fields Megatron-LM's
     ``core_transformer_config_from_args`` sets from the MoE flags (``num_moe_experts`` from
     --num-experts, every other MoE flag by its own name).
-  * :func:`close_gaps`: megatron-core 0.16.1's router runs without transformer-engine
-    (``moe_utils.te_general_gemm`` is otherwise never defined and the router raises NameError),
-    and on the CPU runtime its alltoall dispatcher's split sizes reach gloo as numbers
-    (``runtime.cpu.install_moe``).
-  * :func:`init_experts_by_global_index`: with CPU initialization every expert-parallel rank
-    would draw its local experts from the same generator state, so experts 0 and E/EP would
-    start identical; each expert's weights are drawn instead from a generator seeded by
-    (--seed, its layer, its global expert index), so an expert starts from the same weights
-    whatever the expert-parallel size and no two experts alike.
+  * :func:`close_gaps`: megatron-core 0.16.1's router runs without transformer-engine, and on
+    the CPU runtime its alltoall dispatcher's split sizes reach gloo as numbers.
+  * :func:`init_experts_by_global_index`: with CPU initialization each expert's weights are
+    drawn from a generator seeded by (--seed, its layer, its global expert index), so an expert
+    starts alike whatever the expert-parallel size and no two experts alike.
 
-What is per microbatch (the aux-loss scale a backward reads, the aux losses a forward adds)
-lives with the schedules that run microbatches (:mod:`megatron_2bw.schedules.moe_microbatches`).
+What is per microbatch lives with the schedules (:mod:`megatron_2bw.schedules.moe_microbatches`).
+Why each is needed: docs/moe.md, "What megatron-core 0.16.1 needs on the CPU".
 """
 
 from __future__ import annotations

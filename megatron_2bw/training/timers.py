@@ -1,21 +1,16 @@
 """megatron-core's timers without a device synchronize, for our schedules.
 
-megatron-core's ``Timer.start``/``stop`` call ``torch.cuda.synchronize()`` (and, with
-``barrier=True``, a barrier over all ranks). Around the loop's 'forward-backward' and
-'optimizer' that waits for every stream of the device, including the grad-norm and embedding
-all-reduces 2BW's deferred step leaves in flight until the next batch: the stage would wait for
-the whole pipeline exactly when a user measures it (--timing-log-level >= 1). And the level-2
-timers around each microbatch would stall the launch queue once per microbatch.
+megatron-core's ``Timer.start``/``stop`` call ``torch.cuda.synchronize()``, which would wait for
+the collectives 2BW's deferred step leaves in flight and stall the launch queue once per
+microbatch at level 2. Under our schedules the timers mark start and stop with
+:mod:`megatron_2bw.runtime.clock` instead (CUDA events resolved at the log line; the host clock
+on the CPU); under ``--pipeline-schedule megatron`` megatron-core's own ``Timers`` stay.
 
-So under our schedules the timers mark start and stop with :mod:`megatron_2bw.runtime.clock`:
-CUDA events on the current stream (no wait; resolved when the timer is read, at the log line,
-from events that ran long before) on a GPU, the host clock on the CPU. Timers that are never
-read do not pile up: a timer resolves the spans whose events already ran once it holds many.
-Under ``--pipeline-schedule megatron`` megatron-core's own ``Timers`` stay, with Megatron-LM's
-barrier at level 1, so its numbers are Megatron-LM's.
+Invariants: no timer blocks the host; timers never read do not pile up (a timer resolves the
+spans whose events already ran once it holds many); names, levels, the all-gather at the log
+line, the strings and TensorBoard writes are megatron-core's.
 
-Everything else is megatron-core's ``Timers``: names, levels, the all-gather at the log line,
-the strings and TensorBoard writes.
+More: docs/gpu.md, "The runtime, module by module".
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@ scripts/examples/ read, into one directory:
 
     python scripts/examples/prepare_data.py [DIR]        # DIR defaults to data/cache/examples
 
-    DIR/corpus.jsonl                       the corpus: Python standard-library sources
-    DIR/gpt2-vocab.json, gpt2-merges.txt   byte-level BPE in GPT-2's file format
-    DIR/gpt3/my-gpt3_text_document         GPT2BPETokenizer data   (train_gpt3_*.sh)
-    DIR/bert-vocab.txt                     lower-case WordPiece vocabulary
-    DIR/bert/my-bert_text_sentence         BertWordPieceLowerCase sentence-level data
-                                                                   (train_bert_*.sh)
-    DIR/llama3-tokenizer/                  a local HuggingFace tokenizer folder
-    DIR/llama3/my-llama3_text_document     HuggingFaceTokenizer data (train_llama3_*.sh)
+GPT-2 BPE files and GPT2BPETokenizer data (train_gpt3_*.sh), a lower-case WordPiece vocabulary
+and sentence-level data (train_bert_*.sh), a local HuggingFace tokenizer folder and its data
+(train_llama3_*.sh); the tokenizers trained on the standard-library corpus by the `tokenizers`
+package, the datasets written by megatron_2bw.data.preprocess.
 
-The tokenizers are trained on the corpus by the `tokenizers` package (what GPT-2's and BERT's
-files were made with), the datasets written by megatron_2bw.data.preprocess (what
-tools/preprocess_data.py runs). Every example's defaults point at data/cache/examples. A
-directory that already holds everything (its `manifest.json`, written last) is kept.
+Invariant: a directory that already holds everything (its `manifest.json`, written last) is
+kept; every example's defaults point at data/cache/examples.
+
+The files one by one: docs/data.md, "The Megatron-LM examples' data".
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Host-sync counter: every call that makes the host wait for the device, counted where it is made.
 
-On a GPU ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.cpu()``, ``.tolist()``,
-``.numpy()``, ``torch.cuda.synchronize()`` and an event's or stream's ``synchronize()`` stall
-the launch queue until the device catches up. On CPU processes none of them waits, so they are
-counted instead: :func:`install` wraps each (``torch.cuda.synchronize``, ``Event`` and
-``Stream`` also when the CPU runtime (megatron_2bw/runtime/cpu.py) later replaces them with its
-stand-ins), whatever the tensor's device: ``.cpu()`` of a CPU tensor counts, as it would sync
-a CUDA tensor on a GPU. Only the outermost call counts (``float(t)`` calling ``t.item()`` is
-one sync). Each count is filed under the call's site: the first frame outside torch and this
-module (``path:line``).
+On CPU processes ``.item()``, ``float(t)``, ``.cpu()``, ``.tolist()``, ``torch.cuda.synchronize()``
+and the like do not wait, so :func:`install` wraps each and counts it, whatever the tensor's
+device, filed under the call's site (the first frame outside torch and this module).
 
-Installed at interpreter start by ``tests/strict/sitecustomize.py`` when
-``MEGATRON_2BW_COUNT_HOST_SYNCS=1``; a process reads its counts with :func:`counter` (None where
-the counter is not installed). tests/schedule_worker.py takes a snapshot at each iteration's
-start, so a test gets the syncs of every iteration (tests/test_host_syncs.py).
+Invariants: only the outermost call counts (``float(t)`` calling ``t.item()`` is one sync); the
+stand-ins of the CPU runtime are wrapped too. Installed at interpreter start by
+``tests/strict/sitecustomize.py`` when ``MEGATRON_2BW_COUNT_HOST_SYNCS=1``; :func:`counter` reads
+the counts (None where not installed); tests/schedule_worker.py snapshots them per iteration.
+
+The calls counted: docs/testing.md, "Counting host syncs".
 """
 
 from __future__ import annotations

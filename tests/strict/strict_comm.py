@@ -4,36 +4,14 @@ gloo buffers sends and accepts calls from any thread, so a program that hangs on
 passes on CPU processes. Installed in a process (``install()``; the tests do it in every child
 through ``tests/strict/sitecustomize.py``), this module wraps ``torch.distributed``'s
 communication functions so that:
+1. a send completes only once the peer posted the matching receive (a token in the store);
+2. every call comes from the main thread;
+3. every member of a group issues the same collectives (recorded, compared by :func:`check`);
+4. communicators are created lazily, as on NCCL: a group's first use waits for every member.
+A breach raises ``StrictModeError`` naming it, or fails the test at the check.
 
-1. **A send completes only once the peer posted the matching receive.** Every receive posts a
-   ready token ``strict/<group>/<src>-><dst>/<n>`` in the default group's store (n counts the
-   receives on that ordered channel, so order matters as on NCCL's in-order stream); every send
-   waits for the token with the same n before it is issued. ``batch_isend_irecv`` posts the
-   tokens of all its receives first, then waits for those of all its sends (a fused group
-   progresses together). Two neighbours that both send before they receive, in separate calls,
-   wait for each other: after the timeout (``MEGATRON_2BW_STRICT_TIMEOUT_S``, else the group's
-   own timeout, ``--distributed-timeout-minutes``) the send raises ``StrictModeError``.
-2. **Every call comes from the main thread**: a call from any other thread raises
-   ``StrictModeError`` naming the call and the thread.
-3. **Every member of a group issues the same collectives**: each process appends one JSON line
-   per collective (op, group, shape, dtype) to ``$MEGATRON_2BW_STRICT_DIR``; :func:`check`
-   compares the members' sequences per run (``MASTER_ADDR:MASTER_PORT``) and group. An
-   ``all_to_all_single`` with split sizes (all-to-all-v: MoE's token dispatch) records its
-   first dimension as ``"v"``, each member's own.
-4. **Communicators are created lazily**, as NCCL creates them unless ``init_process_group`` got
-   ``device_id`` (the default group then has a bound device, and every ``new_group`` inherits
-   it and connects at once): a group's first collective or first ``batch_isend_irecv`` (which
-   NCCL runs on the group's communicator) blocks until every member of the group reached its
-   own first use, through the store. A member that never gets there within the timeout (above)
-   makes it raise ``StrictModeError`` naming the group, where it was first used, and who is
-   missing: under NCCL that creation hangs. Groups made with ``backend="gloo"`` connect when
-   they are created and are exempt.
-
-Only the outermost wrapped call counts: ``all_gather_object`` calling ``all_gather``, or
-``batch_isend_irecv`` calling ``isend``, is one call. Groups are told apart by torch's group
-name, which is the same on every rank because every rank creates groups in the same order.
-Point-to-point calls are checked by the handshake, not recorded. ``MEGATRON_2BW_STRICT=0``
-turns the mode off (``sitecustomize`` then installs nothing).
+Only the outermost wrapped call counts. ``MEGATRON_2BW_STRICT=0`` turns the mode off.
+Each rule in detail: docs/testing.md, "Strict NCCL mode".
 """
 
 from __future__ import annotations
