@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=20
 
 # the tests marked fast in tests/conftest.py (FAST)
 test-fast: $(VENV)/.installed
