@@ -24,7 +24,7 @@ from megatron_2bw.logparse import parse_log
 from megatron_2bw.planner import (CostModel, E2EProfile, GiB, Layout, ModelSpec, PlanRequest,
                                   Profile, preset, search, write_plan)
 from megatron_2bw.planner.cluster import Link
-from megatron_2bw.planner.search import ITERATION_FACTORS
+from megatron_2bw.planner.search import BF16_ITERATION_FACTORS, ITERATION_FACTORS
 from megatron_2bw.planner.cost import ALL_SCHEDULES, simulated_iteration, _simulate_normalized
 from megatron_2bw.schedules import SCHEDULES as SCHEDULE_SPECS
 from megatron_2bw.planner.accuracy import compare, format_accuracy
@@ -1284,18 +1284,30 @@ def _first_crossing(curve: list[tuple[int, float]], loss: float) -> float:
     raise AssertionError(f"the curve never reaches {loss}")
 
 
-@pytest.mark.parametrize("key", [k for k in ITERATION_FACTORS
-                                 if k[0] != "pipemare"], ids=lambda k: "-".join(k))
-def test_iteration_factors_are_the_checked_in_study_runs(key):
+@pytest.mark.parametrize("factors, folder, key", [
+    *[(ITERATION_FACTORS, "large-lr1e-3", k) for k in ITERATION_FACTORS if k[0] != "pipemare"],
+    *[(BF16_ITERATION_FACTORS, "bf16/large-lr1e-3", k) for k in BF16_ITERATION_FACTORS]],
+    ids=lambda x: "-".join(x) if isinstance(x, tuple) else x if isinstance(x, str) else None)
+def test_iteration_factors_are_the_checked_in_study_runs(factors, folder, key):
     """Each factor is 1 / (flush's iterations to the run's final validation loss / the run's
-    iterations), from docs/convergence/large-lr1e-3's logs (flush with the same optimizer), to
-    the table's two decimals."""
+    iterations), from docs/convergence/large-lr1e-3's logs (bf16/large-lr1e-3's for the bf16
+    factors; flush with the same optimizer), to the table's two decimals."""
     schedule, optimizer, correction = key
     suffix = "" if optimizer == "adam" else f"+{optimizer}"
     run = schedule + ("" if correction == "none" else f"-{correction}") + suffix
-    runs = REPO / "docs" / "convergence" / "large-lr1e-3"
+    runs = REPO / "docs" / "convergence" / folder
     curve = _validation_points(runs / f"{run}.log")
     flush = _validation_points(runs / f"flush{suffix}.log")
     last_iteration, last_loss = curve[-1]
     ratio = _first_crossing(flush, last_loss) / last_iteration
-    assert ITERATION_FACTORS[key] == pytest.approx(1 / ratio, abs=0.006)
+    assert factors[key] == pytest.approx(1 / ratio, abs=0.006)
+
+
+def test_the_planner_ranks_a_bf16_plan_with_the_bf16_factors():
+    """A bf16 plan takes the bf16 study's factor where it has one, the fp32 one elsewhere."""
+    from megatron_2bw.planner.search import iteration_factor
+
+    assert iteration_factor("2bw", "muon", "ef", "bf16") == BF16_ITERATION_FACTORS[
+        ("2bw", "muon", "ef")]
+    assert iteration_factor("2bw", "muon", "ef") == ITERATION_FACTORS[("2bw", "muon", "ef")]
+    assert iteration_factor("2bw", "adam", "dc", "bf16") == ITERATION_FACTORS[("2bw", "adam", "dc")]

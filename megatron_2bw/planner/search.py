@@ -28,7 +28,7 @@ from .cost import (ALL_SCHEDULES, CostModel, Layout, MemoryEstimate, TimeEstimat
 from .model import ModelSpec
 
 __all__ = ["PlanRequest", "Candidate", "Rejection", "Plan", "search", "ALL_SCHEDULES",
-           "ITERATION_FACTOR", "ITERATION_FACTORS", "iteration_factor"]
+           "ITERATION_FACTOR", "ITERATION_FACTORS", "BF16_ITERATION_FACTORS", "iteration_factor"]
 
 ITERATION_FACTORS = {
     ("2bw", "adam", "none"): 3.44,
@@ -50,15 +50,28 @@ at the end of docs/convergence.md's larger model at lr 1e-3, the learning rate t
 every run there best (PipeMare: PipeDream's, whose ratio it matched on the small model). The
 ranking divides samples/s by it; SGD takes Adam's."""
 
+BF16_ITERATION_FACTORS = {
+    ("2bw", "adam", "ef"): 1.47,
+    ("2bw", "muon", "none"): 1.22,
+    ("2bw", "muon", "ef"): 1.03,
+}
+"""The same, from docs/convergence/bf16/large-lr1e-3 (--bf16) for the runs measured there; the
+others take the fp32 factor (where both exist they agree within 0.02)."""
+
 ITERATION_FACTOR = ITERATION_FACTORS[("2bw", "adam", "none")]
 """2BW's with Adam and no correction, the paper's update."""
 
 
-def iteration_factor(schedule: str, optimizer: str = "adam", correction: str = "none") -> float:
-    """docs/convergence.md's iteration factor of a stale-weight schedule (``ITERATION_FACTORS``;
-    pipedream and pipemare have no correction)."""
+def iteration_factor(schedule: str, optimizer: str = "adam", correction: str = "none",
+                     precision: str = "fp32") -> float:
+    """docs/convergence.md's iteration factor of a stale-weight schedule (``ITERATION_FACTORS``,
+    ``BF16_ITERATION_FACTORS`` under bf16 and fp16 where measured; pipedream and pipemare have
+    no correction)."""
     optimizer = optimizer if optimizer == "muon" else "adam"
-    return ITERATION_FACTORS[(schedule, optimizer, correction if schedule == "2bw" else "none")]
+    key = (schedule, optimizer, correction if schedule == "2bw" else "none")
+    if precision != "fp32" and key in BF16_ITERATION_FACTORS:
+        return BF16_ITERATION_FACTORS[key]
+    return ITERATION_FACTORS[key]
 
 # At depth 1 every schedule is the same computation; the first allowed one of these stands for
 # them (those with two weight versions last: at d = 1 they only add a stale version).
@@ -137,7 +150,7 @@ class PlanRequest:
             return 1.0
         if self.iteration_factor is not None:
             return self.iteration_factor
-        return iteration_factor(schedule, self.optimizer, self.correction)
+        return iteration_factor(schedule, self.optimizer, self.correction, self.precision)
 
     @property
     def memory_limit(self) -> float:
