@@ -64,6 +64,7 @@ class TimeEstimate:
     def samples_per_s(self) -> float:
         return self.global_batch / self.iteration
 
+
 class _PartTimes(NamedTuple):
     """(forward, backward) seconds of one microbatch through each part on one rank, no
     communication: a dense layer, an MoE layer, the embedding, the output layer."""
@@ -75,7 +76,8 @@ class _PartTimes(NamedTuple):
 
 
 class _StageTimes(NamedTuple):
-    """Per rank and per chunk: F and B (communication included), and their shares."""
+    """Per rank, each chunk's F and B (its collectives and sends included) and the rank's
+    tensor- and expert-parallel shares of them; per rank its layers and MoE layers."""
 
     chunk_forward: list[tuple[float, ...]]
     chunk_backward: list[tuple[float, ...]]
@@ -95,6 +97,8 @@ class _StageTimes(NamedTuple):
 
 
 class _StepTimes(NamedTuple):
+    """The step's parts, and their sum `total` (`TimeEstimate.step`)."""
+
     data_parallel: float
     embedding_sync: float
     optimizer: float
