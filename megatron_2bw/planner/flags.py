@@ -152,22 +152,7 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         "--micro-batch-size", str(layout.b),
         "--global-batch-size", str(layout.global_batch),
     ]
-    if model.ffn_hidden_size and (model.gated_linear_unit
-                                  or model.ffn_hidden_size != 4 * model.hidden_size):
-        flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
-    if model.gated_linear_unit:
-        flags.append("--swiglu")
-    if model.num_query_groups:
-        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
-    if model.make_vocab_size_divisible_by != 128:
-        flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
-    if model.untie_embeddings and model.kind == "gpt":
-        flags.append("--untie-embeddings-and-output-weights")
-    if not model.add_bias_linear:
-        flags.append("--disable-bias-linear")
-    flags += _moe_flags(layout, model)
-    if not model.dropout:
-        flags += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    flags += _architecture_flags(layout, model)
     if precision in ("bf16", "fp16"):
         flags.append(f"--{precision}")
     if layout.recompute:
@@ -195,6 +180,31 @@ def launch_flags(layout: Layout, model: ModelSpec, precision: str, *, cpu: bool 
         flags.append("--cpu")
     lr = [] if "--lr" in training else ["--lr", _PEAK_LR[model.kind]]
     return flags + lr + list(training)
+
+
+
+def _architecture_flags(layout: Layout, model: ModelSpec) -> list[str]:
+    """The model's flags beyond its sizes, each only where it differs from Megatron-LM's
+    default (FFN size, SwiGLU, grouped-query attention, vocabulary padding, untied output
+    layer, biases, experts, dropout): `ModelSpec.from_args` reads them back to `model`."""
+    flags: list[str] = []
+    if model.ffn_hidden_size and (model.gated_linear_unit
+                                  or model.ffn_hidden_size != 4 * model.hidden_size):
+        flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
+    if model.gated_linear_unit:
+        flags.append("--swiglu")
+    if model.num_query_groups:
+        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+    if model.make_vocab_size_divisible_by != 128:
+        flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
+    if model.untie_embeddings and model.kind == "gpt":
+        flags.append("--untie-embeddings-and-output-weights")
+    if not model.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    flags += _moe_flags(layout, model)
+    if not model.dropout:
+        flags += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    return flags
 
 
 def layout_flags(layout: Layout, num_layers: int) -> list[str]:

@@ -139,22 +139,10 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
 
     Starts (and leaves) a process group of 1 when none exists; call it in a fresh process."""
     import torch
-    import torch.distributed as dist
 
-    from megatron_2bw.runtime.device import select_device
-
-    device = select_device(force_cpu).kind  # set_device on CUDA, the CPU runtime on the CPU
-    if device == "cpu":
-        torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
-    from megatron.core import parallel_state as ps
+    device = _start(force_cpu, threads)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     overhead = _runtime_overhead() if device == "cpu" else 0.0
@@ -194,6 +182,29 @@ def measure(model: ModelSpec, precision: str = "fp32", micro_batches: Sequence[i
     profile.orthogonalize_layer_s = _measure_orthogonalization(model, device, sync, repeats)
     log(f"Muon's Newton-Schulz on one layer: {profile.orthogonalize_layer_s * 1e3:.2f} ms")
     return profile
+
+
+def _start(force_cpu: bool, threads: int | None) -> str:
+    """Select this process's device ("cuda" or "cpu"; set_device on CUDA, the CPU runtime on
+    the CPU, `threads` of it) and start a process group and model parallelism of 1 where none
+    exists; an existing one is left as it is."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_2bw.runtime.device import select_device
+
+    device = select_device(force_cpu).kind
+    if device == "cpu":
+        torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    return device
 
 
 def _runtime_overhead() -> float:
