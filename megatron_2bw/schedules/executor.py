@@ -258,6 +258,8 @@ class PipelineRunner(Timeline, Mailbox, Passes, Stepping, VersionCheckpoint):
 
     # ---- training call -------------------------------------------------------------------
     def _train_call(self, call: Call) -> list:
+        """One training call: the stage's program for batch ``batches_done`` (filling and
+        draining as the pipeline's state says), run in order; the call's losses."""
         m, batch = call.num_microbatches, self.batches_done
         if keeps_versions(self.schedule) and not self.pipeline_empty and m != self.in_flight_m:
             raise RuntimeError(f"{self.schedule}: this call has {m} microbatches but the last "
@@ -342,6 +344,7 @@ class PipelineRunner(Timeline, Mailbox, Passes, Stepping, VersionCheckpoint):
         return reads_from(program, lambda k: spec.version_of(self.depth, m, self.stage, k))
 
     def _run(self, action: Action, call: Call) -> None:
+        """One action through its handler (``_HANDLERS``), timed when recording."""
         if self.deferred is not None:
             self.deferred.progress()  # moves its collectives on; never blocks
         start = self._mark()

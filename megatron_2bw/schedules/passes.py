@@ -4,8 +4,9 @@ gradient, the weight-gradient GEMMs deferred) and W (those GEMMs).
 :class:`Passes` runs each on the microbatch's weight version (PipeMare's corrected weights
 for a backward reading a newer version than its forward) and decides, per action, whether
 the chunk's gradients complete in it (its last B, or its last I and W) or run under
-``config.no_sync_func``. Invariant: no host synchronisation and no collective of its own per
-microbatch; the bucket reductions are launched only after a chunk's completing action.
+``config.no_sync_func``. Invariant: no host synchronisation per microbatch; the only
+collectives started here are megatron-core's (a chunk's parameter all-gathers, its gradient
+bucket reductions), at the same action of the program on every data-parallel rank.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Passes:
     the :class:`~megatron_2bw.schedules.mailbox.Mailbox` methods."""
 
     def _forward(self, action: Action, call: Call) -> None:
+        """F: the microbatch's forward on its version; the output goes to the next virtual
+        stage, (input, output) to the stash until the backward."""
         from megatron.core.pipeline_parallel.schedules import forward_step
 
         if self.versions is not None:
@@ -72,6 +75,8 @@ class Passes:
         return input_tensor, output, output_grad
 
     def _backward(self, action: Action, call: Call) -> None:
+        """B: the microbatch's whole backward; the input gradient goes to the previous
+        virtual stage."""
         from megatron.core.enums import ModelType
         from megatron.core.pipeline_parallel.schedules import backward_step
 

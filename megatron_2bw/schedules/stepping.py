@@ -24,9 +24,9 @@ __all__ = ["Stepping", "after_each_step"]
 
 class Stepping:
     """The runner's optimizer side. Needs ``optimizer``, ``defer``, ``deferred``, ``stale``,
-    ``stale_rule``, ``step_mode``, ``pipemare``, ``correction``, ``loaded_delta``,
-    ``versions``, ``batches_done``, ``schedule``, ``depth`` and ``stage``, and the
-    :class:`~megatron_2bw.schedules.timeline.Timeline` methods."""
+    ``stale_rule``, ``_unwrap_step``, ``step_mode``, ``pipemare``, ``correction``,
+    ``loaded_delta``, ``versions``, ``batches_done``, ``schedule``, ``depth`` and ``stage``,
+    and the :class:`~megatron_2bw.schedules.timeline.Timeline` methods."""
 
     def attach_optimizer(self, optimizer, defer: bool = True,
                          correction: StaleCorrection | None = None) -> None:
@@ -62,6 +62,8 @@ class Stepping:
             self.deferred.wait_collectives()
 
     def _step(self, action: Action, call: Call) -> None:
+        """S: finalize the batch's gradients and fork the weights for the loop's step; with a
+        deferred step, apply the previous one (if still pending) and begin this one."""
         if self.deferred is not None:
             self._apply_deferred()  # the previous step, if no action read it yet
             self.deferred.begin(action.version)

@@ -46,6 +46,7 @@ class Timeline:
         return self.clock.mark()
 
     def _record(self, kind: str, microbatch: int | None, version: int | None, start) -> None:
+        """Close the mark ``start`` of ``_mark`` (nothing when not recording). Never waits."""
         if self.timeline is not None and start is not None:
             self._unresolved.append((kind, microbatch, version, start, self.clock.mark()))
 

@@ -151,6 +151,7 @@ class VersionCheckpoint:
         return [t for version in self.versions.alive for t in self.versions.tensors_of(version)]
 
     def _entries(self, model: list, tensors: list[torch.Tensor], prefix: str):
+        """The sharded entries of ``tensors`` (one per parameter) under the key ``prefix``."""
         return version_entries(model_chunks(model), self.versions.params, tensors, prefix)
 
     def _corrects(self) -> bool:
@@ -159,6 +160,9 @@ class VersionCheckpoint:
         return self.schedule == "pipemare" and self.pipemare.discrepancy_decay is not None
 
     def checkpoint_loaded(self, model: list, loaded: dict) -> None:
+        """After :meth:`prepare_load`'s entries were read: fill the slots and restore the
+        version numbers and the batches done (a checkpoint of one version fills the spare slot
+        with the current weights)."""
         if not keeps_versions(self.schedule):
             return
         for key, entries in self.loading.items():

@@ -52,6 +52,8 @@ class Save:
             else ""
 
     def save(self) -> None:
+        """Drain, refuse non-finite weights, write the checkpoint with the schedule's own
+        entries; every rank calls it at the same iteration."""
         self._drain()
         self._check_weights_before_saving()
         fb, model = self.forward_backward, self.model
