@@ -164,8 +164,8 @@ class PipelineRunner(Timeline, Mailbox, Passes, Stepping, VersionCheckpoint):
                     seq_length if decoder_seq_length is None else decoder_seq_length,
                     micro_batch_size)
         call = Call(forward_step_func, _iterators(data_iterator, len(models)), models, config,
-                     num_microbatches, [], token_count(self.comm.device), pg_collection,
-                     force_all_reduce)
+                    num_microbatches, [], token_count(self.comm.device), pg_collection,
+                    force_all_reduce)
         try:
             if forward_only:
                 return self._forward_only(call, collect_non_loss_data)
