@@ -1143,8 +1143,6 @@ def _validate_moe(args: argparse.Namespace) -> None:
     dispatch with megatron-core's SequentialMLP experts; no CUDA-only kernels on the CPU;
     expert bias (router state carried over a batch's forwards) only under schedules whose
     forwards of a batch all run before its step. docs/moe.md says why."""
-    from megatron_2bw.runtime.device import device_kind
-
     if args.num_experts == 0:  # Megatron-LM: "if args.num_experts == 0: args.num_experts = None"
         args.num_experts = None
     args.moe_router_load_balancing_type = _one_or_list(args.moe_router_load_balancing_type)
@@ -1155,13 +1153,35 @@ def _validate_moe(args: argparse.Namespace) -> None:
             _require(value == default, "--" + dest.replace("_", "-"),
                      "only with --num-experts (a Mixture-of-Experts model)")
         return
-    E, ep, tp, pp = (args.num_experts, args.expert_model_parallel_size,
-                     args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if args.expert_tensor_parallel_size is None:  # Megatron-LM: the tensor-parallel size
-        args.expert_tensor_parallel_size = tp
-    etp = args.expert_tensor_parallel_size
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    _validate_expert_parallel(args)
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        _require(len(freq) == args.num_layers, "--moe-layer-freq",
+                 f"the pattern has {len(freq)} entries for {args.num_layers} layers")
+    else:
+        _require(freq >= 1, "--moe-layer-freq", f"expected N >= 1 or a pattern, got {freq}")
+    _validate_moe_router(args)
+    _require(args.moe_token_dispatcher_type != "flex", "--moe-token-dispatcher-type",
+             "flex needs DeepEP or HybridEP (CUDA), which megatron-2bw does not set up; use "
+             "alltoall or allgather")
+    if args.moe_pad_expert_input_to_capacity:
+        _require(args.moe_expert_capacity_factor is not None,
+                 "--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor")
+    _validate_expert_bias(args)
+    _validate_moe_on_cpu(args)
+    _require(not getattr(args, "layernorm_zero_centered_gamma", False), "--apply-layernorm-1p",
+             "not supported with --num-experts yet (the MoE block spec's local norms)")
+
+
+def _validate_expert_parallel(args: argparse.Namespace) -> None:
+    """The experts split over the expert-parallel and expert tensor-parallel ranks, with
+    biases only where megatron-core's experts run them correctly."""
+    E, ep, etp, pp = (args.num_experts, args.expert_model_parallel_size,
+                      args.expert_tensor_parallel_size, args.pipeline_model_parallel_size)
     _require(E % ep == 0, "--expert-model-parallel-size",
              f"{E} experts do not split over {ep} expert-parallel ranks")
     _require(args.world_size % (etp * ep * pp) == 0, "--expert-model-parallel-size",
@@ -1176,12 +1196,12 @@ def _validate_moe(args: argparse.Namespace) -> None:
              "experts with biases at expert-parallel size 1 hit a megatron-core 0.16.1 bug (the "
              "bias is added in place to an autograd Function's output view): add "
              "--disable-bias-linear (as Megatron-LM's MoE examples do)")
-    freq = args.moe_layer_freq
-    if isinstance(freq, list):
-        _require(len(freq) == args.num_layers, "--moe-layer-freq",
-                 f"the pattern has {len(freq)} entries for {args.num_layers} layers")
-    else:
-        _require(freq >= 1, "--moe-layer-freq", f"expected N >= 1 or a pattern, got {freq}")
+
+
+def _validate_moe_router(args: argparse.Namespace) -> None:
+    """The router's load balancing (one coefficient per kind), top-k and group-limited
+    routing, as megatron-core checks them; the load-balancing kinds megatron-2bw runs."""
+    E = args.num_experts
     kinds = args.moe_router_load_balancing_type
     kinds = kinds if isinstance(kinds, list) else [kinds]
     coeffs = args.moe_aux_loss_coeff
@@ -1203,12 +1223,11 @@ def _validate_moe(args: argparse.Namespace) -> None:
         _require(E % groups == 0 and chosen <= groups, "--moe-router-group-topk",
                  f"{E} experts must split into {groups} groups, of which {chosen} <= {groups} "
                  "are chosen")
-    _require(args.moe_token_dispatcher_type != "flex", "--moe-token-dispatcher-type",
-             "flex needs DeepEP or HybridEP (CUDA), which megatron-2bw does not set up; use "
-             "alltoall or allgather")
-    if args.moe_pad_expert_input_to_capacity:
-        _require(args.moe_expert_capacity_factor is not None,
-                 "--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor")
+
+
+def _validate_expert_bias(args: argparse.Namespace) -> None:
+    """--moe-router-enable-expert-bias: sigmoid scores, and only under schedules whose
+    forwards of a batch all run before its step."""
     if args.moe_router_enable_expert_bias:
         flag = "--moe-router-enable-expert-bias"
         _require(args.moe_router_score_function == "sigmoid", flag,
@@ -1219,6 +1238,14 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  "forwards of the next batch run before its step (their counts would join this "
                  "batch's, their routing read a bias of no weight version); use flush, gpipe, "
                  "naive, zb-h1, zb-v, dualpipev or megatron")
+
+
+def _validate_moe_on_cpu(args: argparse.Namespace) -> None:
+    """On the CPU: no transformer-engine kernel (grouped GEMM ignored with a note, the
+    fusions refused) and no uneven all-gather (gloo) for alltoall at expert TP > 1."""
+    from megatron_2bw.runtime.device import device_kind
+
+    etp = args.expert_tensor_parallel_size
     cpu = device_kind(args.cpu) != "cuda"
     if cpu and args.moe_grouped_gemm:  # the same experts' GEMMs, one by one (Mixtral's example)
         args.moe_grouped_gemm = False
@@ -1237,8 +1264,6 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  f"{etp} with the alltoall dispatcher needs an uneven all-gather, which gloo "
                  "lacks: use --expert-tensor-parallel-size 1 or --moe-token-dispatcher-type "
                  "allgather on the CPU")
-    _require(not getattr(args, "layernorm_zero_centered_gamma", False), "--apply-layernorm-1p",
-             "not supported with --num-experts yet (the MoE block spec's local norms)")
 
 
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 __all__ = ["TraceRecord", "as_record", "records_from_simulation", "to_chrome_trace",
            "chrome_trace_events", "save_records", "load_records", "merge_records", "to_png",
@@ -212,8 +212,6 @@ def to_png(records: Iterable, path: str | os.PathLike, title: str | None = None,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
-    from matplotlib.lines import Line2D
 
     per_stage = _one_rank_per_stage([as_record(r) for r in records])
     if not per_stage:
@@ -240,22 +238,8 @@ def to_png(records: Iterable, path: str | os.PathLike, title: str | None = None,
     for stage, rs in per_stage.items():
         y = depth - 1 - stage  # stage 0 on top
         for r in rs:
-            x0, w = (r.start - start) * time_scale, (r.end - r.start) * time_scale
-            if r.kind == "S":
-                ax.plot([x0 + w, x0 + w], [y - 0.48, y + 0.48], color="#d62728", lw=2.2,
-                        solid_capstyle="butt", zorder=4)
-                continue
-            hatch = _HATCHES[versions.index(r.version) % len(_HATCHES)] if r.version in versions \
-                else ""
-            ax.add_patch(Rectangle((x0, y - 0.4), w, 0.8, facecolor=shade(r.kind, r.version),
-                                   edgecolor="black", linewidth=0.6, hatch=hatch, zorder=2))
-            text = str(r.microbatch)
-            box_px = w * px_per_unit
-            size = min(9.0, box_px / ((0.6 * len(text) + 0.5) * dpi / 72))  # points
-            if size >= 4.0:
-                ax.text(x0 + w / 2, y, text, ha="center", va="center", fontsize=size, zorder=3,
-                        bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none",
-                                  alpha=0.8))
+            _draw_record(ax, r, y, (r.start - start) * time_scale,
+                         (r.end - r.start) * time_scale, shade, versions, px_per_unit, dpi)
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, depth - 0.4)
     ax.set_yticks(range(depth), [f"stage {depth - 1 - y}" for y in range(depth)])
@@ -264,7 +248,40 @@ def to_png(records: Iterable, path: str | os.PathLike, title: str | None = None,
     ax.set_axisbelow(True)
     if title:
         ax.set_title(title)
-    drawn = {r.kind for rs in per_stage.values() for r in rs}
+    _legend(ax, {r.kind for rs in per_stage.values() for r in rs}, versions, shade, depth)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _draw_record(ax, r, y: float, x0: float, w: float, shade: Callable, versions: list,
+                 px_per_unit: float, dpi: int) -> None:
+    """One record on row ``y`` from ``x0``, ``w`` wide: a step as a red tick at its end, any
+    other action as a box shaded and hatched by its version, its microbatch inside when the
+    number fits."""
+    from matplotlib.patches import Rectangle
+
+    if r.kind == "S":
+        ax.plot([x0 + w, x0 + w], [y - 0.48, y + 0.48], color="#d62728", lw=2.2,
+                solid_capstyle="butt", zorder=4)
+        return
+    hatch = _HATCHES[versions.index(r.version) % len(_HATCHES)] if r.version in versions \
+        else ""
+    ax.add_patch(Rectangle((x0, y - 0.4), w, 0.8, facecolor=shade(r.kind, r.version),
+                           edgecolor="black", linewidth=0.6, hatch=hatch, zorder=2))
+    text = str(r.microbatch)
+    box_px = w * px_per_unit
+    size = min(9.0, box_px / ((0.6 * len(text) + 0.5) * dpi / 72))  # points
+    if size >= 4.0:
+        ax.text(x0 + w / 2, y, text, ha="center", va="center", fontsize=size, zorder=3,
+                bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none",
+                          alpha=0.8))
+
+
+def _legend(ax, drawn: set, versions: list, shade: Callable, depth: int) -> None:
+    """The legend below the axes: the kinds drawn, each weight version, the step's tick."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles = [Patch(facecolor=_COLOURS[kind], edgecolor="black", label=_CATEGORIES[kind])
                for kind in ("F", "B", "I", "W") if kind in drawn]
     handles += [Patch(facecolor=shade("version", v), edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)],
@@ -272,5 +289,3 @@ def to_png(records: Iterable, path: str | os.PathLike, title: str | None = None,
     handles.append(Line2D([], [], color="#d62728", lw=2.2, label="step: new weight version"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06 - 0.45 / depth),
               ncol=min(len(handles), 6), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)

@@ -197,17 +197,9 @@ def build_tokenizer(
     - `NullTokenizer`: ids written as decimal text, `vocab_size` ids plus `eod = vocab_size`.
     Missing or bad inputs raise DataError naming the flag.
     """
-    if tokenizer_type not in TOKENIZER_TYPES:
-        known = ", ".join(TOKENIZER_TYPES)
-        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not supported; use one of {known}")
-    flags = {"--tokenizer-model": tokenizer_model, "--vocab-size": vocab_size,
-             "--vocab-file": vocab_file, "--merge-file": merge_file}
-    missing = missing_tokenizer_input(tokenizer_type, flags)
-    if missing:
-        raise DataError(missing, f"required with --tokenizer-type {tokenizer_type}")
-    for flag in FILE_FLAGS:
-        if flag in TOKENIZER_INPUTS[tokenizer_type]:
-            check_file(flag, flags[flag])
+    _check_tokenizer_inputs(tokenizer_type, {
+        "--tokenizer-model": tokenizer_model, "--vocab-size": vocab_size,
+        "--vocab-file": vocab_file, "--merge-file": merge_file})
     if tokenizer_type == "NullTokenizer":
         null = {"library": "null"}
         return MegatronTokenizer.from_pretrained(metadata_path=null, vocab_size=vocab_size)
@@ -231,6 +223,20 @@ def build_tokenizer(
             special_tokens=dict(BERT_SPECIAL_TOKENS),
         )
     return SentencePieceTextTokenizer(tokenizer_model, {**config, "model_type": "gpt"})
+
+
+def _check_tokenizer_inputs(tokenizer_type: str, flags: dict) -> None:
+    """Raise DataError naming the flag unless ``tokenizer_type`` is supported and every input
+    it needs is given (``flags``: flag -> value), its files existing."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        known = ", ".join(TOKENIZER_TYPES)
+        raise DataError("--tokenizer-type", f"{tokenizer_type!r} is not supported; use one of {known}")
+    missing = missing_tokenizer_input(tokenizer_type, flags)
+    if missing:
+        raise DataError(missing, f"required with --tokenizer-type {tokenizer_type}")
+    for flag in FILE_FLAGS:
+        if flag in TOKENIZER_INPUTS[tokenizer_type]:
+            check_file(flag, flags[flag])
 
 
 def check_file(flag: str, path: str) -> None:

@@ -334,16 +334,10 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
     for j, a in enumerate(actions):
         key = (a.microbatch, a.chunk)
         if a.kind is not Kind.STEP:
-            if not 0 <= a.microbatch < total:
-                fail(j, f"microbatch outside 0..{total - 1}")
-            if a.batch != a.microbatch // microbatches:
-                fail(j, f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
-                        f"{a.microbatch // microbatches} with m={microbatches}")
-            rule = version_of if a.kind is Kind.FORWARD or backward_version_of is None \
-                else backward_version_of
-            if rule is not None and a.version != rule(stage, a.microbatch):
-                fail(j, f"microbatch {a.microbatch} reads version "
-                        f"{rule(stage, a.microbatch)} on this stage")
+            problem = _numbering_problem(a, stage, microbatches, total, version_of,
+                                         backward_version_of)
+            if problem is not None:
+                fail(j, problem)
         if a.kind is Kind.FORWARD:
             if key in stashed or key in pending or key in done:
                 fail(j, "second forward of this microbatch")
@@ -380,13 +374,40 @@ def _validate_stage(schedule: Sequence[Sequence[Action]], stage: int, microbatch
         if max_versions is not None and len(alive) > max_versions:
             fail(j, f"{len(alive)} weight versions alive {sorted(alive)}, "
                     f"at most {max_versions} allowed")
-    if stashed or pending or len(done) != total * chunks:
+    _check_stage_complete(schedule, stage, total, chunks, num_batches,
+                          complete=not stashed and not pending, done=done, steps=newest)
+
+
+def _numbering_problem(a: Action, stage: int, microbatches: int, total: int,
+                       version_of: Callable[[int, int], int] | None,
+                       backward_version_of: Callable[[int, int], int] | None) -> str | None:
+    """Why an F, B, I or W's numbers are wrong on ``stage`` (None if right): its microbatch
+    among the ``total``, its batch that microbatch's, its version the schedule's rule's."""
+    if not 0 <= a.microbatch < total:
+        return f"microbatch outside 0..{total - 1}"
+    if a.batch != a.microbatch // microbatches:
+        return (f"batch {a.batch}, but microbatch {a.microbatch} is in batch "
+                f"{a.microbatch // microbatches} with m={microbatches}")
+    rule = version_of if a.kind is Kind.FORWARD or backward_version_of is None \
+        else backward_version_of
+    if rule is not None and a.version != rule(stage, a.microbatch):
+        return (f"microbatch {a.microbatch} reads version "
+                f"{rule(stage, a.microbatch)} on this stage")
+    return None
+
+
+def _check_stage_complete(schedule: Sequence[Sequence[Action]], stage: int, total: int,
+                          chunks: int, num_batches: int, *, complete: bool,
+                          done: set[tuple[int, int]], steps: int) -> None:
+    """At the end of a stage's list: every microbatch of every chunk went through its
+    forward and backward (nothing left before its B, I or W), and one step per batch."""
+    if not complete or len(done) != total * chunks:
         missing = sorted({k for k in range(total) for c in range(chunks) if (k, c) not in done})
         raise ScheduleError(f"stage {stage}: microbatches {missing[:8]}"
                             f"{' ...' if len(missing) > 8 else ''} miss a forward or a "
                             f"backward\n" + format_grid(schedule))
-    if newest != num_batches:
-        raise ScheduleError(f"stage {stage}: {newest} steps for {num_batches} batches\n"
+    if steps != num_batches:
+        raise ScheduleError(f"stage {stage}: {steps} steps for {num_batches} batches\n"
                             + format_grid(schedule))
 
 

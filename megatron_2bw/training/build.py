@@ -36,25 +36,8 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
 
     on_gpu = device == "cuda"
     dtype = params_dtype(args)
-    overlap_p2p = getattr(args, "overlap_p2p_comm", False)
     fields = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        kv_channels=args.kv_channels,
-        # "if args.group_query_attention: kw_args['num_query_groups'] = args.num_query_groups
-        #  else: kw_args['num_query_groups'] = None"
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        normalization=args.normalization,
-        layernorm_epsilon=args.layernorm_epsilon,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        attention_backend=_attention_backend(args, on_gpu),
-        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        **_architecture_fields(args, on_gpu),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -72,16 +55,7 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        # core_transformer_config_from_args: "batch_p2p_comm = not args.overlap_p2p_comm"
-        # (overlap_p2p_comm is on only with virtual stages)
-        virtual_pipeline_model_parallel_size=getattr(
-            args, "virtual_pipeline_model_parallel_size", None),
-        overlap_p2p_comm=overlap_p2p,
-        batch_p2p_comm=not overlap_p2p,
-        # Megatron-LM frees each sent output's storage (keeping its grad_fn) right after the
-        # send is issued. With overlapped p2p the send is still in flight then; CUDA's caching
-        # allocator keeps the memory for the stream, but gloo would send the freed storage.
-        deallocate_pipeline_outputs=on_gpu or not overlap_p2p,
+        **_pipeline_p2p_fields(args, on_gpu),
         layernorm_zero_centered_gamma=getattr(args, "layernorm_zero_centered_gamma", False),
         cross_entropy_loss_fusion=getattr(args, "cross_entropy_loss_fusion", False),
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
@@ -99,6 +73,46 @@ def transformer_config(args: argparse.Namespace, device: str, **overrides):
     config = _config_or_flag_error(TransformerConfig, fields)
     _number_layers_by_placement(args, config, placement)
     return config
+
+
+def _architecture_fields(args: argparse.Namespace, on_gpu: bool) -> dict:
+    """The model's shape, attention and norms (``transformer_config``'s first fields)."""
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,
+        # "if args.group_query_attention: kw_args['num_query_groups'] = args.num_query_groups
+        #  else: kw_args['num_query_groups'] = None"
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=_attention_backend(args, on_gpu),
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+    )
+
+
+def _pipeline_p2p_fields(args: argparse.Namespace, on_gpu: bool) -> dict:
+    """Virtual stages and how the pipeline's sends run and free their outputs."""
+    overlap_p2p = getattr(args, "overlap_p2p_comm", False)
+    return dict(
+        # core_transformer_config_from_args: "batch_p2p_comm = not args.overlap_p2p_comm"
+        # (overlap_p2p_comm is on only with virtual stages)
+        virtual_pipeline_model_parallel_size=getattr(
+            args, "virtual_pipeline_model_parallel_size", None),
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
+        # Megatron-LM frees each sent output's storage (keeping its grad_fn) right after the
+        # send is issued. With overlapped p2p the send is still in flight then; CUDA's caching
+        # allocator keeps the memory for the stream, but gloo would send the freed storage.
+        deallocate_pipeline_outputs=on_gpu or not overlap_p2p,
+    )
 
 
 def _config_or_flag_error(config_class, fields: dict):
