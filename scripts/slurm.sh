@@ -81,8 +81,8 @@ _slurm_forward() {
 # _slurm_step_ended STATUS -> the job's exit status (see slurm_run_step)
 _slurm_step_ended() {
     if [[ -z $_stop_signal ]]; then
-        ((  $1 == 0 )) || echo "error: the training step failed (exit status $1): see the" \
-            "ranks' lines above" >&2
+        (( $1 == 0 )) || echo "error: the training step failed (srun exit status $1): the" \
+            "lines above say why" >&2
         return "$1"
     fi
     echo "stopped by SIG$_stop_signal with a checkpoint where --save is set; exit" \

@@ -37,7 +37,10 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--pipeline-schedule",
         "2bw", "--tensor-model-parallel-size", "1"]
 PP2 = TINY + ["--pipeline-model-parallel-size", "2"]
-DP2 = TINY + ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
+# without dropout: its masks are drawn per data-parallel rank, so a run resumed at another DP
+# would draw others
+DP2 = TINY + ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+              "--attention-dropout", "0", "--hidden-dropout", "0"]
 # the scripts' variables; the flags above override the defaults they give
 SCRIPT_ENV = {"MODEL": "gpt-tiny", "SCHEDULE": "2bw", "CPU": "1", "PRECISION": "fp32",
               "MOCK_DATA": "1", "REPO": str(REPO), "RDZV_TIMEOUT": "30"}
@@ -244,3 +247,154 @@ def test_train_torchrun_on_two_nodes_of_one_host(tmp_path, reference_pp2):
     got = losses(outputs[1])  # the last stage logs: rank 1, on node 1
     assert sorted(got) == list(range(1, ITERS + 1))
     assert_same(got, reference_pp2)
+
+
+def plan_script(workdir: Path) -> Path:
+    """tools/plan.py's plan.sbatch for the tiny GPT on one CPU node of 2 processes."""
+    done = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), str(REPO / "tools" / "plan.py"),
+         "--cluster", "cpu-local", "--nodes", "1", "--gpus-per-node", "2", "--num-layers", "4",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "128", "--global-batch-size", "8", "--precision", "fp32",
+         "--schedules", "2bw", "--micro-batch-sizes", "2", "--use-distributed-optimizer",
+         "--out", str(workdir / "plan")], env=_base_env(), capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 0, done.stderr
+    return workdir / "plan" / "plan.sbatch"
+
+
+def test_plan_sbatch_on_one_cpu_node_logs_the_losses_of_torchrun(cluster, tmp_path,
+                                                                 reference_dp2):
+    """The planner's plan.sbatch as written (no GPU request for a CPU plan): its layout
+    (DP = 2, distributed optimizer) trains as plain torchrun does."""
+    script = plan_script(tmp_path)
+    assert "--gpus-per-node" not in script.read_text()
+    flags = (tmp_path / "plan" / "flags.txt").read_text().split()
+    assert "--use-distributed-optimizer" in flags
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "1"
+    at = TINY.index("--tensor-model-parallel-size")
+    training = TINY[:at] + TINY[at + 2:] + DP2[-4:]  # the layout is the plan's
+    job = Job(cluster, tmp_path, script, training, [],
+              DATA_ARGS="--mock-data --vocab-size 128")
+    fields = job.wait(120)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), job.log()[-3000:]
+    assert "TP=1 PP=1 DP=2" in job.log()
+    got = losses(job.log())
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert_same(got, reference_dp2)
+
+
+def test_saved_at_dp2_on_two_nodes_resumes_at_dp1_on_one(cluster, tmp_path, reference_dp2):
+    """A job that lost a node goes on: cancelled at DP = 2 with the distributed optimizer
+    (one rank per node), resubmitted at DP = 1 with the same global batch on one node (the
+    optimizer state resharded): the losses are torchrun's at DP = 2 within 1e-5."""
+    save = tmp_path / "checkpoints"
+    env = {"GPUS_PER_NODE": "1", "PP": "1", "SAVE": str(save), "LOAD": str(save)}
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = Job(cluster, tmp_path / "first", SCRIPT, DP2, ["--nodes", "2"], **env)
+    first.wait_for(r"iteration\s+3/")
+    assert cluster.run("scancel", first.id).returncode == 0
+    assert first.wait(60)["JobState"] == "CANCELLED"
+    stopped = checkpoint_stop(first.log())
+    second = Job(cluster, tmp_path / "second", SCRIPT, DP2, ["--nodes", "1"], **env)
+    fields = second.wait(120)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), second.log()[-3000:]
+    assert "TP=1 PP=1 DP=1" in second.log()
+    assert f"resumed from {save} at iteration {stopped}" in second.log()
+    got = {**losses(first.log()), **losses(second.log())}
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert_same(got, reference_dp2, rtol=1e-5)
+
+
+def test_time_limit_warning_saves_before_the_limit_and_requeues(cluster, tmp_path):
+    """sbatch --time=2 --signal=B:USR1@10 --requeue, the warning sent as Slurm sends it (to
+    the batch shell alone) once training runs (Slurm's own comes at its controller's next
+    pass, up to ~30 s early: maybe before the ranks are up): the script forwards it to the
+    ranks as SIGTERM, they save and stop, the script exits with the requeue status and
+    requeues the job, which resumes from that checkpoint; nothing reaches the limit."""
+    save = tmp_path / "checkpoints"
+    flags = [*TINY, "--pipeline-model-parallel-size", "1", "--train-iters", "100000"]
+    job = Job(cluster, tmp_path, SCRIPT, flags,
+              ["--nodes", "1", "--time", "2", "--signal", "B:USR1@10", "--requeue"],
+              GPUS_PER_NODE="1", PP="1", SAVE=str(save), LOAD=str(save))
+    job.wait_for(r"iteration\s+3/")
+    assert cluster.run("scancel", "--batch", "--signal=USR1", job.id).returncode == 0
+    job.wait_for(r"SLURM_RESTART_COUNT=1,", timeout=90)
+    first = job.log()
+    assert "time limit near (SIGUSR1)" in first and "DUE TO TIME LIMIT" not in first
+    stopped = checkpoint_stop(first)
+    assert "exit 75: resubmit or requeue to resume" in first
+    assert f"requeueing job {job.id}" in first
+    job.wait_for(rf"resumed from {save} at iteration {stopped}", timeout=90)
+    assert cluster.run("scancel", job.id).returncode == 0
+    assert job.wait(60)["JobState"] == "CANCELLED"
+
+
+def one_error_line(log: str, expected: str) -> None:
+    """The job says what went wrong in an ``error:`` line naming ``expected``."""
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert any(expected in line for line in errors), log[-3000:]
+
+
+def node2_wrapper(tmp_path: Path, node2: str) -> str:
+    """A TORCHRUN for the job: node 2 runs ``node2`` (bash, "$@" the torchrun arguments)."""
+    wrapper = tmp_path / "torchrun-wrapper.sh"
+    torchrun_path = REPO / ".venv" / "bin" / "torchrun"
+    wrapper.write_text(f'#!/bin/bash\nif [[ $SLURM_NODEID == 1 ]]; then\n    {node2}\nfi\n'
+                       f'exec {torchrun_path} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_more_nodes_than_the_partition_has_is_refused_at_submission(cluster, tmp_path):
+    done = cluster.run("sbatch", "--nodes", "3", str(SCRIPT), cwd=tmp_path,
+                       env={**_base_env(), **cluster_env(cluster)})
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("sbatch: error: ")
+    assert cluster.run("squeue", "-h").stdout.strip() == ""
+
+
+def test_a_rendezvous_address_that_does_not_resolve_is_one_line(cluster, tmp_path):
+    job = Job(cluster, tmp_path, SCRIPT, PP2, ["--nodes", "2"], GPUS_PER_NODE="1", PP="2",
+              RDZV_ADDR="no-such-host.invalid")
+    fields = job.wait(30)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0")
+    one_error_line(job.log(), "the rendezvous address no-such-host.invalid does not resolve")
+    assert "Traceback" not in job.log() and "srun" not in job.log()
+
+
+def test_data_missing_on_one_node_ends_the_job_with_its_error(cluster, tmp_path,
+                                                              tiny_gpt_data):
+    """The data directory is hidden from node 2 (a tmpfs over it in a mount namespace of its
+    own): its rank says what is missing in one line and the job ends, nothing hangs."""
+    data_dir = Path(tiny_gpt_data.data_prefix).parent
+    at = PP2.index("--vocab-size")
+    flags = PP2[:at] + PP2[at + 2:] + ["--data-cache-path", tiny_gpt_data.index_cache]
+    hide = (f'exec unshare --mount bash -c \'mount -t tmpfs none {data_dir} && exec "$@"\' '
+            f'node2 {REPO / ".venv" / "bin" / "torchrun"} "$@"')
+    started = time.monotonic()
+    job = Job(cluster, tmp_path, SCRIPT, flags, ["--nodes", "2"], GPUS_PER_NODE="1", PP="2",
+              MOCK_DATA="0", DATA_PATH=tiny_gpt_data.data_prefix,
+              TOKENIZER_MODEL=tiny_gpt_data.tokenizer_model,
+              TORCHRUN=node2_wrapper(tmp_path, hide))
+    fields = job.wait(120)
+    assert fields["JobState"] == "FAILED", job.log()[-3000:]
+    one_error_line(job.log(), str(data_dir))
+    one_error_line(job.log(), "the training step failed")
+    assert time.monotonic() - started < 90
+
+
+@pytest.mark.parametrize("node2, how", [("kill -KILL $$", "dies"), ("kill -STOP $$", "hangs")])
+def test_a_node_lost_at_the_rendezvous_ends_the_job_within_its_timeout(cluster, tmp_path,
+                                                                        node2, how):
+    """Node 2 dies (or hangs) before it joins the rendezvous: the job fails, in at most
+    RDZV_TIMEOUT seconds of rendezvous (srun ends the other node's launcher as soon as one
+    fails), with one line from the batch script."""
+    started = time.monotonic()
+    job = Job(cluster, tmp_path, SCRIPT, PP2, ["--nodes", "2"], GPUS_PER_NODE="1", PP="2",
+              RDZV_TIMEOUT="15", TORCHRUN=node2_wrapper(tmp_path, node2))
+    fields = job.wait(90)
+    assert fields["JobState"] == "FAILED", job.log()[-3000:]
+    one_error_line(job.log(), "the training step failed")
+    assert time.monotonic() - started < 15 + 45
