@@ -140,16 +140,51 @@ class Cluster:
             time.sleep(0.2)
 
     def down(self) -> list[int]:
-        """Cancel every job, stop every daemon recorded (SIGTERM, then SIGKILL) and every
-        process left in their sessions; return the pids that had to be killed."""
-        if self.conf.exists():
-            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env,
-                           capture_output=True, timeout=10)
+        """Cancel every job and wait for them (up to KillWait and a little), stop every daemon
+        recorded (SIGTERM, then SIGKILL), then SIGKILL any process still running under this
+        cluster's config (job steps outlive slurmd); return the pids that had to be killed."""
+        if self.daemons():
+            self._cancel_all()
         killed = []
         for pidfile in sorted(self.root.glob("*.daemon.pid"), reverse=True):
             killed += _stop_session(int(pidfile.read_text()))
             pidfile.unlink()
+        for pid in self.strays():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
         return killed
+
+    def _cancel_all(self, wait: float = 15.0) -> None:
+        try:
+            subprocess.run(["scancel", "--full", "--user", "root"], env=self.env,
+                           capture_output=True, timeout=10)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and self.run(
+                    "squeue", "-h", timeout=10).stdout.strip():
+                time.sleep(0.3)
+        except subprocess.TimeoutExpired:  # no controller answers: the daemons go anyway
+            pass
+
+    def strays(self) -> list[int]:
+        """Processes started under this cluster's config (its environment's SLURM_CONF) other
+        than this one: daemons, job steps, launchers, ranks."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if marker in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+                except OSError:
+                    pass
+        return found
+
+    def daemons(self) -> list[int]:
+        """The pids of the daemons started and not yet stopped."""
+        return [int(p.read_text()) for p in self.root.glob("*.daemon.pid")]
 
     def run(self, *command: str, **kwargs) -> subprocess.CompletedProcess:
         """A client command (sbatch, squeue, scontrol...) against this cluster."""

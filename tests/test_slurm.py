@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import dist as launch
 from tests import slurm_cluster
 
 _WHY = slurm_cluster.missing()
@@ -81,16 +82,12 @@ def losses(text: str) -> dict[int, float]:
     return {r.iteration: r.loss for r in parse_log(text).iterations}
 
 
-def torchrun(flags: list[str], procs: int, timeout: float = 240) -> dict[int, float]:
+def torchrun(flags: list[str], procs: int) -> dict[int, float]:
     """The reference: the entry script under plain torchrun on this host, no Slurm."""
-    command = [str(REPO / ".venv" / "bin" / "python"), "-m", "torch.distributed.run",
-               "--nproc-per-node", str(procs), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(REPO / "pretrain_gpt_2bw.py"),
-               *flags, "--cpu", "--mock-data"]
-    done = subprocess.run(command, env=_base_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return losses(done.stdout)
+    done = launch.torchrun(["pretrain_gpt_2bw.py", *flags, "--cpu", "--mock-data"], procs,
+                           timeout=240)
+    assert done.returncode == 0, done.tail()
+    return losses(done.output)
 
 
 @pytest.fixture(scope="module")
@@ -153,20 +150,6 @@ def assert_same(got: dict[int, float], reference: dict[int, float], rtol: float 
     for iteration, loss in sorted(got.items()):
         expected = reference[iteration]
         assert abs(loss - expected) <= rtol * abs(expected), (iteration, loss, expected)
-
-
-def no_processes_of(cluster) -> list[str]:
-    """Processes started under this cluster's SLURM_CONF still running (ranks, torchrun)."""
-    marker = f"SLURM_CONF={cluster.conf}".encode()
-    left = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
-    return left
 
 
 def checkpoint_stop(log: str) -> int:
@@ -398,3 +381,13 @@ def test_a_node_lost_at_the_rendezvous_ends_the_job_within_its_timeout(cluster, 
     assert fields["JobState"] == "FAILED", job.log()[-3000:]
     one_error_line(job.log(), "the training step failed")
     assert time.monotonic() - started < 15 + 45
+
+
+def test_the_cluster_goes_down_leaving_nothing_running(cluster):
+    """Last: every daemon stops on SIGTERM and no job step, launcher or rank is left (none
+    had to be killed)."""
+    daemons = cluster.daemons()
+    assert len(daemons) == 4  # munged, slurmctld, two slurmd
+    assert cluster.down() == []
+    assert not [pid for pid in daemons if slurm_cluster._alive(pid)]
+    assert cluster.strays() == []
