@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import dist as launch
 from tests import slurm_cluster
 
 _WHY = slurm_cluster.missing()
@@ -26,6 +25,7 @@ if _WHY:
 
 from megatron_2bw.logparse import parse_log  # noqa: E402
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
+from tests import dist as launch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_slurm.sbatch"
@@ -101,15 +101,16 @@ def reference_dp2():
 
 
 class Job:
-    """One submitted batch job: its id, its output file, its cluster."""
+    """One submitted batch job: its id, its output file (appended to by each start: the
+    scripts' --open-mode), its cluster."""
 
     def __init__(self, cluster, workdir: Path, script: Path, flags: list[str],
                  sbatch: list[str], **env: str):
         self.cluster, self.out = cluster, workdir / "job.out"
         environment = {**_base_env(), **cluster_env(cluster), **SCRIPT_ENV,
                        "MASTER_PORT": str(free_port()), **env}
-        done = subprocess.run(["sbatch", "--parsable", "--output", str(self.out),
-                               "--open-mode=append", *sbatch, str(script), *flags],
+        done = subprocess.run(["sbatch", "--parsable", "--output", str(self.out), *sbatch,
+                               str(script), *flags],
                               cwd=workdir, env=environment, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         self.id = done.stdout.strip().split(";")[0]
@@ -295,7 +296,7 @@ def test_time_limit_warning_saves_before_the_limit_and_requeues(cluster, tmp_pat
     the batch shell alone) once training runs (Slurm's own comes at its controller's next
     pass, up to ~30 s early: maybe before the ranks are up): the script forwards it to the
     ranks as SIGTERM, they save and stop, the script exits with the requeue status and
-    requeues the job, which resumes from that checkpoint; nothing reaches the limit."""
+    requeues the job (its resumption is the requeue test's); nothing reaches the limit."""
     save = tmp_path / "checkpoints"
     flags = [*TINY, "--pipeline-model-parallel-size", "1", "--train-iters", "100000"]
     job = Job(cluster, tmp_path, SCRIPT, flags,
@@ -303,14 +304,16 @@ def test_time_limit_warning_saves_before_the_limit_and_requeues(cluster, tmp_pat
               GPUS_PER_NODE="1", PP="1", SAVE=str(save), LOAD=str(save))
     job.wait_for(r"iteration\s+3/")
     assert cluster.run("scancel", "--batch", "--signal=USR1", job.id).returncode == 0
-    job.wait_for(r"SLURM_RESTART_COUNT=1,", timeout=90)
-    first = job.log()
-    assert "time limit near (SIGUSR1)" in first and "DUE TO TIME LIMIT" not in first
-    stopped = checkpoint_stop(first)
-    assert "exit 75: resubmit or requeue to resume" in first
-    assert f"requeueing job {job.id}" in first
-    job.wait_for(rf"resumed from {save} at iteration {stopped}", timeout=90)
-    assert cluster.run("scancel", job.id).returncode == 0
+    job.wait_for(rf"requeueing job {job.id}", timeout=90)
+    deadline = time.monotonic() + 30
+    while (fields := job.show())["Restarts"] != "1":  # back in the queue, to start anew
+        assert time.monotonic() < deadline, fields
+        time.sleep(0.3)
+    log = job.log()
+    assert "time limit near (SIGUSR1)" in log and "DUE TO TIME LIMIT" not in log
+    assert "exit 75: resubmit or requeue to resume" in log
+    assert (save / f"iter_{checkpoint_stop(log):07d}").is_dir()
+    assert cluster.run("scancel", job.id).returncode == 0  # its resumption: the requeue test
     assert job.wait(60)["JobState"] == "CANCELLED"
 
 
