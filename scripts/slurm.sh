@@ -42,7 +42,7 @@ slurm_start_line() {
 }
 
 _stop_signal=""
-_warned=""
+_forwarded=""
 
 # slurm_run_step COMMAND... -> runs the job step (srun ...) in the background and waits for
 # it. SIGTERM (scancel, pre-emption, scontrol requeue) reaches the step from Slurm itself;
@@ -59,8 +59,8 @@ slurm_run_step() {
     step=$!
     while :; do
         wait "$step" && status=0 || status=$?
-        if [[ -n $_stop_signal && -z $_warned ]]; then
-            _warned="$_stop_signal"
+        if [[ -n $_stop_signal && -z $_forwarded ]]; then
+            _forwarded="$_stop_signal"
             _slurm_forward "$_stop_signal"
         fi
         kill -0 "$step" 2>/dev/null || break
@@ -87,7 +87,7 @@ _slurm_step_ended() {
     fi
     echo "stopped by SIG$_stop_signal with a checkpoint where --save is set; exit" \
         "$REQUEUE_EXIT: resubmit or requeue to resume"
-    if [[ $_warned == USR1 ]] && scontrol show job "$SLURM_JOB_ID" | grep -q "Requeue=1"; then
+    if [[ $_forwarded == USR1 && $(scontrol show job "$SLURM_JOB_ID") == *Requeue=1* ]]; then
         echo "requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID" || true
     fi

@@ -71,7 +71,8 @@ def slurm_conf(root: Path, nodes: int, ctld_port: int, first_port: int) -> str:
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "MailProg=/bin/true", "MpiDefault=none", "EnforcePartLimits=ALL", "ReturnToService=2", "KillWait=5", "MinJobAge=300",
+        "MailProg=/bin/true", "MpiDefault=none", "EnforcePartLimits=ALL",
+        "ReturnToService=2", "KillWait=10", "MinJobAge=300",
         "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "MessageTimeout=10",
         "SchedulerType=sched/backfill", "SchedulerParameters=sched_interval=1",
         f"NodeName={names} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports} "

@@ -8,6 +8,7 @@ this file alone. Skipped where Slurm is not installed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -45,7 +46,7 @@ DP2 = TINY + ["--pipeline-model-parallel-size", "1", "--use-distributed-optimize
 # the scripts' variables; the flags above override the defaults they give
 SCRIPT_ENV = {"MODEL": "gpt-tiny", "SCHEDULE": "2bw", "CPU": "1", "PRECISION": "fp32",
               "MOCK_DATA": "1", "REPO": str(REPO), "RDZV_TIMEOUT": "30"}
-KILL_WAIT = 5
+KILL_WAIT = 10  # tests/slurm_cluster.py: the ranks save and exit well within it
 _DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "PREEMPTED")
 
@@ -91,13 +92,21 @@ def torchrun(flags: list[str], procs: int) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference_pp2():
-    return torchrun(PP2, 2)
+def references():
+    """Both references, run one after the other in the background from the first test that
+    asks (they overlap the Slurm jobs' waits: a requeued job pends for a while)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        yield {"pp2": pool.submit(torchrun, PP2, 2), "dp2": pool.submit(torchrun, DP2, 2)}
 
 
-@pytest.fixture(scope="module")
-def reference_dp2():
-    return torchrun(DP2, 2)
+@pytest.fixture
+def reference_pp2(references):
+    return references["pp2"]
+
+
+@pytest.fixture
+def reference_dp2(references):
+    return references["dp2"]
 
 
 class Job:
@@ -145,9 +154,11 @@ def cluster_env(cluster) -> dict[str, str]:
     return {"SLURM_CONF": str(cluster.conf)}
 
 
-def assert_same(got: dict[int, float], reference: dict[int, float], rtol: float = 0.0):
+def assert_same(got: dict[int, float], reference: concurrent.futures.Future,
+                rtol: float = 0.0):
     """Every iteration the job logged has the reference run's loss (``rtol``: relative)."""
     assert got, "the job logged no loss"
+    reference = reference.result(timeout=300)
     for iteration, loss in sorted(got.items()):
         expected = reference[iteration]
         assert abs(loss - expected) <= rtol * abs(expected), (iteration, loss, expected)
