@@ -12,7 +12,6 @@ import concurrent.futures
 import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,10 +65,10 @@ def _base_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A 2-node cluster for this module; down (nothing left running) also when a test fails."""
-    root = Path(tempfile.mkdtemp(prefix="megatron-2bw-slurm-"))
-    up = slurm_cluster.Cluster(root, nodes=2)
+def cluster(tmp_path_factory):
+    """A 2-node cluster for this module; down (nothing left running) also when a test fails.
+    Its config, state and daemon logs stay in pytest's temporary directory."""
+    up = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), nodes=2)
     try:
         up.up()
     except RuntimeError as error:
