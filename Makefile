@@ -1,7 +1,10 @@
 # Set-up and entry points. Each target creates .venv when it is missing.
 #   make demo   small GPT, PipeDream-2BW, 2 pipeline stages on 2 CPU processes
-#   make test   the test suite (CPU, gloo)
+#   make test   the test suite (CPU, gloo; the Slurm tests where Slurm is installed);
+#               TEST_ARGS adds pytest arguments
 #   make test-fast   unit tests and one exactness run per schedule, while working
+#   make test-slurm   the Slurm tests alone on a throwaway 2-node Slurm (root, Slurm's packages:
+#               docs/slurm.md)
 #   make bench  schedules side by side on 2 CPU processes
 #   make bench-splits   even against the planner's layer split at vocabulary 32,000 (idle machine)
 #   make bench-muon     flush and 2bw with Muon and ef, the planner's prediction beside (idle machine)
@@ -17,7 +20,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast bench bench-splits bench-muon compare convergence data clean-venv gpu-wheels
+.PHONY: demo test test-fast test-slurm bench bench-splits bench-muon compare convergence data clean-venv gpu-wheels
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -33,11 +36,14 @@ demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest tests -q --durations=20
+	$(PY) -m pytest tests -q --durations=20 $(TEST_ARGS)
 
 # the tests marked fast in tests/conftest.py (FAST)
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest tests -q -m fast
+
+test-slurm: $(VENV)/.installed
+	$(PY) -m pytest tests/test_slurm.py -q
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench_schedules.py --microbatches 4 --rounds 3 --iters 5 --warmup 2 --json runs/bench/schedules.json

@@ -34,7 +34,8 @@
 # paper's V100s; bf16 on A100/H100; fp32], RECOMPUTE=1 (full activation recomputation),
 # LOG_INTERVAL [10], EVAL_INTERVAL [500], EVAL_ITERS [10], SAVE, LOAD, SAVE_INTERVAL,
 # DATA_PATH + TOKENIZER_MODEL (+ TOKENIZER_TYPE) or MOCK_DATA=1 (random tokens, VOCAB_SIZE),
-# CPU=1 (gloo on CPU processes), DRY_RUN=1 (print the command, run nothing).
+# CPU=1 (gloo on CPU processes), DRY_RUN=1 (print the command, run nothing). NNODES is read as
+# NODES where NODES is unset.
 
 REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 
@@ -76,7 +77,7 @@ schedule_layout() {
 training_args() {
     MODEL="${MODEL:-gpt-2.2b}"
     SCHEDULE="${SCHEDULE:-2bw}"
-    NODES="${NODES:-1}"
+    NODES="${NODES:-${NNODES:-1}}"
     GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
     model_shape "$MODEL"
     schedule_layout "$SCHEDULE"

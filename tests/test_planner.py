@@ -687,11 +687,14 @@ def test_scripts_run_to_a_command_our_validator_accepts(tmp_path, script):
     record, srun_record = tmp_path / "command.txt", tmp_path / "srun.txt"
     rendezvous = tmp_path / "rendezvous.txt"
     # Python, srun and scontrol stand-ins: record what would have been launched and the
-    # rendezvous it was given; srun drops its own 4 words and runs the rest.
+    # rendezvous it was given; srun drops its own 5 words and runs the rest; the first node's
+    # address is not its name (Slurm's NodeAddr).
     _fake_bin(bin_dir, "python", f'printf "%q " python "$@" > {record}\n'
                                  f'echo "$MASTER_ADDR:$MASTER_PORT" > {rendezvous}')
-    _fake_bin(bin_dir, "srun", f'printf "%q " srun "$@" > {srun_record}\nshift 4\nexec "$@"')
-    _fake_bin(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\n"')
+    _fake_bin(bin_dir, "srun", f'printf "%q " srun "$@" > {srun_record}\nshift 5\nexec "$@"')
+    _fake_bin(bin_dir, "scontrol", 'if [[ $2 == node ]]; then\n'
+                                   '    echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 Port=0"\n'
+                                   'else printf "node-a\\nnode-b\\n"; fi')
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_text("dummy")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
@@ -712,13 +715,13 @@ def test_scripts_run_to_a_command_our_validator_accepts(tmp_path, script):
         text = path.read_text()
         assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
         assert "#SBATCH --gpus-per-node=8" in text
-        # The allocation's first node, a port from the job id (20000 + 7), exported.
-        assert rendezvous.read_text() == "node-a:20007\n"
+        # The allocation's first node's address, a port from the job id (20000 + 7), exported.
+        assert rendezvous.read_text() == "127.0.0.1:20007\n"
         line = shlex.join(command)
-        assert "--rdzv-backend c10d --rdzv-endpoint node-a:20007" in line
+        assert "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:20007" in line
         assert "--nnodes 2 --nproc-per-node 8" in line
-        assert shlex.split(srun_record.read_text())[:5] == ["srun", "--nodes", "2",
-                                                            "--ntasks-per-node", "1"]
+        assert shlex.split(srun_record.read_text())[:6] == [
+            "srun", "--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     else:
         line = shlex.join(command)
         assert "--nnodes 2 --node-rank 0 --nproc-per-node 8" in line

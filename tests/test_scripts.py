@@ -27,7 +27,8 @@ _SCRIPT_VARS = ("MODEL", "SCHEDULE", "NODES", "GPUS_PER_NODE", "TP", "PP", "MICR
                 "EVAL_ITERS", "SAVE", "LOAD", "SAVE_INTERVAL", "DATA_PATH", "TOKENIZER_MODEL",
                 "TOKENIZER_TYPE", "MOCK_DATA", "VOCAB_SIZE", "CPU", "DRY_RUN", "REPO",
                 "SCHEDULES", "LOG_DIR", "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST",
-                "SLURM_GPUS_ON_NODE", "TORCHRUN", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+                "SLURM_GPUS_ON_NODE", "TORCHRUN", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "NNODES", "RDZV_ADDR", "RDZV_TIMEOUT", "REQUEUE_EXIT", "SLURM_RESTART_COUNT")
 
 
 def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -104,6 +105,26 @@ def test_slurm_dry_run_passes_validation_on_eight_nodes(model, schedule):
     kind, args, world = _validated(command)
     assert world == 64 and args.data_parallel_size == 8
     assert args.pipeline_schedule == schedule
+
+
+def test_slurm_script_asks_for_no_gpus_and_bounds_the_rendezvous():
+    """A cluster without GPU resources refuses a job that asks for GPUs: the script asks for
+    none (sbatch --gpus-per-node does); a node lost at the rendezvous ends the step."""
+    text = (SCRIPTS / "train_slurm.sbatch").read_text()
+    assert "#SBATCH --gpus" not in text and "#SBATCH --gres" not in text
+    command = _single(_dry_run("train_slurm.sbatch", NODES="2", GPUS_PER_NODE="2", CPU="1",
+                               MODEL="gpt-tiny", PRECISION="fp32", MOCK_DATA="1",
+                               RDZV_TIMEOUT="60"))
+    assert "--kill-on-bad-exit=1" in command and "join_timeout=60" in command
+    _, args, world = _validated(command)
+    assert world == 4 and args.cpu and args.pipeline_model_parallel_size == 2
+
+
+def test_nnodes_is_read_as_nodes():
+    _, args, world = _validated(_single(_dry_run(
+        "train_torchrun.sh", NNODES="2", NODE_RANK="1", GPUS_PER_NODE="1", PP="2",
+        MODEL="gpt-tiny", CPU="1", PRECISION="fp32", MOCK_DATA="1")))
+    assert world == 2 and args.pipeline_model_parallel_size == 2
 
 
 def test_model_shapes_have_the_parameter_counts_they_are_named_for():

@@ -351,9 +351,12 @@ def torchrun_script(candidate: Candidate, plan: Plan, training: Sequence[str] = 
 
 def sbatch_script(candidate: Candidate, plan: Plan, training: Sequence[str] = ()) -> str:
     """Slurm: one task per node, each a `python -m torch.distributed.run` with the c10d
-    rendezvous on the allocation's first node (MASTER_ADDR), at a port from the job id
-    (MASTER_PORT, unless set), as Megatron-LM's Slurm examples set them."""
+    rendezvous on the allocation's first node (its NodeAddr: scripts/slurm.sh), at a port from
+    the job id (MASTER_PORT, unless set), as Megatron-LM's Slurm examples set them; the step
+    run by scripts/slurm.sh (pre-emption and time-limit signals, docs/slurm.md). A CPU plan
+    requests no GPUs."""
     cluster, model = plan.request.cluster, plan.request.model
+    gpus = [] if cluster.device == "cpu" else [f"#SBATCH --gpus-per-node={cluster.gpus_per_node}"]
     return "\n".join([
         "#!/bin/bash",
         *_header(candidate, plan),
@@ -363,21 +366,25 @@ def sbatch_script(candidate: Candidate, plan: Plan, training: Sequence[str] = ()
         "#SBATCH --job-name=megatron-2bw",
         f"#SBATCH --nodes={cluster.nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={cluster.gpus_per_node}",
+        *gpus,
         "#SBATCH --exclusive",
+        "#SBATCH --open-mode=append",
         "set -euo pipefail",
         *_preamble(model, training),
-        "# the first node hosts the rendezvous (sed reads the whole list: no SIGPIPE under "
-        "pipefail)",
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
+        "# shellcheck source=scripts/slurm.sh",
+        'source "$REPO/scripts/slurm.sh"',
+        "slurm_start_line",
+        'MASTER_ADDR="$(slurm_rendezvous_addr)"',
+        'slurm_check_resolves "$MASTER_ADDR"',
         'MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"',
         "export MASTER_ADDR MASTER_PORT",
         "# shellcheck disable=SC2086",
-        'srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 \\',
+        'slurm_run_step srun --nodes "$SLURM_NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 \\',
         '    "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_NNODES" '
         f"--nproc-per-node {cluster.gpus_per_node} \\",
         '    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d '
         '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
+        '    --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-600}" \\',
         *_command_tail(candidate, plan, training)])
 
 
