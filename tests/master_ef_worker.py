@@ -1,17 +1,13 @@
 """``ef``, ``dc`` and ``predict`` on the fp32 master copies of 16-bit weights, against plain torch.
 
-A megatron-core transformer layer in bf16 or fp16 (Float16Module, DDP, megatron-core's
-mixed-precision Adam, no clipping, no weight decay; fp16 at a constant loss scale of 1) and
+A megatron-core transformer layer in bf16 or fp16 with megatron-core's mixed-precision Adam and
 2BW's version store with ``ErrorFeedback`` (or ``DelayCompensation``) bound to the optimizer
-take 4 steps on fixed gradients, in one process; with a step's index, that step's gradient
-holds an inf, so megatron-core skips it. The reference steps fp32 copies of the initial master
-weights with torch.optim.Adam on the same gradients (none for a skipped step) and applies the
-rule itself from the second step taken on: W(t+1) = W(t) - U_t - beta (U_t - U_{t-1}), or the
-gradient g + lambda g * g (W(t) - W(t-1)). Prints one JSON line: the masters' relative error
-against the reference, their distance from the uncorrected reference, the steps skipped, and
-whether the 16-bit weights are the masters rounded. ``predict`` prints instead how far the
-16-bit R(4) the store made lies from the reference's (1 + s) W(4) - s W(3) rounded, and the
-16-bit versions' own R (what R was made from before) beside it.
+takes 4 steps on fixed gradients, one of them optionally skipped for an inf. The reference steps
+fp32 masters with torch.optim.Adam and applies the correction rule itself. Prints one JSON line:
+the masters' relative error against the reference, their distance from the uncorrected
+reference, the steps skipped, and whether the 16-bit weights are the masters rounded
+(``predict``: how far the store's 16-bit R(4) lies from the reference's). The set-up and the
+rules written out: docs/testing.md, "What each test module checks", master_ef_worker.py.
 
     python tests/master_ef_worker.py [bf16|fp16] [SKIPPED_STEP|-] [ef|dc|predict]
 """

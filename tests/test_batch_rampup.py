@@ -2,26 +2,12 @@
 --lr-warmup-samples / --lr-decay-samples), against references written here and in
 tests/reference.py.
 
-(a) The flag rules of Megatron-LM's ``validate_args`` (megatron/training/arguments.py at
-    core_v0.16.1: --train-iters xor --train-samples; sample flags only with --train-samples,
-    iteration flags only with --train-iters; no ramp-up with --train-iters) and megatron-core's
-    ramp-up divisibility, each bad command line next to a repaired twin that passes.
-(b) PP=2 runs of the real entry set-up and training loop (tests/rampup_worker.py under
-    torchrun) with --rampup-batch-size 4 2 16, micro batch 2, global batch 8, --train-samples 36:
-    the batches hold 4, 4, 6, 6, 8, 8 samples (m = 2, 2, 3, 3, 4, 4). The logged loss of every
-    iteration equals the single-process reference (tests/reference.py ``reference_run`` with
-    those batch sizes and learning rates): the synchronous rule for flush, W(t+1) = W(t) -
-    lr * grad f(W(t-1)) for 2bw (run as 3 iterations, stopped with a checkpoint mid-ramp, and 3
-    more resumed from it), which lies far from the synchronous one. The logged global batch
-    size and consumed samples follow the ramp formula below.
-(c) The logged learning rates follow a linear warm-up over --lr-warmup-samples and a linear
-    decay to --min-lr at --lr-decay-samples, in consumed samples (formula below).
-
-Megatron-core's ramp (num_microbatches_calculator.py, RampupBatchsizeNumMicroBatchesCalculator
-.update): with n = (global - START) / INCREMENT increments of RAMPUP / n samples each, the batch
-after `consumed` samples is global when consumed > RAMPUP, else
-START + floor(consumed / (RAMPUP / n)) x INCREMENT. The loss is logged with 7 significant
-digits: losses compare to 2e-6 relative.
+Checks Megatron-LM's ``validate_args`` flag rules and megatron-core's ramp-up divisibility (each
+bad command line beside a repaired twin), that PP=2 flush and 2bw runs through a mid-ramp
+checkpoint log the single-process reference's loss at every iteration with the ramp's batch
+sizes and consumed samples, and that the learning rate follows the warm-up and decay in consumed
+samples. Guards: a ramp changes the batch, never the update rule. The grid, the ramp formula and
+the tolerance: docs/testing.md, "What each test module checks", test_batch_rampup.py.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """BERT pretraining: pretrain_bert_2bw.py end to end, and exactness against single-process
 references.
 
-1. Learning: ``torchrun pretrain_bert_2bw.py`` on 2 CPU processes (PP=2) with the 2bw and the
-   flush schedule, a 2-layer BERT (hidden 32, sequence 64, binary head) on sentence-level data
-   (200 kB of standard-library text, 512-piece sentencepiece, `--split-sentences`), 30
-   iterations of 16 samples: the first logged masked-LM loss is ~ln(512) and the mean of the
-   last three lies clearly below it, as does the validation loss at the end.
-2. Exactness (tests/bert_worker.py; tests.reference.MODEL's size as a BertModel with tied
-   embeddings, fp32, no dropout, Adam eps 1e-6, random padded samples with BERT's masking):
-   after 5 iterations, 2-stage flush, gpipe, naive and Megatron's 1F1B equal single-process
-   gradient accumulation (W(t+1) = AdamW(W(t), g(W(t)))), and 2-stage 2bw (binary head on and
-   off), 4-stage 2bw (the middle stages read only the padding mask) and 2 stages x 2 replicas
-   2bw equal the 1-stale rule W(t+1) = AdamW(W(t), g(W(max(t-1, 0)))); weights to 1e-6 by
-   ||W - W_ref|| / ||W_ref||, the logged "lm loss" and "sop loss" to 1e-5, and the other
-   rule's result lies at least 1e-3 away. The tied output layer of the last stage must equal
-   the word embeddings of the first.
-3. Flags: a GPT tokenizer type fails at once with one error line.
-4. A checkpoint from before [BOS] and [EOS] joined the WordPiece vocabulary (Megatron-LM's
-   _BertWordPieceTokenizer adds them: the file's size + 2, padded) loads with one warning line:
-   megatron-core's embedding and output layer allow a shape mismatch on load (the saved rows
-   are read, the new ones start at zero); with the distributed optimizer it is refused in one
-   line (its flat state cannot be resized).
+Checks that flush and 2bw runs learn (the masked-LM loss falls from ~ln(512)), that every
+schedule's weights and logged losses equal the single-process reference of its update rule
+(synchronous or 2BW's 1-stale) and lie far from the other rule's, with the tied output layer
+equal to the word embeddings; that a GPT tokenizer type fails in one line; and that a
+checkpoint from before [BOS]/[EOS] joined the vocabulary loads with one warning (refused in
+one line under the distributed optimizer).
+The cases and tolerances: docs/testing.md, "What each test module checks", test_bert.py.
 """
 
 from __future__ import annotations

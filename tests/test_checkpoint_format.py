@@ -1,22 +1,12 @@
 """Our checkpoints hold Megatron-LM's state, and a checkpoint in Megatron-LM's layout resumes here.
 
-References (copied from Megatron-LM at tag core_v0.16.1, not from our code):
-  * MEGATRON_COMMON_STATE, RNG_STATE_KEYS: megatron/training/checkpointing.py,
-    ``generate_state_dict`` (args, checkpoint_version 3.0, iteration, model, optimizer,
-    opt_param_scheduler, rng_state), ``save_checkpoint`` (num_floating_point_operations_so_far)
-    and ``get_rng_state`` (a ShardedObject 'rng_state' of a list of one dict per rank, global
-    shape (PP size, TP size), offset (PP rank, TP rank), replica id the DP rank);
-  * ARGS_READ_ON_LOAD: the fields of "args" that ``load_checkpoint`` reads (the data position
-    and the layout);
-  * megatron_scheduler_state(): megatron/training/training.py ``get_optimizer_param_scheduler``
-    (iteration-based training counts the schedule in samples: iterations x global batch size)
-    with megatron/core/optimizer_param_scheduler.py ``state_dict``; the learning rates expected
-    after a resume are megatron-core's ``get_lr`` (linear warm-up, then cosine) derived here;
-  * the flag semantics: ``OptimizerParamScheduler._check_and_set`` (a mismatch between the
-    checkpoint and the flags is an error unless --override-opt_param-scheduler, flags win, or
-    --use-checkpoint-opt_param-scheduler, the checkpoint wins).
-One 2-stage run (Megatron's own schedule, no dropout) saves at iterations 2 and 4; its losses
-after iteration 2 are what a resumed run must log.
+References are copied from Megatron-LM at tag core_v0.16.1, not from our code: the common state
+and RNG state keys of ``generate_state_dict`` / ``get_rng_state``, the args fields
+``load_checkpoint`` reads, the learning-rate scheduler's state and ``get_lr``, and the scheduler
+flags' override semantics. One 2-stage run (Megatron's own schedule, no dropout) saves at
+iterations 2 and 4; its losses after iteration 2 are what a resumed run must log. Guards: a
+checkpoint written here reads as Megatron-LM's, and the reverse. Where each reference comes
+from: docs/testing.md, "What each test module checks", test_checkpoint_format.py.
 """
 
 from __future__ import annotations

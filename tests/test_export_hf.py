@@ -2,41 +2,13 @@
 scripts/examples/prepare_data.py's data), read as Megatron-LM reads them, and exported to
 Hugging Face by tools/export_hf.py.
 
-Two GPT runs, shared by the GPT tests here:
-  * "gpt2": GPT-2 style (learned positions, LayerNorm, GeLU, biases, tied embeddings), 2BW,
-    GPT2BPETokenizer by Megatron-LM's default (--vocab-file/--merge-file, no --tokenizer-type);
-  * "llama": Llama style (rope base 500000, RMSNorm eps 1e-6, SwiGLU, no biases, GQA with 8
-    query heads in 2 groups, untied output layer), the distributed optimizer, a HuggingFace
-    tokenizer folder.
-Two BERT runs (pretrain_bert_2bw.py, BertWordPieceLowerCase by pretrain_bert.py's default):
-  * "bert": the binary head (sentence-order prediction), 2BW;
-  * "bert-mlm": --bert-no-binary-head, flush.
-Constant learning rate 1e-2: under 2BW the newer weight version (the checkpoint's "model"
-entries) differs from the older one.
-
-Common state: the values are derived from Megatron-LM's code at core_v0.16.1, not from ours:
-  * megatron/training/tokenizer/tokenizer.py ``build_tokenizer``: ``args.padded_vocab_size =
-    _vocab_size_with_padding(tokenizer.vocab_size, args)``, the vocabulary rounded up to a
-    multiple of make_vocab_size_divisible_by x TP (HuggingFace: ``len(AutoTokenizer)``);
-  * megatron/training/checkpointing.py ``load_checkpoint`` / ``check_checkpoint_args`` /
-    ``load_args_from_checkpoint``: the args fields they read (ARGS_READ below);
-  * ``_build_sharded_state_dict_metadata``: the distributed optimizer saves
-    'dp_reshardable' (no --dist-ckpt-optim-fully-reshardable), for which megatron-core's
-    ``DistributedOptimizer.sharded_state_dict`` turns every entry of its ``state_dict()``
-    (``optimizer`` = {"param_groups": ...} without "params") into a ShardedObject per DP group:
-    the common "optimizer" keeps only ``param_state_sharding_type``, the param groups live in
-    ``optimizer.distributed.dp_group_idx_<i>.optimizer`` objects (Megatron-LM's own checkpoints
-    have them there too), one group with weight decay and one without (biases, norms).
-
-Export: transformers loads the folder; its logits on the same tokens equal megatron-core's
-GPTModel forward of the checkpoint (fp32, rel 1e-5; tests/hf_export_worker.py), greedy
-generation of 4 tokens gives the same tokens, and the exported tokenizer encodes text to the
-ids the run's tokenizer gives. BERT: MegatronBertForPreTraining's MLM and SOP logits (or
-MegatronBertForMaskedLM's MLM logits) equal megatron-core's BertModel forward on the same
-tokens, padding mask and token types, at every real position (megatron-core's BERT mask also
-blocks the padded positions' queries, transformers' only their keys, so the padded positions'
-own outputs differ); the exported tokenizer gives [CLS] + the run's ids + [SEP], and [BOS] and
-[EOS] the ids Megatron-LM's _BertWordPieceTokenizer gives them.
+References: the common state and optimizer layout derived from Megatron-LM's code at
+core_v0.16.1 (not from ours), and, for the export, megatron-core's own GPTModel / BertModel
+forward of the checkpoint: transformers' logits equal it (fp32, rel 1e-5), greedy generation
+gives the same tokens, and the exported tokenizer gives the run's ids. Guards: a checkpoint of a
+GPT-2-style, Llama-style or BERT run exports to a model that computes what the run's model
+computes. The four runs and the layout details: docs/testing.md, "What each test module checks",
+test_export_hf.py.
 """
 
 from __future__ import annotations

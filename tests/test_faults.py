@@ -1,27 +1,12 @@
 """Divergence and pre-emption end a run cleanly (``megatron_2bw/training/guard.py``).
 
-References:
-  * the divergence rules as a table (fp32/bf16: a non-finite loss or gradient norm; fp16 with
-    dynamic loss scaling: --loss-scale-window consecutive skipped steps, or 3 consecutive
-    non-finite losses);
-  * a real 2-stage 2BW run with --lr 1e30 reaches a NaN loss: the ranks end with exit code 1
-    and the same line naming the first non-finite iteration K, and no checkpoint at or after K is
-    written (--save-interval 2), the tracker still names the last good one;
-  * a SIGTERM to one rank of a long run (the other learns it through the per-iteration flag):
-    the run saves a checkpoint within two iterations of the signal and exits 0, saying where;
-  * checkpoints: a --load naming an empty directory while --save holds another run is refused
-    up front with one line and the other run's tracker untouched; a newest checkpoint whose
-    metadata is missing or truncated is skipped with a warning and the previous one loads
-    (training goes on from its iteration); with no readable checkpoint, one line naming the
-    newest; a tracker file of garbage is refused in one line naming it (Megatron-LM's
-    read_metadata), never replaced by a guess;
-  * fp16 with dynamic loss scaling: --lr 100 ends with exit 1 and one line on the third
-    non-finite loss in a row, no checkpoint written after the first; a run with a few skipped
-    steps at the start trains on; --lr 1e30 (fp32 2BW): no checkpoint holds non-finite
-    weights (read back offline);
-  * a peer frozen with SIGSTOP in a pipeline exchange, inside a checkpoint save, or before a
-    data-parallel collective: rank 0 ends within --distributed-timeout-minutes with exit code 1,
-    one error line and no traceback on its own stderr, and no partial checkpoint directory.
+References: the divergence rules as a table (fp32/bf16 and fp16 with dynamic loss scaling), and
+real 2-stage runs made to diverge, signalled with SIGTERM, frozen with SIGSTOP, or given
+missing, truncated or garbage checkpoints. Guards: every rank ends with the documented exit code
+and one line naming the cause, no checkpoint holds non-finite weights or is left partial, and an
+unreadable newest checkpoint falls back to the previous one (never a guess). Each case:
+docs/testing.md, "What each test module checks", test_faults.py; the behaviour:
+docs/checkpoints_and_faults.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """No schedule of ours makes more host syncs per iteration than megatron-core's own.
 
-On a GPU every ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.cpu()``, ``.tolist()``,
-``.numpy()`` and device or event synchronize stalls the launch queue until the device catches
-up. The counter (tests/strict/host_syncs.py) wraps each of them in every process of a real
-2-stage pipeline run (tests/schedule_worker.py: megatron-core GPT, optimizer and DDP on gloo,
-the documented defaults: gradient clipping at 1.0, tied embeddings, 2BW's deferred step, with
-``--bf16``), for every schedule, and with 2 virtual stages under megatron, flush and 2bw.
-
-Per iteration in the steady state: each run drains after iteration 1 (as before an
-evaluation), so the syncs from iteration 2's start to the end of the run (which drains again)
-are exactly those of iterations 2 .. N-1, whatever point of a call a deferred step happened to
-be applied at (2BW's step runs where its collectives are found finished). Iterations 0 and 1
-(first-call set-up, fill) are left out. The bound is megatron-core's own schedule
-(``--pipeline-schedule megatron``) on the same flags and the same number of model chunks, on
-the same stage, in the same processes; the training step around the schedule (optimizer,
-loss average) is the same code for all. Observed on CPU per iteration (stage 0 / stage 1):
-megatron 67 / 69 (5 of them its p2p's ``torch.cuda.synchronize()``), 62 / 64 with 2 chunks;
-every schedule of ours 62 / 64, with one chunk and two. The only sync in this package's code
-is 2BW's (PipeDream's, PipeMare's) deferred step reading its grad norm, once per iteration, as
-megatron-core's clipping does where the step is not deferred. A ``bool(t)`` per forward,
-added to the executor, fails both tests (70 vs 62 with 2 chunks).
+The counter (tests/strict/host_syncs.py) wraps every host-syncing call (``.item()``, ``.cpu()``,
+synchronize, ...) in every process of a real 2-stage pipeline run (tests/schedule_worker.py,
+``--bf16``) for every schedule, with one and two model chunks, and counts the steady-state
+iterations. Reference: megatron-core's own schedule (``--pipeline-schedule megatron``) on the
+same flags, stage and processes. Guards: no sync added to the executor's hot path. The method
+and the counts observed: docs/testing.md, "What each test module checks", test_host_syncs.py.
 """
 
 from __future__ import annotations

@@ -2,21 +2,11 @@
 chunks per pipeline rank, run by megatron-core's own interleaved 1F1B
 (``--pipeline-schedule megatron``) and by ours (``--pipeline-schedule flush``).
 
-1. On 2 CPU processes, PP=2, 4 layers, 4 microbatches per batch, fp32, no dropout: V = 2 chunks
-   per rank train as one chunk per rank does. megatron-core initialises each rank's layers in
-   the order it builds them, so V = 2 and V = 1 start from different weights; the runs are
-   compared from a common checkpoint instead. A V = 2 run saves at iteration 2; a V = 1 run
-   resumed from it (the checkpoint resharded from chunks "model0"/"model1" to one chunk
-   "model") gives iterations 3-4's losses and the validation loss of the V = 2 run, and so
-   does a V = 2 run resumed from it (to 1e-6 relative; they agree to the last bit here).
-   ``--pipeline-schedule flush`` with V = 2 from scratch (our executor, interleaved actions,
-   the ring of exchanges) gives the losses of megatron-core's interleaved run, and
-   ``--pipeline-schedule 2bw`` with V = 2 (2BW-interleaved) resumed from the checkpoint gives
-   those of 2bw with V = 1. The runs share
-   two spawned processes, one after the other (data loading in the main process:
-   --num-workers 0).
-2. The flags' rules, as Megatron-LM's validate_args (core_v0.16.1) has them: one FlagError
-   line each, before any process starts.
+Checks on 2 CPU processes that V = 2 trains as V = 1 does (compared from a common checkpoint,
+resharded between chunk counts), that our flush with V = 2 logs megatron-core's interleaved
+run's losses and 2bw with V = 2 those of 2bw with V = 1 (1e-6 relative), and that bad flags
+end in one FlagError line each, as Megatron-LM's validate_args (core_v0.16.1) has them.
+The runs in detail: docs/testing.md, "What each test module checks", test_interleaved.py.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """A job killed at random moments resumes exactly; its ranks end with their launcher; a signal
 to the whole job saves (``megatron_2bw/runtime/lifetime.py``, ``training/guard.py``).
 
-One chain of runs of the same 2-stage 2BW GPT (test_training's flags: 24 iterations, real data
-read by 2 data-loader workers per rank) with ``--save DIR --save-interval 3 --load DIR``, each
-run started where the previous one left DIR, the moments drawn from a seeded generator
-(MEGATRON_2BW_CHAOS_SEED):
-  A. SIGKILL to every process of the job (launcher, ranks in their own sessions, data-loader
-     workers, checkpoint writers) while the ranks save the checkpoint of iteration 6 or 9;
-  C. SIGTERM to every process of the job (Slurm's scancel; torchrun also forwards it to each
-     rank's process group) a few iterations after the resume;
-  B. SIGKILL to the launcher's process group alone (``kill -9 -PGID``: torchrun only) a few
-     iterations after the resume;
-  D. a run to the end.
-References: the losses every run logs equal, iteration by iteration, those of the
-uninterrupted run with the same flags (test_training's, launched once per session); after
-each kill no process of the killed run is left; the checkpoint directory ends holding complete
-checkpoints only; the ranks' exit codes and stop lines as docs/checkpoints_and_faults.md
-states them.
-
-Beside the chain, without torchrun: a process bound to its parent before the parent ends gets
-SIGTERM from the kernel, and one bound after sends it to itself (the parent's end is not
-signalled to a process that was not bound yet), with SIGHUP at its default or ignored in both;
-a process that alone ignores SIGHUP (nohup'd from a shell) is not bound. Each test sets the
-dispositions it needs, so the suite passes under nohup, setsid or a CI runner ignoring signals.
+One seeded chain of runs of a 2-stage 2BW GPT is killed (SIGKILL during a save, SIGTERM to the
+job, SIGKILL to the launcher alone) and resumed. Reference: the uninterrupted run with the same
+flags, whose losses every run must log iteration by iteration. Guards: no process of a killed
+run is left, only complete checkpoints remain, exit codes and stop lines are those of
+docs/checkpoints_and_faults.md; also the parent-death binding of a process, without torchrun.
+The chain and the signal cases: docs/testing.md, "What each test module checks",
+test_job_lifetime.py.
 """
 
 from __future__ import annotations

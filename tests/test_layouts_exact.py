@@ -1,20 +1,12 @@
 """Uneven pipeline layouts under every schedule, against the single-process references.
 
-Each case splits the layers with one of Megatron-LM's flags (--decoder-first/last-pipeline-num-
-layers, --account-for-embedding/loss-in-pipeline-split, --pipeline-model-parallel-layout) and
-states the split it expects (``Case.split``, layers per virtual stage in model order). The
-pipeline's chunks load the reference's initial weights and report their weights by that split
-(tests/schedule_worker.py ``_global_name``), so a run whose chunks hold other layers than the
-test states fails to load or ends far from its reference. The references are the PP=1 ones of
-tests/test_schedules_exact.py (tests/reference.py): a split changes where layers run, not the
-update rule. Tolerance 1e-6 relative, as there.
-
-Every case runs on 2 processes (d = 2, one replica, m = 4), one after another in the same
-process group: the loop (flush, gpipe, naive, zb-h1, megatron's 1F1B, 2bw, pipedream, pipemare),
-virtual stages (flush, 2bw, megatron interleaved over V = 2 chunks, one chunk holding no layer
-at all) and the V (zb-v, dualpipev: rank i holds virtual stages i and 3-i). Among them a first
-stage holding only the embedding and a last stage holding only the final norm, the output
-layer and the loss.
+Each case splits the layers with one of Megatron-LM's flags and states the split it expects;
+the chunks load the reference's weights by that split, so a run whose chunks hold other
+layers fails to load or ends far from its reference. References: the PP=1 ones of
+tests/test_schedules_exact.py (a split changes where layers run, not the update rule),
+tolerance 1e-6 relative. Every case runs on 2 processes (d = 2, m = 4) in one process group:
+the loop schedules, virtual stages and the V's.
+The cases: docs/testing.md, "What each test module checks", test_layouts_exact.py.
 """
 
 from __future__ import annotations

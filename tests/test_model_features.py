@@ -1,22 +1,12 @@
 """Megatron-LM's model-feature flags (--swiglu, --normalization, --group-query-attention, rope,
 --disable-bias-linear, --qk-layernorm, ...) on megatron-core's own layer specs.
 
-References (megatron/training/arguments.py and gpt_builders.py of Megatron-LM at core_v0.16.1,
-the tag of our pinned megatron-core):
-  (a) structure: one process builds megatron-core's GPTModel through pretrain_gpt_2bw's
-      provider; every parameter's name and shape is compared with a table derived here by hand
-      from the flags (QKV rows = (heads + 2 x groups) x head dim, fc1 rows = 2 x FFN with SwiGLU,
-      FFN = int((4h x 2/3) / 64) x 64 as Megatron-LM's validate_args sets it, no bias anywhere
-      with --disable-bias-linear, RMSNorm weights without bias, an output layer of its own when
-      untied); the rope frequencies against 1 / base^(2i / d) with d = head dim x percent.
-  (b) learning: 2-process PP=2 runs (2bw from scratch; flush) on --mock-data train 6 iterations
-      and the loss falls.
-  (c) layouts: the PP=2 flush run's losses equal a single-process PP=1 run's to fp32 rounding.
-      Both start from the same weights: the PP=1 run saves a checkpoint after iteration 1
-      (--save-interval 1) and logs iterations 2..7; the PP=2 run loads that checkpoint
-      (resharded to 2 stages) and logs iterations 2..7. Dropout 0, constant LR.
-  (d) bad combinations end with one FlagError line each, and the entry script prints it as
-      one "error:" line with exit code 2.
+References (Megatron-LM's arguments.py and gpt_builders.py at core_v0.16.1): every parameter's
+name and shape against a table derived by hand from the flags, and the rope frequencies; PP=2
+runs learn; a PP=2 flush run's losses equal a PP=1 run's from the same checkpoint to fp32
+rounding; bad combinations end in one FlagError line (exit code 2). Guards: the flags build the
+model Megatron-LM builds. The shape rules and the runs: docs/testing.md, "What each test module
+checks", test_model_features.py.
 """
 
 from __future__ import annotations

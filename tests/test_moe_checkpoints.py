@@ -1,19 +1,12 @@
 """MoE checkpoints: resumed exactly, resharded across expert-parallel sizes, keyed as
 megatron-core keys them, with 2BW's older version of every expert.
 
-Four spawned processes (PP = 2 x EP = 2, two data-parallel replicas each holding 2 of the 4
-experts; tests/test_interleaved's in-process trainer, pretrain_gpt_2bw.py's pieces) train a
-Llama-style MoE GPT (4 layers, 4 experts, top-2, aux loss 0.1, z-loss 0.01, alltoall) for 4
-iterations, saving at iteration 2; a run resumed from that checkpoint alone logs iterations
-3-4 and the validation loss after 4 as the uninterrupted run does (1e-6 relative), under 2bw
-(iteration 3 reads the older version of every expert and router weight, which only the
-checkpoint holds; also with Muon and ef) and zb-v (the V: rank i holds layers i and 3-i). Resharding: flush's EP = 2
-checkpoint resumed at EP = 1 (each replica then holds all 4 experts) and an EP = 1 checkpoint
-resumed at EP = 2 log the uninterrupted run's losses (1e-5 relative: the experts' GEMMs see
-the same tokens in another grouping). The checkpoints hold megatron-core's expert keys (one
-tensor per layer's fc1 and fc2 with an expert axis, ``...mlp.experts.experts.linear_fc1...``;
-the same at both EP sizes), and 2bw's holds the older version of each under
-``twobw_older.``.
+Four spawned processes (PP = 2 x EP = 2) train a Llama-style MoE GPT; a run resumed from the
+iteration-2 checkpoint alone must log the uninterrupted run's losses (1e-6 relative) under 2bw
+(also with Muon and ef) and zb-v, and across EP = 2 / EP = 1 resharding (1e-5). The checkpoints
+hold megatron-core's expert keys, and 2bw's the older version under ``twobw_older.``. Reference:
+the uninterrupted run. The cases: docs/testing.md, "What each test module checks",
+test_moe_checkpoints.py; the story: docs/moe.md.
 """
 
 from __future__ import annotations

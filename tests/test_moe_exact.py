@@ -1,29 +1,12 @@
 """Mixture-of-Experts GPTs under every schedule on real megatron-core models over gloo, against
 single-process references, as tests/test_schedules_exact.py checks the dense models.
 
-The model (tests/reference.py ``MODEL`` with ``Model.moe``): the tiny GPT with megatron-core's
-MoE layers (``get_gpt_decoder_block_spec``), 4 experts of FFN size 32, top-2 routing, the
-load-balancing loss (coefficient 0.1) and the router's z-loss (1e-2), so that the router's
-and the experts' gradients carry the aux losses' too. The reference holds every expert in one
-process (EP = 1, no pipeline) and scales each microbatch's aux-loss gradient as its main loss's
-(1 / (m x replicas)); the runs are PP = 2 x EP = 2 on 4 processes (2 data-parallel replicas,
-each holding 2 of the 4 experts), with Megatron-LM's MoE flags (tests/schedule_worker.py
-``moe_flags``). The expert-parallel size is not part of the reference: an EP = 1 run matches
-the same one.
-
-Each run's weights lie within 1e-6 of its rule's reference (synchronous, 2BW's 1-stale,
-PipeDream's per-stage stashing, PipeMare's) and far from the other rule's; its losses are the
-reference's. Variants: the alltoall and allgather dispatchers; --moe-layer-freq 2 (dense and
-MoE layers alternate, megatron-core's per-layer spec), a shared expert, seq_aux_loss, a
-capacity factor that drops tokens; expert bias (aux-loss-free balancing, its bias moved after
-each batch) under flush; 2BW with its deferred step over the dense and expert optimizers'
-chain (each with its own grad-stats group; with and without clipping) and at the loop's step;
-the distributed optimizer (its expert optimizer over the expert-data-parallel group).
-
-Also: an EP = 2 model built from the seed has the experts an EP = 1 model has (each expert is
-drawn by its global index), experts on the two expert-parallel ranks differ; the logged
-load-balancing and z losses are the reference's per batch (2bw included); zb-h1's W passes run
-the experts' GEMMs and no all-to-all.
+The reference holds every expert in one process (EP = 1, no pipeline); the runs are PP = 2 x EP
+= 2 on 4 processes. Each run's weights lie within 1e-6 of its rule's reference (synchronous,
+2BW's 1-stale, PipeDream's, PipeMare's) and far from the other rule's, and its losses (aux
+losses included) are the reference's. Guards: expert parallelism and the dispatcher change
+nothing in the update rule. The model, the variants and the extra checks: docs/testing.md, "What
+each test module checks", test_moe_exact.py; docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Observability as Megatron-LM has it: TensorBoard scalars, megatron-core timers, the log line.
 
-Two tiny GPT runs on 2 CPU processes (PP=2) write TensorBoard event files, read back here with
-tensorboard's ``EventAccumulator``; they are checked against references written in this file:
-
-  * tag names: Megatron-LM core_v0.16.1, megatron/training/training.py, ``training_log()`` (its
-    ``writer.add_scalar`` calls and the flag that switches each on, copied below in order),
-    ``evaluate_and_print_results()`` (validation tags), and the timers: ``training_log``'s
-    ``timers_to_log`` per --timing-log-level, written by megatron-core's ``Timers.write`` as
-    '<name>-time'. Megatron-LM's functional tests read the same names from TensorBoard
-    (tests/functional_tests/python_test_utils/common.py, ``read_tb_logs_as_list``; golden
-    values such as gpt3_15b_8t_release: 'lm loss', 'num-zeros', 'mem-allocated-bytes',
-    'mem-max-allocated-bytes', 'iteration-time');
-  * the text line: ``training_log``'s ``log_string``, rewritten below as a regex, field by field;
-  * 'lm loss': the means over each log interval equal the losses of the text log (7 digits);
-  * 'learning-rate': linear warm-up from 0, then cosine decay to --min-lr, derived here from the
-    flags (megatron-core's OptimizerParamScheduler formulas, written out in ``_lr``).
+Two tiny GPT runs on 2 CPU processes (PP=2) write TensorBoard event files, read back with
+tensorboard's ``EventAccumulator``. References written in this file from Megatron-LM
+core_v0.16.1: the tag names and timers of ``training_log()`` / ``evaluate_and_print_results()``,
+the text log line as a regex, 'lm loss' equal to the text log's losses, and the learning rate
+derived from the flags. Guards: tools reading Megatron-LM's logs read ours. Where each reference
+comes from: docs/testing.md, "What each test module checks", test_observability.py.
 """
 
 from __future__ import annotations

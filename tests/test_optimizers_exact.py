@@ -2,18 +2,10 @@
 single-process references (tests/reference.py: ``muon_step``, ``_read_version`` and the
 "dc"/"ef" lines of ``reference_run``), as tests/test_schedules_exact.py checks the schedules.
 
-Muon (--optimizer muon: megatron-core's split, Muon for the hidden layers' 2-D weights, AdamW
-for the rest, a chain of both): flush, megatron's 1F1B, pipedream, zb-v (Llama-style, grouped
-query attention split into Q, K and V), 2bw with its deferred step over the chain and at the
-loop's step, 2bw with 2 virtual stages, 2bw with TP=2 (each rank orthogonalizes its own
-block), flush and 2bw with Muon's state sharded by parameter over 2 replicas (dist_muon).
-Corrections (2bw): predict, dc and ef each deferred and at the loop's step, with 2 replicas,
-the distributed optimizer (its shards are views of the weights the corrections read), TP=2,
-2 virtual stages, one stage, Muon (also dist_muon), Llama-style, and a drain whose versions
-and correction state go through a checkpoint's save and load (spoilt in memory in between).
-
-Each run's weights equal its reference within 1e-6 and lie away from the same rule without
-the correction (or with Adam instead of Muon), so a correction that does nothing fails.
+Each run's weights equal its reference within 1e-6 and lie away from the same rule without the
+correction (or with Adam instead of Muon), so a correction that does nothing fails. The cases
+covered (schedules, replicas, TP, virtual stages, checkpoints): docs/testing.md, "What each test
+module checks", test_optimizers_exact.py.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Overlapped data-parallel communication (Megatron-LM's --overlap-grad-reduce,
---overlap-param-gather with --use-distributed-optimizer) under our schedules, on 2 CPU processes.
+--overlap-param-gather with --use-distributed-optimizer) under our schedules, on 2 CPU
+processes.
 
-1. flush, DP=2: the distributed optimizer with both overlaps, buckets of 2000 parameters (several
-   buckets), an evaluation and a checkpoint save mid-run, logs the losses (training and validation)
-   of the plain run (no distributed optimizer, no overlap; that path is checked against
-   single-process references in test_schedules_exact.py) to 1e-6, and
-   --check-weight-hash-across-dp-replicas-interval 2 reports matching replicas.
-2. Inside spawned DP=2 processes (megatron_2bw.training.build, the flush executor): the chunk
-   has several buckets; from the second batch on, when the step's grad finalization starts,
-   every bucket's reduction has already been launched (from the last backward's hooks); the
-   optimizer step leaves the other rank's shard stale on each rank (the all-gather is left to
-   the next forward), and ``build.forward_pre_hook_paused`` (evaluation, checkpoints) gathers
-   it: the weights then agree across ranks, and the hooks are back on afterwards. The replica
-   hash check names the stale parameters before the pause and none after it. Then 2bw with
-   --overlap-grad-reduce (several buckets; the step taken in place, not deferred) ends with the
-   weights and losses of 2bw without it, to 1e-6.
-   The same on 4 processes, PP=2 x DP=2 (the later stage reduces through grad_sync_func).
-3. Refusals: one FlagError line each, naming the flag, before any process starts.
+References: the plain run (no distributed optimizer, no overlap), whose losses the
+overlapped flush run must log to 1e-6, and 2bw without --overlap-grad-reduce, whose weights
+and losses 2bw with it must end with. Inside spawned processes it checks when bucket
+reductions launch and that the parameter all-gather is completed before evaluation and
+checkpoints; bad flags end in one FlagError line. Guards: overlap changes timing, never values.
+The steps in detail: docs/testing.md, "What each test module checks", test_overlap.py.
 """
 
 from __future__ import annotations

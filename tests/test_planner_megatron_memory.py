@@ -1,26 +1,11 @@
 """Predicted memory per stage against Megatron-LM's own estimate.
 
 Source: NVIDIA/Megatron-LM, megatron/training/theoretical_memory_usage.py (commit d98e8a64,
-2026-08-22): `compute_weight_and_optimizer_memory` (bytes of the most loaded model shard, the
-first pipeline stage: its L/p layers and the word embedding, 18 bytes per parameter in bf16 with
-Adam, 6 + 12/dp with the distributed optimizer) and `compute_activation_memory_without_sp`
-(Korthikanti et al. 2022, Table 2, without sequence parallelism: sbh(10 + 24/t) per layer,
-L/p layers times p microbatches in flight on the first stage of 1F1B, plus the embedding's
-inputs, all times 1.05). The functions are re-derived below for dense GPT (LayerNorm, tied
-embeddings, f = 4h, no GQA/MoE/MTP) and compared with the planner's first stage under 1F1B
-(flush and megatron, one weight version). Where our model differs by design, the difference is
-added to the reference term by term, and the rest must agree within TOLERANCE:
-
-  weights   Megatron counts no linear-layer biases ((3h + f)/t + 2h per layer) and no learned
-            position embedding (s h, replicated); ours does (the models have both). Megatron
-            spreads the final LayerNorm (2h) over all stages as 2h/p; ours puts it on the last.
-  gradients fp32 in both (`main_grad`): the 18 bytes are 2 (bf16 weight) + 4 (fp32 grad) + 4
-            (fp32 master) + 8 (Adam moments), as in the planner.
-  activations Megatron's formula keeps no attention scores (as with flash attention); ours runs
-            Megatron's unfused softmax path and keeps softmax output, its dropout mask and the
-            dropout output, 5as^2b/t per layer (Korthikanti Eq. 2). Megatron counts the int64
-            token ids (8sb per microbatch); ours leaves the data loader's tensors to the runtime
-            overhead. Megatron multiplies by 1.05 for temporaries; ours has no blanket factor.
+2026-08-22), re-derived below for dense GPT and compared with the planner's first stage under
+1F1B (flush and megatron, one weight version). Where our model differs by design, the difference
+is added to the reference term by term, and the rest must agree within TOLERANCE. Guards: the
+planner's memory model stays Megatron-LM's plus documented differences. The formulas and each
+difference: docs/testing.md, "What each test module checks", test_planner_megatron_memory.py.
 """
 
 from __future__ import annotations

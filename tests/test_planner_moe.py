@@ -2,32 +2,11 @@
 expert-parallel layouts against numbers derived here and published ones, the search against the
 training's own flag validation, and Megatron-LM MoE commands through `plan.py --evaluate`.
 
-Published numbers:
-  * Mixtral 8x7B: 46.7B parameters, 12.9B per token (Mistral AI, "Mixtral of experts",
-    2023-12-11; Jiang et al., "Mixtral of Experts", arXiv 2401.04088: "47B ... 13B active");
-    its shape from the paper's Table 1 (dim 4096, 32 layers, head dim 128, hidden 14336, 32
-    heads, 8 kv heads, vocab 32000, 8 experts, top 2).
-  * Mixtral 8x22B: 141B parameters, 39B active (Mistral AI, "Cheaper, Better, Faster,
-    Stronger", 2024-04-17); its shape from the Megatron-MoE-ModelZoo config below.
-  * Megatron-LM's MoE README (megatron/core/transformer/moe/README.md at tag core_r0.9.0):
-    "Mixtral 8X7B bf16 training to achieve 438 TFLOPS as of MCore v0.8", and under
-    "Reference Best Parallel Mapping", "the reference parallel mappings of MCore v0.8": Mixtral
-    8x7B (Dropless), vocab 32K, All-to-All, BF16, 64 GPUs, seq 4096, TP 1, EP 8, PP 4, VP 8,
-    MBS 1, GBS 256, on 8xH100 80GB HBM3 servers with InfiniBand 8x400 Gbit/s (the same README
-    at core_r0.10.0 says 468 TFLOPS "as of MCore v0.9" over the same table). The same layout
-    is NVIDIA's benchmark entry in yanring/Megatron-MoE-ModelZoo
-    runtime_configs/benchmarking/runtime.conf ([Mixtral-8x7B]: TP 1, PP 4, EP 8, VPP 8, MBS 1,
-    GBS 256, 32 layers, alltoall, 8 nodes, seq 4096).
-  * yanring/Megatron-MoE-ModelZoo best_practice/Mixtral/run_mixtral_8x22B.sh: "Dropless
-    training, stable performance should be around 455TFLOPS for H100", with runtime.conf's
-    [Mixtral-8x22B] (TP 2, PP 8, EP 8, VPP 1, MBS 1, GBS 256, 56 layers, 16 nodes, seq 4096;
-    the stored runtime.conf is a later commit than the script, and vwxyzjn's fork of the repo
-    has the same row) and model_configs/benchmarking/Mixtral-8x22B.yaml (expert tensor
-    parallel size 1, sequence parallel, flash attention, no dropout, no biases, distributed
-    optimizer).
-Megatron-LM counts TFLOPS with `num_floating_point_operations` (megatron/training/
-training.py): at core_r0.8.0 and core_r0.9.0 12 B s L h^2 ((1 + g/a + s/h) + f/h k 3/2 +
-V/(2 L h)) with SwiGLU, written out below.
+Published numbers: Mixtral 8x7B and 8x22B parameter counts (Mistral AI), and the TFLOPS and
+layouts of Megatron-LM's MoE README and yanring/Megatron-MoE-ModelZoo; TFLOPS counted with
+Megatron-LM's `num_floating_point_operations`, written out below.
+Guards: the planner's MoE costs match published models and runs.
+The sources, quoted: docs/testing.md, "What each test module checks", test_planner_moe.py.
 
 Pure Python, no processes.
 """

@@ -1,18 +1,10 @@
 """The planner's cost model against published results, every layout forced through the code
 path of `tools/plan.py --evaluate` (planner.evaluate.parse_evaluate + evaluate).
 
-Megatron-LM SC'21: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", SC 2021 (arXiv 2104.04473), Table 1: GPT, s = 2048, V = 51200,
-DGX A100 80 GB (8 per node, 8 x 200 Gb/s HDR InfiniBand), mixed precision (fp16), full
-activation recomputation, achieved TFLOP/s per GPU counted with Eq. 3,
-F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Table 1 gives neither the microbatch size nor the
-interleaving; both are taken from the paper's own launch script, NVIDIA/Megatron-LM
-examples/sc21/run_table_1.sh (MBS, and V = layers per stage / --num-layers-per-virtual-
-pipeline-stage: 3 for 76B, 2 for 145B and 310B, 3 for 530B, none for 39B and 1T).
-
-PipeDream-2BW: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021,
-Section 5: 8 servers x 8 V100-16GB, NVLink inside a server, 25 Gb/s between servers, fp16,
-sequence length 512, batch 512.
+References: Megatron-LM SC'21 (Narayanan et al., arXiv 2104.04473), Table 1, with the
+microbatch size and interleaving from its launch script; PipeDream-2BW (Narayanan et al.,
+ICML 2021), Section 5. Guards: the cost model reproduces published throughputs.
+The papers' set-ups: docs/testing.md, "What each test module checks", test_planner_published.py.
 
 Pure Python, no processes: the whole file runs in about a second.
 """

@@ -1,37 +1,12 @@
 """Resuming every pipeline schedule exactly, with GPT-2-style and Llama-style models.
 
-Each case trains 4 iterations on 2 CPU processes (fp32, no dropout, 4 layers, 4 microbatches
-per batch), saving at iteration 2; a run resumed from that checkpoint alone logs the training
-losses of iterations 3-4 and the validation loss after 4 of the uninterrupted run, to 1e-6
-relative (the log's precision; they agree to the last bit here). Iteration 3 of the
-version-keeping schedules (2bw, pipedream, pipemare) reads the older weight version, which only
-the checkpoint holds; under PipeMare's T2 its backward also reads delta. Llama-style
-(--swiglu: megatron-core checkpoints GLU's linear_fc1 through a ShardedTensorFactory, RMSNorm,
-rope, grouped-query attention, no biases, untied output layer) is the case that resumed to NaN
-when only ShardedTensor entries carried the older version.
-
-The cases cover each schedule with each model style (pipedream GPT-2-style at m = 1 < d), and V = 2 virtual stages (2bw, flush), the
-distributed optimizer with DP = 2 and TP = 2 with a version-keeping schedule and Llama-style,
-and the V schedules (zb-v; dualpipev with the distributed optimizer: rank i holds stages i and
-2d-1-i, the loss on rank 0). Muon's state sharded by parameter over DP = 2 (dist_muon, bf16,
-ef) resumes there and on one replica with PP = 2 (RESHARDED: to 1e-5, the sums reordered).
-A checkpoint keys each layer by its global number whatever the placement: flush with V = 2
-(rank 0 holds layers 0 and 2, rank 1 layers 1 and 3) resumes zb-v's checkpoint (rank 0 holds
-layers 0 and 3, rank 1 layers 1 and 2) with zb-v's losses, and zb-v resumes flush's with
-flush's (CROSS). Numbered by megatron-core's interleaved offsets (rank i's second chunk as
-stage d+i, not 2d-1-i), the V's second chunks saved and loaded each other's layers: the V's own
-resumes still matched, but across schedules iteration 3 logged 6.893468 against zb-v's
-6.893581 and 6.909646 against flush's 6.910532.
-Across layer splits (UNEVEN_CROSS): under flush and 2bw a checkpoint of the even split (2|2)
-resumes with an uneven one (flush --decoder-last-pipeline-num-layers 1: 3|1; 2bw
---pipeline-model-parallel-layout 'E,t|t*3,L': 1|3) and the reverse, an uneven one with the other
-uneven one and with one pipeline stage (PP=1, two replicas), each with the saved run's losses
-(2bw's iteration 3 reads the older version, which the checkpoint keys by global layer number
-too); zb-v's even V resumes as 'E,t|t*2|t|L'. Numbered by the even split's offsets, the V's
-uneven chunks found no readable checkpoint.
-(2bw GPT-2-style resumes in test_training, pipemare GPT-2-style with T2's delta read back in
-test_training, megatron's own schedules there and in test_interleaved.) All cases run one after
-another on the same two spawned processes (tests/test_interleaved's in-process trainer).
+Each case trains 4 iterations on 2 CPU processes, saving at iteration 2; a run resumed from that
+checkpoint alone must log the uninterrupted run's losses of iterations 3-4 and its validation
+loss, to 1e-6 relative (RESHARDED: 1e-5). The cases cover every schedule, virtual stages, the
+V's, the distributed optimizer, TP, Muon, and resumes across schedules (CROSS) and layer splits
+(UNEVEN_CROSS). Reference: the uninterrupted run. Guards: a checkpoint keys each layer by its
+global number and holds the older weight version. The cases and the bugs they caught:
+docs/testing.md, "What each test module checks", test_resume_matrix.py.
 """
 
 from __future__ import annotations

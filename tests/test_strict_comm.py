@@ -1,19 +1,12 @@
 """The strict NCCL mode itself (``tests/strict/strict_comm.py``) on real 2-process gloo runs.
 
-References, each a rule of NCCL the mode must enforce and plain gloo does not:
-  * mirrored fused groups (rank 0 sends then receives, rank 1 receives then sends, one
-    ``batch_isend_irecv`` each) deliver each rank's tensor under strict mode;
-  * the unbatched pattern (both ranks issue a send, then a receive, as separate calls) delivers
-    on plain gloo, which buffers the sends; under strict mode each send waits for a receive its
-    peer has not posted and raises the deadlock error (under NCCL, where p2p between two ranks
-    runs in issue order and a send completes only at its receive, both would hang);
-  * an all-reduce issued from a second thread raises; the same call on the main thread does not;
-  * members issuing collectives of different shapes are reported by ``check()`` with the index
-    and both entries; identical sequences give no report;
-  * a real training run (pretrain_gpt_2bw.py, 2 and 4 stages, 2BW with clipping and tied
-    embeddings: the deferred step's async all-reduces; timers and the parameter norm logged
-    every iteration) runs with the wrappers installed, never blocks in a group's lazy
-    communicator creation, records its collectives on every rank, and its members agree.
+References, each a rule of NCCL the mode must enforce and plain gloo does not: mirrored fused
+groups deliver; unbatched send-before-receive raises the deadlock error; a collective from a
+second thread raises; members issuing different collectives are reported by ``check()``; and
+a real training run (2 and 4 stages, 2BW) runs with the wrappers, never blocks in lazy
+communicator creation, and its members agree.
+Guards: patterns that would hang under NCCL fail the tests on gloo.
+Each rule: docs/testing.md, "What each test module checks", test_strict_comm.py.
 """
 
 from __future__ import annotations

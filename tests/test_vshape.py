@@ -1,34 +1,12 @@
 """ZB-V and DualPipeV as data: two chunks per stage in a V (schedules/vshape.py).
 
 Orders: equal, per rank, to torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` and
-``ScheduleDualPipeV`` for the same d and m. Their per-rank lists are built by each class's
-``_calculate_single_rank_operations(rank)``, which reads only the pipeline size, the number of
-stages and of microbatches; it runs here on a stand-in for the schedule object, so no process
-group and no stage is needed. torch names a pass (stage index, F / I / W / B, microbatch),
-stage index = the virtual stage; DualPipeV's overlapped forward-backward pairs count as their
-forward, then their backward.
-
-Bubbles, with per-chunk costs T_F, T_I (input gradient), T_W (weight gradient), the
-buffered simulator (sends never wait) and m >= 2d - 1:
-
-* ZB-V (Qi et al., ICLR 2024, Section 6): built for T_F = T_I = T_W, where its steady state
-  has no bubble. Stage d-1 starts when the first microbatch has gone through chunk 0 of the
-  stages before it, at (d-1) T_F; from then on its 2m(T_F + T_I + T_W) of work runs without a
-  gap (its W's fill what would be waits), and it ends last. So every stage idles (d-1) T_F of
-  the makespan (d-1) T_F + 2m(T_F + T_I + T_W):
-
-      bubble = (d-1) T_F / ((d-1) T_F + 2m (T_F + T_I + T_W))
-
-  also with a shorter W (T_W = T_F / 2: the gaps it fills only shrink). 1F1B on the same stage
-  work (a stage's forward 2 T_F, backward 2 (T_I + T_W)) idles (d-1) 2(T_F + T_I + T_W): six
-  times more at equal costs.
-* DualPipeV (DeepSeek-V3 technical report, Table 2; the DualPipe repository's table gives
-  DualPipeV the same): a rank idles (PP/2 - 1)(F&B + B - 3W), PP the 2d pipeline stages (a
-  rank holds two), F&B a forward and a whole backward run as a pair, B the input gradient and
-  W the weight gradient of one chunk. Run one after the other, F&B = T_F + T_I + T_W, so a
-  rank idles (d-1)(T_F + 2 T_I - 2 T_W) of the makespan 2m(T_F + T_I + T_W) + that. The
-  formula's accounting (W's filling the cool-down) holds for T_I = T_W <= T_F, checked at
-  (1, 1, 1), (2, 1, 1) and (1.5, 1, 1).
+``ScheduleDualPipeV`` for the same d and m (their ``_calculate_single_rank_operations`` run on a
+stand-in, no process group needed). Bubbles: the buffered simulator's idle time against the
+closed forms of ZB-V (Qi et al., ICLR 2024, Section 6) and DualPipeV (DeepSeek-V3 technical
+report, Table 2), for m >= 2d - 1. Guards: the V schedules run the published orders with the
+published bubbles. The derivations of both formulas: docs/schedules.md, "ZB-V and DualPipeV";
+the set-up: docs/testing.md, "What each test module checks", test_vshape.py.
 """
 
 from __future__ import annotations

@@ -3,20 +3,11 @@
 megatron-core's DDP with --overlap-grad-reduce, in one gloo process.
 
 Reference: megatron-core's own fused backward of the same microbatch on the same weights.
-  * after I, the parameters that are not deferred linear weights (norms, biases, the tied
-    embedding) hold exactly the reference's ``main_grad``, the deferred weights none;
-  * after W every ``main_grad`` equals the reference's bit for bit;
-  * DDP's hooks fired once per parameter (the golden counts megatron-core records in the
-    reference batch are met, so every bucket's reduction is launched by the hooks, which
-    ``finish_grad_sync`` requires);
-  * I and W together copy no more bytes than the fused backward (nothing re-run, no saved
-    tensor cloned);
-  * the same with gradient-accumulation fusion, apex's CUDA kernel replaced by a CPU
-    stand-in with its contract (``main_grad += grad_output^T @ input``): each weight gradient
-    is added once;
-  * the bytes a pending W keeps, measured on the store, equal the planner's formula
-    (``ModelSpec.layer_weight_grad_bytes``, ``head_weight_grad_bytes``) for this model and for
-    a Llama-style one (SwiGLU, grouped-query attention, untied output layer).
+After I and W every ``main_grad`` equals the reference's bit for bit, DDP's hooks fire once
+per parameter, nothing is copied twice (also with gradient-accumulation fusion), and the
+bytes a pending W keeps equal the planner's formula. Guards: splitting the backward changes
+neither the gradients nor the memory accounting.
+Each check: docs/testing.md, "What each test module checks", test_wgrad.py.
 """
 
 from __future__ import annotations
