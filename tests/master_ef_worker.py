@@ -87,15 +87,8 @@ def main() -> None:
     last, taken, skips = [None, None], 0, []
     generator = torch.Generator().manual_seed(7)
     for t in range(STEPS):
-        versions.fork(t + 1)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
-        if t == skipped:
-            grads[0].view(-1)[0] = float("inf")
-        for w, g in zip(weights, grads):
-            w.main_grad.copy_(g)
-        succeeded, _, _ = optimizer.step()
+        grads, succeeded = _megatron_step(versions, ddp, optimizer, weights, generator, t,
+                                          skipped)
         skips.append(not succeeded)
         if not succeeded:
             continue
@@ -107,6 +100,23 @@ def main() -> None:
         "error": _relative(masters, corrected),
         "from_plain": _relative(corrected, plain), "skipped": skips,
         "rounded": all(torch.equal(w, m.to(dtype)) for w, m in zip(weights, masters))}))
+
+
+def _megatron_step(versions, ddp, optimizer, weights, generator, t: int, skipped: int | None):
+    """Step ``t`` of megatron-core's optimizer on a new version, from fixed random gradients
+    (an inf in step ``skipped``'s): (the gradients, whether it stepped)."""
+    import torch
+
+    versions.fork(t + 1)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
+    if t == skipped:
+        grads[0].view(-1)[0] = float("inf")
+    for w, g in zip(weights, grads):
+        w.main_grad.copy_(g)
+    succeeded, _, _ = optimizer.step()
+    return grads, succeeded
 
 
 def _predict(ddp, optimizer, args, precision: str, skipped: int | None) -> None:
@@ -124,17 +134,10 @@ def _predict(ddp, optimizer, args, precision: str, skipped: int | None) -> None:
                             eps=args.adam_eps)
     generator, skips = torch.Generator().manual_seed(7), []
     for t in range(STEPS):
-        versions.fork(t + 1)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        grads = [torch.randn(w.shape, generator=generator) * 1e-2 for w in weights]
-        if t == skipped:
-            grads[0].view(-1)[0] = float("inf")
-        for w, g in zip(weights, grads):
-            w.main_grad.copy_(g)
         older16 = [w.detach().clone() for w in weights]
         before = [m.detach().clone() for m in reference]
-        succeeded, _, _ = optimizer.step()
+        grads, succeeded = _megatron_step(versions, ddp, optimizer, weights, generator, t,
+                                          skipped)
         versions.after_update()
         skips.append(not succeeded)
         if succeeded:
