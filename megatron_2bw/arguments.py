@@ -1109,9 +1109,12 @@ def _validate_model_features(args: argparse.Namespace) -> None:
     if args.sequence_parallel:
         from megatron_2bw.runtime.device import device_kind
 
-        _require(device_kind(args.cpu) == "cuda", "--sequence-parallel",
-                 "needs CUDA: on the CPU megatron-core's layers use torch's LayerNorm/RMSNorm "
-                 "(WrappedTorchNorm), which refuses sequence parallelism")
+        if device_kind(args.cpu) != "cuda":  # the same values, the activations not split
+            args.sequence_parallel = False
+            args.validation_notes = getattr(args, "validation_notes", []) + [
+                "note: --sequence-parallel has no effect on CPU (megatron-core's layers use "
+                "torch's LayerNorm/RMSNorm there, WrappedTorchNorm, which refuses it; the "
+                "tensor-parallel layers compute the same values without it); ignored"]
 
 
 _MOE_DEFAULTS = {"moe_layer_freq": 1, "moe_ffn_hidden_size": None,
@@ -1242,7 +1245,8 @@ def _validate_expert_bias(args: argparse.Namespace) -> None:
 
 def _validate_moe_on_cpu(args: argparse.Namespace) -> None:
     """On the CPU: no transformer-engine kernel (grouped GEMM ignored with a note, the
-    fusions refused) and no uneven all-gather (gloo) for alltoall at expert TP > 1."""
+    fusions refused), no tensor parallelism (MoE needs sequence parallelism with it, which the
+    CPU's norms refuse) and no uneven all-gather (gloo) for alltoall at expert TP > 1."""
     from megatron_2bw.runtime.device import device_kind
 
     etp = args.expert_tensor_parallel_size
@@ -1259,6 +1263,11 @@ def _validate_moe_on_cpu(args: argparse.Namespace) -> None:
             _require(not getattr(args, flag[2:].replace("-", "_")), flag,
                      f"transformer-engine's {kernel} is a CUDA kernel; on the CPU megatron-core's "
                      "SequentialMLP experts and unfused routing run: leave it out")
+        _require(args.tensor_model_parallel_size == 1, "--tensor-model-parallel-size",
+                 f"{args.tensor_model_parallel_size} with MoE layers needs --sequence-parallel "
+                 "(megatron-core's MoELayer), which needs CUDA (on the CPU megatron-core's "
+                 "norms refuse it): on the CPU use --tensor-model-parallel-size 1 and "
+                 "--expert-model-parallel-size")
         _require(args.moe_token_dispatcher_type != "alltoall" or etp == 1,
                  "--expert-tensor-parallel-size",
                  f"{etp} with the alltoall dispatcher needs an uneven all-gather, which gloo "

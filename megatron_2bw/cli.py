@@ -238,7 +238,7 @@ def main_guard(main: Callable) -> Callable:
 
 T2_SCHEDULE = "pipemare-t2"
 """The run name of PipeMare with its discrepancy correction T2."""
-OPTIMIZERS = ("adam", "muon")
+OPTIMIZERS = ("adam", "muon", "dist_muon")
 STALE_RULES = ("predict", "dc", "ef")
 
 

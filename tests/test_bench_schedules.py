@@ -137,6 +137,54 @@ def test_bench_splits_rows_follow_the_planners_split(tmp_path):
         in line, line
 
 
+def _optimizer_state(stage: int) -> int:
+    """Bytes of megatron-core's Muon set-up's state on one stage of the PP=2 GPT above: one fp32
+    momentum per element of its 2-D weights that are not flagged embedding or output (the
+    layer's QKV 3h^2, projection h^2, FC1 and FC2 4h^2 each, and on stage 0 the learned
+    position embedding s x h, which megatron-core does not flag), Adam's two fp32 moments per
+    element of everything else (the word embedding or output layer, norms, biases)."""
+    h = HIDDEN
+    matrices = 12 * h * h + (SEQ * h if stage == 0 else 0)
+    rest = _layer_params(h) - 12 * h * h + (VOCAB * h if stage == 0 else 2 * h + VOCAB * h)
+    return 4 * matrices + 2 * 4 * rest
+
+
+def test_dist_muon_rows_at_dp2(tmp_path):
+    """--data-parallel-size 2: 2bw+muon and 2bw+dist_muon at PP=2 x DP=2 (4 processes). Under
+    Muon every rank holds its stage's whole optimizer state (counted here by hand); under
+    dist_muon each parameter's state lies on exactly one of the stage's two replicas (the two
+    sum to Muon's, each holds part of it), and only dist_muon all-gathers after its step. The
+    comparison lines name the update's time and the state per rank."""
+    measurements = tmp_path / "bench.json"
+    run = python(["tools/bench_schedules.py", "--schedules", "2bw+muon,2bw+dist_muon",
+                  "--data-parallel-size", "2", "--no-single-rows", "--iters", "2",
+                  "--warmup", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+                  "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+                  "--vocab-size", str(VOCAB), "--micro-batch-size", str(MICRO),
+                  "--json", str(measurements)], timeout=420)
+    assert run.returncode == 0, run.output[-3000:]
+    data = json.loads(measurements.read_text())
+    whole, sharded = ({r["stage"]: [] for r in data["runs"][name][0]["ranks"]}
+                      for name in ("2bw+muon", "2bw+dist_muon"))
+    for name, by_stage in (("2bw+muon", whole), ("2bw+dist_muon", sharded)):
+        (run_,) = data["runs"][name]
+        assert len(run_["ranks"]) == 4
+        for r in run_["ranks"]:
+            by_stage[r["stage"]].append(r)
+            gathers = [i["gather_seconds"] for i in r["iterations"]]
+            assert all(g > 0 for g in gathers) if name.endswith("dist_muon") \
+                else all(g == 0 for g in gathers), (name, gathers)
+            assert all(i["step_seconds"] > 0 for i in r["iterations"])
+    for stage in (0, 1):
+        assert [r["optimizer_state_bytes"] for r in whole[stage]] == [_optimizer_state(stage)] * 2
+        parts = [r["optimizer_state_bytes"] for r in sharded[stage]]
+        assert sum(parts) == _optimizer_state(stage) and min(parts) > 0, (stage, parts)
+    lines = run.output.splitlines()
+    start = lines.index("  2bw+dist_muon / 2bw+muon:")
+    assert [line.split(":")[0].strip() for line in lines[start + 1:start + 5]] == [
+        "update wall", "update CPU", "iteration", "optimizer state per rank"], run.output
+
+
 def _moe_layer_params(h: int, experts: int = 4) -> int:
     """One MoE GPT layer without linear biases (the rows' --disable-bias-linear): two layer
     norms (2h each), QKV (3h^2), attention projection (h^2), the router (experts x h), and per
@@ -171,7 +219,7 @@ def test_rounds_alternate_the_order_of_the_rows(monkeypatch):
     order = []
     monkeypatch.setattr(bench, "_launch", lambda a, config, keep: order.append(config) or config)
     configs = ["single", "busy", "2bw even", "2bw 6|2"]
-    configs = [argparse.Namespace(name=n, processes=2) for n in configs]
+    configs = [argparse.Namespace(name=n, processes=2, world=2) for n in configs]
     runs = bench._run_rounds(argparse.Namespace(rounds=3, timeline_dir=None), configs)
     names = [c.name for c in order]
     assert names == ["single", "busy", "2bw even", "2bw 6|2", "2bw 6|2", "2bw even", "busy",

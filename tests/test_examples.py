@@ -63,12 +63,18 @@ def _strict_runs(port: int) -> set[int]:
 
 def _run_example(script: str, args: list[str], schedule: str, ranks: int = 2,
                  **env: str) -> launch.Launch:
-    """``bash scripts/examples/<script> args`` from the repository root, on a free port, with
-    the test environment (one thread per process, strict mode) and this venv's torchrun."""
+    """``bash scripts/examples/<script> args`` (`_run_example_at`)."""
+    return _run_example_at(EXAMPLES / script, args, schedule, ranks, **env)
+
+
+def _run_example_at(script: Path, args: list[str], schedule: str, ranks: int = 2,
+                    **env: str) -> launch.Launch:
+    """``bash <script> args`` from the repository root, on a free port, with the test
+    environment (one thread per process, strict mode) and this venv's torchrun."""
     port = launch.free_port()
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    done = launch._run(["bash", str(EXAMPLES / script), *args], launch.subprocess_env(
-        MASTER_PORT=str(port), SCHEDULE=schedule, PATH=path, **env), timeout=150)
+    done = launch._run(["bash", str(script), *args], launch.subprocess_env(
+        MASTER_PORT=str(port), SCHEDULE=schedule, PATH=path, **env), timeout=240)
     assert done.returncode == 0, done.tail(60)
     if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":
         assert _strict_runs(port) == set(range(ranks)), "strict mode did not reach the launch"
@@ -166,3 +172,23 @@ def test_mixtral_8x7b_shrunk(tiny_gpt_data, tmp_path, schedule):
     lines = [line for line in done.output.splitlines() if " consumed samples: " in line]
     assert lines and all(" load_balancing_loss: " in line for line in lines), lines[-1:]
     assert MOE_TAGS <= set(_tensorboard_tags(tmp_path / "checkpoints" / "tensorboard"))
+
+
+@pytest.mark.parametrize("variant,layout", [
+    ("dense", "TP=2 PP=2 DP=2"), ("moe", "TP=1 PP=2 DP=4")])
+def test_the_readmes_recommended_command(tiny_gpt_data, tmp_path, variant, layout):
+    """scripts/train_recommended.sh as the README gives it (bf16, dist_muon, ef, 2bw, a
+    Llama-style model; dense at TP=2 x PP=2 x DP=2, MoE at PP=2 x EP=2 x DP=4) on 8 processes:
+    each exits 0, its loss falls and it saves its last iteration; the README names the script
+    with both variants."""
+    readme = (launch.REPO / "README.md").read_text()
+    command = "bash scripts/train_recommended.sh"
+    assert command in readme and f"MOE=1 {command}" in readme
+    done = _run_example_at(launch.REPO / "scripts" / "train_recommended.sh", [
+        str(tmp_path / "checkpoints"), tiny_gpt_data.tokenizer_model, tiny_gpt_data.data_prefix,
+        "--lr", "1e-2", "--data-cache-path", tiny_gpt_data.index_cache, "--split", "8,2,0"],
+        "2bw", ranks=8, **({"MOE": "1"} if variant == "moe" else {}))
+    _assert_loss_falls(done, 8, rows=tiny_gpt_data.vocab_size)
+    assert f"training 2bw schedule on 8 cpu processes: {layout}" in done.output
+    assert "state sharded by layer over the data-parallel ranks" in done.output
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "8"

@@ -317,9 +317,6 @@ BAD = [
      "--ffn-hidden-size: 33 is not divisible by tensor-parallel size 2"),
     (["--no-position-embedding"], 1, "--no-position-embedding: deprecated (Megatron-LM accepts "
                                      "it only with rope); use --position-embedding-type none"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 2,
-     "--sequence-parallel: needs CUDA: on the CPU megatron-core's layers use torch's "
-     "LayerNorm/RMSNorm (WrappedTorchNorm), which refuses sequence parallelism"),
     (["--rotary-percent", "0"], 1, "--rotary-percent: expected a finite number in (0, 1], "
                                    "got '0'"),
 ]
@@ -356,3 +353,8 @@ def test_megatron_lm_derivations():
     assert scaled.attention_softmax_in_fp32
     tp1 = parse_args([*TINY, "--sequence-parallel"], world_size=1)
     assert tp1.sequence_parallel is False  # off with TP=1, as Megatron-LM
+    tp2 = parse_args([*TINY, "--sequence-parallel", "--tensor-model-parallel-size", "2"],
+                     world_size=2)  # the CPU's norms refuse it: off, with a note
+    assert tp2.sequence_parallel is False
+    assert any(note.startswith("note: --sequence-parallel has no effect on CPU")
+               for note in tp2.validation_notes)

@@ -51,9 +51,13 @@ CASES = {
     "router-fusion-on-cpu": (MOE + ["--moe-router-fusion"], MOE, 1, "--moe-router-fusion",
                              ["CUDA kernel"]),
     "alltoall-with-expert-tp-on-cpu": (
-        MOE + ["--tensor-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
-        MOE + ["--tensor-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+        MOE + ["--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+        MOE + ["--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
         2, "--expert-tensor-parallel-size", ["uneven all-gather", "gloo"]),
+    "tensor-parallel-on-cpu": (
+        MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        MOE + ["--expert-model-parallel-size", "2"], 2, "--tensor-model-parallel-size",
+        ["--sequence-parallel", "CUDA", "--expert-model-parallel-size"]),
     "expert-bias-under-2bw": (
         MOE + ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
                "--pipeline-schedule", "2bw"],

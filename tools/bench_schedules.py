@@ -166,6 +166,62 @@ class _Waits:
             return None
 
 
+class _StepTimes:
+    """Per iteration, the main thread's time in the optimizer's update (every megatron-core
+    optimizer's ``step_with_ready_grads``, wall and CPU) and in dist_muon's all-gather of the
+    parameters the other data-parallel replicas stepped; installed before the optimizer is
+    built (the layer-wise optimizer binds its gather when built)."""
+
+    def __init__(self):
+        from megatron.core.optimizer import optimizer as core
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+        from megatron_2bw.training import layer_wise
+
+        self.step = self.step_cpu = self.gather = 0.0
+        for cls in (core.FP32Optimizer, core.MixedPrecisionOptimizer):
+            cls.step_with_ready_grads = self._timed(cls.step_with_ready_grads, "step")
+        layer_wise.gather_padded = self._timed(layer_wise.gather_padded, "gather")
+        LayerWiseDistributedOptimizer.allgather_params = self._timed(
+            LayerWiseDistributedOptimizer.allgather_params, "gather")
+
+    def _timed(self, function, counter: str):
+        def timed(*args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+                if counter == "step":
+                    self.step_cpu += time.thread_time() - cpu
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The times since the last call, as Iteration fields."""
+        times = {"step_seconds": self.step, "step_cpu_seconds": self.step_cpu,
+                 "gather_seconds": self.gather}
+        self.step = self.step_cpu = self.gather = 0.0
+        return times
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer state this rank holds: every member's torch optimizer state
+    tensors and, for 16-bit weights, its fp32 main copies (distinct storages)."""
+    import torch
+
+    from megatron_2bw.deferred import members
+
+    storages: dict[int, int] = {}
+    for member in members(optimizer):
+        tensors = [t for state in member.optimizer.state.values() for t in state.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the step counters
+        tensors += [p for group in getattr(member, "fp32_from_float16_groups", []) for p in group]
+        for t in tensors:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 @dataclass
 class Iteration:
     """One training iteration on one rank, in seconds (None where not measured)."""
@@ -185,6 +241,12 @@ class Iteration:
     busy_seconds: float | None = None
     """Time in the executor's actions (F, B, I, W, S); the rest of ``seconds`` is this stage's
     bubble (None: Megatron's own schedule, which records none)."""
+    step_seconds: float = 0.0
+    """Wall time in the optimizer's step (its members' ``step_with_ready_grads``: the update)."""
+    step_cpu_seconds: float = 0.0
+    """The main thread's CPU time in that step."""
+    gather_seconds: float = 0.0
+    """Wall time in dist_muon's all-gather of the parameters other replicas stepped."""
 
 
 @dataclass
@@ -210,6 +272,9 @@ class RankResult:
     """Bytes copied in one iteration (a warm-up one; ``CopiedBytes``)."""
     action_seconds: dict[str, float] = field(default_factory=dict)
     """Action kind (F, B, I, W, S) -> median duration over the measured iterations."""
+    optimizer_state_bytes: int = 0
+    """Bytes of the optimizer's state on this rank (moments, momentum, not step counters; fp32
+    main copies where the weights are 16-bit), after the last iteration."""
 
     def values(self, key: str) -> list:
         """One field of every measured iteration."""
@@ -257,10 +322,11 @@ def _build_trainer(args, opts: argparse.Namespace):
     return trainer, saved
 
 
-def _timed_iteration(trainer, waits: _Waits) -> Iteration:
-    """One ``train_step`` with its wall, CPU, run-queue and waiting times."""
+def _timed_iteration(trainer, waits: _Waits, steps: _StepTimes) -> Iteration:
+    """One ``train_step`` with its wall, CPU, run-queue, waiting and optimizer times."""
     start, cpu_start, runq_start = time.perf_counter(), time.thread_time(), waits.run_queue()
     waits.recv = waits.collective = 0.0
+    steps.take()
     trainer.train_step()
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
     runq_end = waits.run_queue()
@@ -268,7 +334,8 @@ def _timed_iteration(trainer, waits: _Waits) -> Iteration:
                      run_queue_seconds=None if runq_start is None or runq_end is None
                      else runq_end - runq_start,
                      recv_seconds=waits.recv if waits.used else None,
-                     collective_seconds=waits.collective, end=time.perf_counter())
+                     collective_seconds=waits.collective, end=time.perf_counter(),
+                     **steps.take())
 
 
 def _weight_bytes(trainer) -> int:
@@ -281,7 +348,8 @@ def _weight_bytes(trainer) -> int:
 
 
 def _run_iterations(trainer, saved: _SavedBytes, copied: CopiedBytes, waits: _Waits,
-                    warmup: int, iters: int, weights: list[int]) -> list[Iteration]:
+                    steps: _StepTimes, warmup: int, iters: int,
+                    weights: list[int]) -> list[Iteration]:
     """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
     leaves nothing in flight; asked for as many calls ahead as the schedule needs); saved bytes
     are counted in warm-up iterations (the first one only where it is the only one), copies in
@@ -294,7 +362,7 @@ def _run_iterations(trainer, saved: _SavedBytes, copied: CopiedBytes, waits: _Wa
             runner.prepare_drain(total - i)
         saved.active = 0 < i < warmup or (warmup == 1 and i == 0)
         with copied.counting() if i == warmup - 1 else contextlib.nullcontext():
-            iterations.append(_timed_iteration(trainer, waits))
+            iterations.append(_timed_iteration(trainer, waits, steps))
         weights.append(_weight_bytes(trainer))
     if hasattr(runner, "drain"):
         runner.drain()
@@ -333,13 +401,14 @@ def worker(argv: list[str]) -> int:
 
     args = parse_args(flags)
     megatron_2bw.install(args.pipeline_schedule)
-    waits = _Waits()
+    waits, steps = _Waits(), _StepTimes()
     trainer, saved = _build_trainer(args, opts)
     runner, copied, pending_w = trainer.forward_backward, CopiedBytes(), _PendingW()
     if hasattr(runner, "timeline"):
         runner.timeline = []
     weights: list[int] = []
-    iterations = _run_iterations(trainer, saved, copied, waits, opts.warmup, opts.iters, weights)
+    iterations = _run_iterations(trainer, saved, copied, waits, steps, opts.warmup, opts.iters,
+                                 weights)
 
     from megatron.core import parallel_state as ps
 
@@ -355,7 +424,7 @@ def worker(argv: list[str]) -> int:
         saved_bytes_per_microbatch=max(saved.per_microbatch, default=None),
         optimizer=type(trainer.optimizer).__name__, threads=torch.get_num_threads(),
         copied_bytes=copied.bytes, pending_w_bytes=pending_w.peak, action_seconds=actions,
-        weight_bytes=max(weights))
+        weight_bytes=max(weights), optimizer_state_bytes=_optimizer_state_bytes(trainer.optimizer))
     Path(opts.out, f"rank{rank}.json").write_text(json.dumps(asdict(result)))
     if opts.timeline and getattr(runner, "timeline", None):
         from megatron_2bw import trace
@@ -377,6 +446,7 @@ class Config:
     """The row's name."""
     schedule: str
     processes: int
+    """Pipeline stages: processes per replica."""
     clip_grad: float
     tied: bool
     label: str
@@ -390,6 +460,13 @@ class Config:
     split: tuple[int, ...] | None = None
     """Its layers per virtual stage (model order) where it is a --splits row; None: the layout
     flags given (--decoder-last-pipeline-num-layers, ...), or the even split."""
+    replicas: int = 1
+    """Data-parallel replicas of its pipeline (--data-parallel-size; 1 for the single rows)."""
+
+    @property
+    def world(self) -> int:
+        """Processes of one job: stages x replicas."""
+        return self.processes * self.replicas
 
 
 @dataclass
@@ -416,7 +493,9 @@ def _microbatches(a: argparse.Namespace, name: str) -> int:
 
 
 def _model_flags(a: argparse.Namespace, microbatches: int | None = None) -> list[str]:
-    m = a.microbatches if microbatches is None else microbatches
+    """The model and batch: m microbatches per replica, --data-parallel-size replicas' worth
+    in every row (the single-process rows step the whole global batch)."""
+    m = (a.microbatches if microbatches is None else microbatches) * a.data_parallel_size
     return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
             "--num-attention-heads", str(a.num_attention_heads),
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
@@ -462,7 +541,7 @@ def _split_flags(a: argparse.Namespace, config: Config) -> list[str]:
 
 def _worker_command(a: argparse.Namespace, config: Config, out: Path, timeline: bool) -> list[str]:
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
-               str(config.processes), "--master-port", str(free_port()),
+               str(config.world), "--master-port", str(free_port()),
                str(Path(__file__).resolve()), "--worker", "--out", str(out),
                "--warmup", str(a.warmup), "--iters", str(a.iters)]
     command += ["--chained-optimizer"] if a.chained_optimizer else []
@@ -498,7 +577,7 @@ def _launch(a: argparse.Namespace, config: Config, timeline_dir: Path | None) ->
     with tempfile.TemporaryDirectory() as root:
         outs = [Path(root, str(i)) for i in range(config.copies)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        n = config.processes
+        n = config.world
         what = f"{config.copies} x 1 process at once" if config.copies > 1 else \
             f"{n} process{'es' if n > 1 else ''}"
         print(f"  {config.label}: {what} ...", end="", flush=True, file=sys.stderr)
@@ -579,6 +658,12 @@ def _parser() -> argparse.ArgumentParser:
                         "correction and an optimizer, SCHEDULE[-CORRECTION][+OPTIMIZER] "
                         "(2bw-ef+muon: 2bw with --stale-weight-correction ef, --optimizer "
                         "muon)")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1,
+                   help="replicas of every pipelined row (d x N processes, m microbatches each; "
+                        "the single-process rows step the same global batch); per-rank "
+                        "columns then list stage 0's ranks first")
+    p.add_argument("--no-single-rows", action="store_true",
+                   help="leave out the single-process references (vs ideal, vs busy: nan)")
     p.add_argument("--iters", type=positive_int, default=20, help="measured iterations")
     p.add_argument("--warmup", type=nonneg_int, default=3,
                    help="iterations before measuring (at least 1 is run)")
@@ -648,8 +733,8 @@ def _check_configs(a: argparse.Namespace, configs: list[Config]) -> None:
     rename = {"--pipeline-model-parallel-size": "--depth", "--global-batch-size": "--microbatches",
               "--train-iters": "--iters"}
     for config in configs:
-        check_training_flags(_training_flags(a, config), config.processes,
-                             f"{config.schedule} on {config.processes} process(es)",
+        check_training_flags(_training_flags(a, config), config.world,
+                             f"{config.schedule} on {config.world} process(es)",
                              rename=rename)
 
 
@@ -657,22 +742,26 @@ def _configs(a: argparse.Namespace, schedules: list[str]) -> list[Config]:
     """The table's rows: the single process, d copies of it at once, every schedule, and with
     --sync-variants 2bw and flush with clipping and tied embeddings."""
     clip, tied = a.clip_grad, a.tie_embeddings
-    configs = [Config(SINGLE, "megatron", 1, clip, tied, "single"),
-               Config(BUSY, "megatron", 1, clip, tied, "single_busy", copies=a.depth)]
+    configs = [] if a.no_single_rows else [
+        Config(SINGLE, "megatron", 1, clip, tied, "single"),
+        Config(BUSY, "megatron", 1, clip, tied, "single_busy",
+               copies=a.depth * a.data_parallel_size)]
     below = a.microbatches < a.depth  # 2BW runs m = d there
     if a.splits:
-        return configs + [_split_config(a, s, split) for s in schedules for split in a.splits]
-    configs += [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
-                if s == "2bw" and below else _run_config(a, s) for s in schedules]
+        return configs + [dataclasses.replace(_split_config(a, s, split),
+                                              replicas=a.data_parallel_size)
+                          for s in schedules for split in a.splits]
+    rows = [Config(TWOBW_AT_D, s, a.depth, clip, tied, "2bw_m_d", microbatches=a.depth)
+            if s == "2bw" and below else _run_config(a, s) for s in schedules]
     if a.moe_variants:
-        configs += [Config(f"{s} +moe", s, a.depth, clip, tied, f"{s}_moe", extra=MOE_FLAGS)
-                    for s in ("2bw", "flush")]
+        rows += [Config(f"{s} +moe", s, a.depth, clip, tied, f"{s}_moe", extra=MOE_FLAGS)
+                 for s in ("2bw", "flush")]
     if a.sync_variants:
-        configs += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
-                    Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
-                           "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
-                    Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
-    return configs
+        rows += [Config("2bw +clip+tied", "2bw", a.depth, 1.0, True, "2bw_clip_tied"),
+                 Config("2bw +clip+tied, loop step", "2bw", a.depth, 1.0, True,
+                        "2bw_clip_tied_loop", extra=("--no-deferred-step",)),
+                 Config("flush +clip+tied", "flush", a.depth, 1.0, True, "flush_clip_tied")]
+    return configs + [dataclasses.replace(row, replicas=a.data_parallel_size) for row in rows]
 
 
 MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
@@ -712,7 +801,7 @@ def _layout(a: argparse.Namespace, config: Config, split: tuple[int, ...] | None
     """The planner's Layout of a pipelined row (t 1, w 1)."""
     from megatron_2bw.planner import Layout
 
-    return Layout(1, config.processes, 1, a.micro_batch_size,
+    return Layout(1, config.processes, config.replicas, a.micro_batch_size,
                   config.microbatches or a.microbatches, False, config.schedule, split=split)
 
 
@@ -725,7 +814,8 @@ def _cost_model(a: argparse.Namespace):
                       a.vocab_size, untie_embeddings=not a.tie_embeddings, dropout=False)
     path = _profile_path(a)
     profile = Profile.load(path) if path is not None else None
-    return CostModel(model, preset("cpu-local", gpus_per_node=max(a.depth, 1)), "fp32",
+    return CostModel(model, preset("cpu-local", gpus_per_node=a.depth * a.data_parallel_size),
+                     "fp32",
                      profile=profile, clip_grad=a.clip_grad > 0)
 
 
@@ -753,7 +843,7 @@ def _run_rounds(a: argparse.Namespace, configs: list[Config]) -> dict[str, list[
         if a.rounds > 1:
             print(f" round {round_ + 1} of {a.rounds}", file=sys.stderr)
         for config in configs[::-1] if round_ % 2 else configs:
-            keep = a.timeline_dir if config.processes > 1 and round_ == 0 else None
+            keep = a.timeline_dir if config.world > 1 and round_ == 0 else None
             runs[config.name].append(_launch(a, config, keep))
     return runs
 
@@ -807,19 +897,20 @@ HEADER = (f"{'ms/iter':>8} {'samples/s':>9} {'vs 2bw':>7} {'vs ideal':>8} {'vs b
 def _row(table: Table, name: str, width: int) -> str:
     """One row: time, throughput, ratios, per-stage waits and memory."""
     a, rounds = table.a, table.runs[name]
-    d, t, m = a.depth, table.time_of(name), _microbatches(a, name)
-    scale = m / (a.microbatches * d)  # the ideal: single-process time / d, for the row's m
+    d, t, m, w = a.depth, table.time_of(name), _microbatches(a, name), a.data_parallel_size
+    scale = m / (a.microbatches * d * w)  # the ideal: single-process time / (d w), row's m
     first = rounds[0].by_stage()
     if name.startswith("single"):
         stash, versions = [1] * len(first), 1
     else:
-        stash, versions = _stash_counts(_schedule_of(name), d, m), _versions(_schedule_of(name))
+        stash = [c for c in _stash_counts(_schedule_of(name), d, m) for _ in range(w)]
+        versions = _versions(_schedule_of(name))
     boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
     saved = [r.saved_bytes_per_microbatch or boundary for r in first]
     weights = [r.weight_bytes or r.param_bytes * versions for r in first]
     stages = _stages(rounds)
     twobw = "2bw even" if "2bw even" in table.runs else "2bw"  # --splits: the even row
-    return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * m / t:9.2f} "
+    return (f"{name:<{width}} {t * 1e3:8.1f} {a.micro_batch_size * m * w / t:9.2f} "
             f"{table.ratio(name, twobw):7.2f} {table.ratio(name, SINGLE, scale):8.2f} "
             f"{table.ratio(name, BUSY, scale):7.2f}  "
             f"{_median_ms(stages, 'cpu_seconds'):>9} {_median_ms(stages, 'run_queue_seconds'):>9} "
@@ -834,8 +925,7 @@ def _row(table: Table, name: str, width: int) -> str:
 
 def _notes(table: Table, schedules: list[str]) -> list[str]:
     """The lines under the table: what the columns mean, the references, the machine."""
-    a, d = table.a, table.a.depth
-    single, busy = table.time_of(SINGLE), table.time_of(BUSY)
+    a = table.a
     boundary = a.seq_length * a.micro_batch_size * a.hidden_size * 4
     first_row = next(name for name in table.runs if not name.startswith("single"))
     saved = "/".join(f"{(r.saved_bytes_per_microbatch or 0) / 2**20:.1f}"
@@ -852,13 +942,8 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
         "written by tensor copies (copy_, clone, _to_copy) in one iteration; W = the most bytes "
         "pending weight-gradient passes keep at once (zb-h1: inputs and output gradients of the "
         "linear layers, from each I to its W)",
-        f"ideal = single-process time / d = {single * 1e3:.1f} / {d} = {single / d * 1e3:.1f} ms"
-        f" per iteration; busy = the same with d copies of the single process running at"
-        f" once, one per core: {busy * 1e3:.1f} / {d} = {busy / d * 1e3:.1f} ms (what this"
-        f" machine's shared caches, memory and host give each of d busy cores; every copy"
-        f" holds the whole model, a stage only 1/d of it); boundary activation s*b*h*4 = "
-        f"{boundary / 2**20:.2f} MiB, saved for backward per microbatch and stage (measured): "
-        f"{saved} MiB",
+        _references(table) + f"boundary activation s*b*h*4 = {boundary / 2**20:.2f} MiB, saved "
+        f"for backward per microbatch and stage (measured): {saved} MiB",
         f"optimizer: {', '.join(optimizers)}"
         + (" (megatron-core's ChainedOptimizer.step() all-reduces the grad norm over "
            "the stages at every step, also with --clip-grad 0; 2bw's deferred step skips it)"
@@ -871,13 +956,28 @@ def _notes(table: Table, schedules: list[str]) -> list[str]:
         f"(on {os.cpu_count()} CPUs){f'; ran under nice -n {a.nice}' if a.nice else ''}"]
 
 
+def _references(table: Table) -> str:
+    """The ideal and busy references (the single-process rows), or '' without them."""
+    if SINGLE not in table.runs:
+        return ""
+    n = table.a.depth * table.a.data_parallel_size
+    single, busy = table.time_of(SINGLE), table.time_of(BUSY)
+    return (f"ideal = single-process time / processes = {single * 1e3:.1f} / {n} = "
+            f"{single / n * 1e3:.1f} ms per iteration; busy = the same with {n} copies of the "
+            f"single process running at once, one per process: {busy * 1e3:.1f} / {n} = "
+            f"{busy / n * 1e3:.1f} ms (what this machine's shared cores, caches, memory and host "
+            "give each busy process; every copy holds the whole model, a stage only part of "
+            "it); ")
+
+
 def _table(table: Table, schedules: list[str]) -> str:
     width = max(17, *(len(name) for name in table.runs))
     header = f"{'schedule':<{width}} {HEADER}"
     rows = [header, "-" * len(header)]
     rows += [_row(table, name, width) for name in table.runs]
     return "\n".join(rows + _notes(table, schedules) + _zero_bubble(table)
-                     + _over_flush(table) + _split_comparison(table, schedules))
+                     + _over_flush(table) + _optimizer_steps(table)
+                     + _split_comparison(table, schedules))
 
 
 def _split_comparison(table: Table, schedules: list[str]) -> list[str]:
@@ -959,7 +1059,9 @@ def _predictions(table: Table) -> list[str]:
             continue
         if config.processes < 2 or run.schedule not in SCHEDULES:
             continue
-        model = dataclasses.replace(cost, optimizer=run.optimizer,
+        sharded = run.optimizer == "dist_muon"
+        model = dataclasses.replace(cost, optimizer="muon" if sharded else run.optimizer,
+                                    distributed_optimizer=sharded,
                                     correction=run.correction or "none")
         predicted = model.time(_layout(a, config, None), simulate=True).iteration
         measured = table.time_of(config.name)
@@ -967,6 +1069,51 @@ def _predictions(table: Table) -> list[str]:
                      f"{measured * 1e3:.0f} ms ({predicted / measured - 1:+.1%})")
     source = f"profile {path}" if path else "closed forms (no profile of this CPU)"
     return [f"the planner's ms per iteration ({source}):", *lines] if lines else []
+
+
+def _optimizer_steps(table: Table) -> list[str]:
+    """Per rank, each row's optimizer update (wall and CPU ms, median over every measured
+    iteration), dist_muon's gather and the optimizer state; then every +dist_muon row against
+    its +muon row: step time (slowest rank's, paired within rounds) and state per rank."""
+    def ms(runs: list[Run], key: str) -> str:
+        return _per_stage(f"{statistics.median(v for r in results for v in r.values(key)) * 1e3:.1f}"
+                          for results in _stages(runs))
+
+    lines = ["optimizer per rank (stage 0's ranks first; ms per iteration, MiB):"]
+    for name, runs in table.runs.items():
+        if name.startswith("single"):
+            continue
+        state = _per_stage(f"{r.optimizer_state_bytes / 2**20:.2f}" for r in runs[0].by_stage())
+        lines.append(f"  {name}: update {ms(runs, 'step_seconds')} (CPU "
+                     f"{ms(runs, 'step_cpu_seconds')}), gather {ms(runs, 'gather_seconds')}, "
+                     f"state {state}")
+    return lines + [line for name in table.runs if name.endswith("+dist_muon")
+                    and name.replace("+dist_muon", "+muon") in table.runs
+                    for line in _sharded_over_whole(table, name)]
+
+
+def _slowest_step(run: Run, key: str) -> float:
+    """The largest per-rank median of an optimizer time over the run's measured iterations."""
+    return max(statistics.median(r.values(key)) for r in run.ranks)
+
+
+def _sharded_over_whole(table: Table, name: str) -> list[str]:
+    """Row ``name`` (+dist_muon) over its +muon row: the slowest rank's update time, wall and
+    CPU, as ratios paired within rounds (median, range), and each rank's optimizer state."""
+    whole = name.replace("+dist_muon", "+muon")
+    lines = [f"  {name} / {whole}:"]
+    for key, what in (("step_seconds", "update wall"), ("step_cpu_seconds", "update CPU"),
+                      ("seconds", "iteration")):
+        pick = (lambda run: run.iteration_time()) if key == "seconds" else \
+            (lambda run, key=key: _slowest_step(run, key))
+        ratios = [pick(x) / pick(y) for x, y in zip(table.runs[name], table.runs[whole])]
+        lines.append(f"    {what}: {statistics.median(ratios):.3f}x (rounds "
+                     f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    ours, theirs = table.runs[name][0].by_stage(), table.runs[whole][0].by_stage()
+    lines.append("    optimizer state per rank: " + _per_stage(
+        f"{x.optimizer_state_bytes / max(y.optimizer_state_bytes, 1):.3f}"
+        for x, y in zip(ours, theirs)) + "x")
+    return lines
 
 
 def _action_ms(runs: list[Run], kind: str) -> list[float]:
@@ -1023,10 +1170,13 @@ def _zero_bubble(table: Table) -> list[str]:
 
 
 def _describe(a: argparse.Namespace) -> str:
+    w = a.data_parallel_size
+    layout = f"PP={a.depth} on {a.depth}" if w == 1 else \
+        f"PP={a.depth} x DP={w} on {a.depth * w}"
     return (f"benchmark: GPT {a.num_layers} layers, h={a.hidden_size}, "
             f"heads={a.num_attention_heads}, s={a.seq_length}, vocab={a.vocab_size}; micro batch "
-            f"b={a.micro_batch_size}, m={a.microbatches} microbatches, global batch "
-            f"{a.micro_batch_size * a.microbatches}; PP={a.depth} on {a.depth} single-threaded "
+            f"b={a.micro_batch_size}, m={a.microbatches} microbatches per replica, global batch "
+            f"{a.micro_batch_size * a.microbatches * w}; {layout} single-threaded "
             f"CPU processes; {a.warmup} warm-up + {a.iters} measured iterations; clip-grad "
             f"{a.clip_grad}, embeddings {'tied' if a.tie_embeddings else 'untied'}"
             f"{', ChainedOptimizer' if a.chained_optimizer else ''}")
