@@ -15,6 +15,7 @@ The request and answer formats and what is kept, item by item: docs/testing.md, 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -204,6 +205,7 @@ def serve(path: str) -> None:
     process that started this one ends."""
     parent = os.getppid()
     _preload()
+    gc.freeze()  # the preloaded modules' objects: never scanned again by a fork's collections
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)

@@ -15,6 +15,7 @@ The API with its signatures: docs/data.md, "GPT datasets and data iterators".
 """
 
 import contextlib
+import functools
 import re
 from typing import Callable, Iterator
 
@@ -288,12 +289,38 @@ def _cycle(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tens
         yield from loader
 
 
+_MOCK_INDICES: dict[str, tuple] = {}
+"""Mock datasets' (document, sample, shuffle) indices by description hash, newest last."""
+_MOCK_INDICES_KEPT = 6
+"""Two configurations' three splits (each split's arrays are ~150 MB at sequence length 16)."""
+
+
+@functools.cache
+def _mock_dataset_class():
+    """megatron-core's `MockGPTDataset`, its indices built once per process and description:
+    they are a pure function of it (seed, sequence length, split, samples), and building them
+    orders megatron-core's 100,000 mock documents (~1 s per split at sequence length 16), while
+    a process that trains several times (the planner's measurements, a test's runs) asks for
+    the same ones again. The builder's collectives run as before."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    class OncePerProcessMockGPTDataset(MockGPTDataset):
+        def _build_document_sample_shuffle_indices(self):
+            key = self.unique_description_hash
+            if key not in _MOCK_INDICES:
+                while len(_MOCK_INDICES) >= _MOCK_INDICES_KEPT:
+                    _MOCK_INDICES.pop(next(iter(_MOCK_INDICES)))
+                _MOCK_INDICES[key] = super()._build_document_sample_shuffle_indices()
+            return _MOCK_INDICES[key]
+
+    return OncePerProcessMockGPTDataset
+
+
 def build_mock_gpt_datasets(seq_length: int, seed: int, vocab_size: int,
                             num_samples: tuple[int, int, int]) -> tuple:
     """megatron-core's `MockGPTDataset` splits (`--mock-data`): synthetic token sequences of a
-    `NullTokenizer` vocabulary, for smoke tests, benchmarks and profiling without data files."""
-    from megatron.core.datasets.gpt_dataset import MockGPTDataset
-
+    `NullTokenizer` vocabulary, for smoke tests, benchmarks and profiling without data files
+    (the same samples as megatron-core's; their indices kept per process, `_mock_dataset_class`)."""
     from megatron_2bw.data.tokenizer import build_tokenizer
 
     config = GPTDatasetConfig(
@@ -307,4 +334,4 @@ def build_mock_gpt_datasets(seq_length: int, seed: int, vocab_size: int,
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    return build_datasets(MockGPTDataset, config, num_samples)
+    return build_datasets(_mock_dataset_class(), config, num_samples)
