@@ -357,4 +357,4 @@ def test_megatron_lm_derivations():
                      world_size=2)  # the CPU's norms refuse it: off, with a note
     assert tp2.sequence_parallel is False
     assert any(note.startswith("note: --sequence-parallel has no effect on CPU")
-               for note in tp2.validation_notes)
+               for note in tp2.flag_notes)

@@ -67,16 +67,31 @@ class _CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        # every op of a step passes here: the common case (no device argument) first
+        if func in _SPECIAL:
+            return _special(func, args, kwargs or {})
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda_device(device):
+                kwargs["device"] = _CPU
+            return func(*args, **kwargs)
+        return func(*args)
+
+
+def _special(func, args: tuple, kwargs: dict):
+    """Tensor.cuda, Tensor.type and Tensor.to under ``_CudaToCpuMode``."""
+    if func is torch.Tensor.cuda:
+        return args[0]
+    if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = _CPU
+    if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        args = (args[0], _CPU, *args[2:])
+    return func(*args, **kwargs)
+
+
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
 
 
 class _Stream:
