@@ -8,6 +8,7 @@
 #   make bench  schedules side by side on 2 CPU processes
 #   make bench-splits   even against the planner's layer split at vocabulary 32,000 (idle machine)
 #   make bench-muon     flush and 2bw with Muon and ef, the planner's prediction beside (idle machine)
+#   make bench-dist-muon   2bw with Muon against dist_muon at PP=2 x DP=2 (idle machine)
 #   make compare / make convergence   the paper's baseline table and Figure 5 on CPU
 #   make gpu-wheels   the wheels scripts/gpu_check.py needs on a bare GPU machine, into wheels/
 
@@ -20,7 +21,7 @@ TORCHRUN    := $(VENV)/bin/torchrun
 TORCH_CPU   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast test-slurm bench bench-splits bench-muon compare convergence data clean-venv gpu-wheels
+.PHONY: demo test test-fast test-slurm bench bench-splits bench-muon bench-dist-muon compare convergence data clean-venv gpu-wheels
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -88,3 +89,10 @@ gpu-wheels:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Muon's state and Newton-Schulz work sharded over 2 data-parallel replicas (dist_muon) against
+# unsharded Muon, both under 2bw, with and without ef; 4 processes on this machine's cores
+bench-dist-muon: $(VENV)/.installed
+	$(PY) tools/bench_schedules.py --schedules 2bw+muon,2bw+dist_muon,2bw-ef+muon,2bw-ef+dist_muon \
+	    --data-parallel-size 2 --microbatches 4 --rounds 3 --iters 5 --warmup 2 --no-single-rows \
+	    --json runs/bench/dist_muon.json

@@ -15,8 +15,7 @@ from typing import Sequence
 from megatron_2bw import schedules
 from megatron_2bw.data.tokenizer_types import (FILE_FLAGS, TOKENIZER_INPUTS, TOKENIZER_TYPES,
                                                missing_tokenizer_input, tokenizer_type)
-from megatron_2bw.corrections import RULES
-from megatron_2bw.flag_types import FlagError, int_at_least, number_in
+from megatron_2bw.flag_types import CORRECTION_RULES, FlagError, int_at_least, number_in
 from megatron_2bw.schedules import split
 from megatron_2bw.schedules.requirements import (Batch, recompute_problem, too_few_microbatches,
                                                   v_placement_problem, virtual_stage_problem)
@@ -279,7 +278,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipemare-sync-iters", type=_NONNEG, default=0, metavar="N",
                    help="pipemare: run the first N iterations synchronously (flush's order "
                         "and weights, the pipeline drained each iteration), then PipeMare's")
-    g.add_argument("--stale-weight-correction", choices=RULES, default="none",
+    g.add_argument("--stale-weight-correction", choices=CORRECTION_RULES, default="none",
                    help="2bw: correct the one-step-stale update (megatron_2bw/corrections.py, "
                         "docs/convergence.md): predict, forward and backward at the weights "
                         "extrapolated one step ahead (PipeOptim; one more weight copy); dc, "

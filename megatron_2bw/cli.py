@@ -29,8 +29,8 @@ from typing import Callable, Iterator, NoReturn, Sequence
 
 from megatron_2bw.arguments import SCHEDULES, _Parser, parse_args
 from megatron_2bw.data.errors import DataError
-from megatron_2bw.flag_types import (FlagError, _writable_folder, int_at_least, number_in,
-                                     require_writable_dir, writable_dir)
+from megatron_2bw.flag_types import (CORRECTION_RULES, FlagError, _writable_folder,
+                                     int_at_least, number_in, require_writable_dir, writable_dir)
 
 __all__ = ["EXIT_USAGE", "add_model_size_flags", "FlagError", "ToolError", "ToolParser",
            "RunName", "run_name", "check_training_flags",
@@ -239,7 +239,8 @@ def main_guard(main: Callable) -> Callable:
 T2_SCHEDULE = "pipemare-t2"
 """The run name of PipeMare with its discrepancy correction T2."""
 OPTIMIZERS = ("adam", "muon", "dist_muon")
-STALE_RULES = ("predict", "dc", "ef")
+STALE_RULES = CORRECTION_RULES[1:]
+"""The corrections a run name may give (all but none)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_2bw.flag_types import CORRECTION_RULES
 from megatron_2bw.weights import HOME, WeightVersions
 
 __all__ = ["RULES", "StaleCorrection", "PredictedVersions", "DelayCompensation",
            "ErrorFeedback"]
 
-RULES = ("none", "predict", "dc", "ef")
+RULES = CORRECTION_RULES
 DEFAULT_COEFFICIENT = {"predict": 1.0, "dc": 1e5, "ef": 2.0}
 """s, lambda and beta when --stale-weight-correction-coeff is not given (docs/convergence.md's
 sweeps). ef's beta 2 trained better than 1 (and 0.5, 3, 4) with Adam and Muon on both of its

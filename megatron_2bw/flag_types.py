@@ -11,7 +11,12 @@ import math
 import tempfile
 from pathlib import Path
 
-__all__ = ["FlagError", "int_at_least", "number_in", "writable_dir", "require_writable_dir"]
+__all__ = ["FlagError", "int_at_least", "number_in", "writable_dir", "require_writable_dir",
+           "CORRECTION_RULES"]
+
+CORRECTION_RULES = ("none", "predict", "dc", "ef")
+"""--stale-weight-correction's values (megatron_2bw.corrections holds the rules), here so that
+the parsers know them without importing torch."""
 
 
 class FlagError(ValueError):

@@ -38,7 +38,6 @@ from megatron_2bw.cli import (RunName, ToolError, ToolParser,  # noqa: E402
                               existing_file, main_guard, nonneg_float, nonneg_int, output_file,
                               positive_int, run_name, writable_dir)
 from megatron_2bw.arguments import SCHEDULES  # noqa: E402
-from megatron_2bw.runtime.copies import CopiedBytes  # noqa: E402
 from megatron_2bw.runtime.ports import free_port  # noqa: E402
 
 SINGLE = "single (PP=1)"
@@ -347,7 +346,7 @@ def _weight_bytes(trainer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _run_iterations(trainer, saved: _SavedBytes, copied: CopiedBytes, waits: _Waits,
+def _run_iterations(trainer, saved: _SavedBytes, copied, waits: _Waits,
                     steps: _StepTimes, warmup: int, iters: int,
                     weights: list[int]) -> list[Iteration]:
     """Every iteration: ``warmup``, ``iters`` measured, and the drain call (2BW's last, which
@@ -398,6 +397,7 @@ def worker(argv: list[str]) -> int:
     import megatron_2bw
     from megatron_2bw.arguments import parse_args
     from megatron_2bw.runtime import distributed
+    from megatron_2bw.runtime.copies import CopiedBytes
 
     args = parse_args(flags)
     megatron_2bw.install(args.pipeline_schedule)

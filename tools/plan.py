@@ -39,7 +39,7 @@ from megatron_2bw.planner import e2e as end_to_end  # noqa: E402
 from megatron_2bw.planner.profile import default_profile_path  # noqa: E402
 from megatron_2bw.planner.cluster import Link, PrecisionError  # noqa: E402
 from megatron_2bw.planner.search import ITERATION_FACTOR, Candidate, Plan  # noqa: E402
-from megatron_2bw.corrections import RULES  # noqa: E402
+from megatron_2bw.flag_types import CORRECTION_RULES  # noqa: E402
 from megatron_2bw.arguments import ATTENTION_BACKENDS, FlagError, moe_freq_type  # noqa: E402
 from megatron_2bw.planner.cost import SCHEDULE_NOTES  # noqa: E402
 from megatron_2bw.planner.evaluate import (MODEL_FLAGS, MODEL_SWITCHES,  # noqa: E402
@@ -243,7 +243,7 @@ def plan_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
     g.add_argument("--memory-fraction", type=fraction, default=0.9)
     g.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam")
-    g.add_argument("--stale-weight-correction", choices=RULES, default="none",
+    g.add_argument("--stale-weight-correction", choices=CORRECTION_RULES, default="none",
                    help="2bw's correction of its stale update: its memory (one more fp32 "
                         "weight copy per stage) and iteration factor; needs --precision fp32")
     g.add_argument("--use-distributed-optimizer", action="store_true")
