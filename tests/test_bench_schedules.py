@@ -114,7 +114,7 @@ def test_bench_splits_rows_follow_the_planners_split(tmp_path):
     vocab, layers = 8192, 4
     measurements = tmp_path / "bench.json"
     run = python(["tools/bench_schedules.py", "--schedules", "2bw", "--splits", "even,planner",
-                  "--iters", "2", "--warmup", "1", "--num-layers", str(layers),
+                  "--no-single-rows", "--iters", "2", "--warmup", "1", "--num-layers", str(layers),
                   "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
                   "--seq-length", str(SEQ), "--vocab-size", str(vocab), "--microbatches", "4",
                   "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=420)

@@ -420,3 +420,28 @@ def test_interrupted_default_build_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         default_data.prepare_default_data(tmp_path, vocab_size=512, max_chars=100_000)
     assert [p.name for p in tmp_path.iterdir()] == [".lock"]
+
+
+def test_mock_datasets_built_once_per_process_give_megatron_cores_samples(monkeypatch):
+    """--mock-data's indices are kept per process and description: a second build of the same
+    splits reads them (no new ordering), and every split's samples (first, middle and last
+    ones) equal those of megatron-core's own MockGPTDataset built afresh."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    from megatron_2bw.data import gpt
+
+    counts = (40, 8, 0)
+    ours = gpt.build_mock_gpt_datasets(64, 1234, 128, counts)
+    kept = dict(gpt._MOCK_INDICES)
+    again = gpt.build_mock_gpt_datasets(64, 1234, 128, counts)
+    assert all(a.shuffle_index is b.shuffle_index for a, b in zip(ours, again) if a is not None)
+    assert gpt._MOCK_INDICES.keys() == kept.keys()
+    monkeypatch.setattr(gpt, "_mock_dataset_class", lambda: MockGPTDataset)
+    theirs = gpt.build_mock_gpt_datasets(64, 1234, 128, counts)
+    assert [d is None for d in ours] == [d is None for d in theirs] == [False, False, True]
+    for mine, reference in zip(ours[:2], theirs[:2]):
+        assert len(mine) == len(reference)
+        for i in [*range(50), len(mine) // 2, len(mine) - 1]:
+            for key, value in reference[i].items():
+                assert numpy.array_equal(numpy.asarray(mine[i][key]), numpy.asarray(value)), \
+                    (i, key)

@@ -77,6 +77,10 @@ CASES = {  # name -> flags (after test_interleaved's TINY: PP=2, 4 iterations)
                                          "--stale-weight-correction", "predict"],
     "2bw-gpt-predict-bf16-DP2": ["--pipeline-schedule", "2bw", *PP1, "--bf16",
                                  "--stale-weight-correction", "predict"],
+    # predict under bf16 with a Llama-style model on two virtual stages per rank (R per chunk)
+    "2bw-llama-V2-predict-bf16": ["--pipeline-schedule", "2bw", *LLAMA, "--bf16",
+                                  "--num-virtual-stages-per-pipeline-rank", "2",
+                                  "--stale-weight-correction", "predict"],
     # dc at PP=2, DP=1 keeps W(t-2) too, which its checkpoint does not hold (resuming it
     # stopped at its first iteration with an IndexError)
     "2bw-gpt-dc": ["--pipeline-schedule", "2bw", "--stale-weight-correction", "dc",
