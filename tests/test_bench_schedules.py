@@ -2,10 +2,11 @@
 and its memory columns agree with numbers derived here by hand.
 
 One round of single / single-at-once / 2bw / flush / zb-h1 and the MoE rows with d = m = 2,
-shared by the tests that read them. Timings are not checked (tests check correctness, benchmarks report speed); bytes copied
-are: zb-h1's split backward copies what flush's fused one copies, within 5% (before, its W
-re-ran the backward on cloned saved tensors: 1.36x flush's bytes on this model, 22x on the
-benchmark's default one).
+shared by the tests that read them. Timings are not checked (tests check correctness,
+benchmarks report speed); bytes copied are: zb-h1's split backward copies what flush's fused
+one copies, within 5% (before, its W re-ran the backward on cloned saved tensors: 1.36x flush's
+bytes on this model, 22x on the benchmark's default one). At --data-parallel-size 2 each rank's
+optimizer state under Muon and dist_muon is held to a count by hand.
 """
 
 from __future__ import annotations
