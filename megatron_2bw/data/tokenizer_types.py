@@ -1,6 +1,6 @@
 """Megatron-LM's `--tokenizer-type` names that we build, and the flags each one reads.
 
-No megatron-core import here: flag parsing (megatron_2bw/arguments.py, tools/) checks these
+No megatron-core import here: flag parsing (megatron_2bw/arguments/, tools/) checks these
 before megatron-core is loaded.
 """
 
