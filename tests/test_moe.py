@@ -131,7 +131,7 @@ def test_megatron_lm_derivations():
 
 
 def test_transformer_config_refusal_is_one_flag_line():
-    """A MoE rule of megatron-core's TransformerConfig that arguments.py does not mirror comes
+    """A MoE rule of megatron-core's TransformerConfig that megatron_2bw.arguments does not mirror comes
     back as one line naming --num-experts, not a traceback."""
     from megatron_2bw.training.build import _config_or_flag_error
 

@@ -197,7 +197,7 @@ def moe_layers_of(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, ...
 def expert_problem(model: ModelSpec, t: int, w: int, e: int, device: str = "cuda"
                    ) -> str | None:
     """Why the training refuses expert-parallel size e with tensor size t and w data-parallel
-    pipelines (None: it runs it), the rules of megatron_2bw.arguments._validate_moe and
+    pipelines (None: it runs it), the rules of megatron_2bw.arguments.moe._validate_moe and
     megatron-core: E a multiple of e; e divides a stage's t w ranks (Megatron-LM: world
     divisible by expert tensor x expert x pipeline size, expert tensor size 1 here); experts
     with biases need e > 1 (a megatron-core 0.16.1 bug at e = 1); tensor parallelism needs
@@ -220,7 +220,7 @@ def expert_problem(model: ModelSpec, t: int, w: int, e: int, device: str = "cuda
 
 
 def moe_placement_problem(model: ModelSpec, layout: Layout) -> str | None:
-    """A pipeline rank without an MoE layer (megatron_2bw.arguments._validate_moe_placement:
+    """A pipeline rank without an MoE layer (megatron_2bw.arguments.moe._validate_moe_placement:
     the expert optimizer's grad-norm all-reduce spans the pipeline)."""
     if not model.is_moe or layout.d == 1:
         return None

@@ -90,7 +90,7 @@ def virtual_stage_problem(schedule: str, d: int, v: int, num_layers: int | None,
                           batches: Sequence[Batch], v_flag: str, overlap_p2p_comm: bool = True
                           ) -> Problem | None:
     """V > 1 virtual stages, as Megatron-LM and megatron-core 0.16.1 run them (see
-    ``arguments._validate_virtual_stages``): an interleaving schedule; more than 1 pipeline
+    ``arguments.parallel._validate_virtual_stages``): an interleaving schedule; more than 1 pipeline
     stage (more than 2 for megatron's without overlapped p2p); L a multiple of d V (unless
     ``num_layers`` is None: an uneven split, ``schedules.split``, checked its own); m of each
     batch a multiple of d; and for a version-keeping schedule (2BW-interleaved) the first

@@ -117,7 +117,7 @@ def _pipeline_p2p_fields(args: argparse.Namespace, on_gpu: bool) -> dict:
 
 def _config_or_flag_error(config_class, fields: dict):
     """TransformerConfig(**fields); for a MoE model a rule of its own megatron-core checks there
-    that arguments.py does not mirror becomes a one-line FlagError."""
+    that megatron_2bw.arguments does not mirror becomes a one-line FlagError."""
     if not fields.get("num_moe_experts"):
         return config_class(**fields)
     from megatron_2bw.flag_types import FlagError
