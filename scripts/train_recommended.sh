@@ -92,7 +92,7 @@ DATA_ARGS=(
     --tokenizer-type Llama2Tokenizer
     --tokenizer-model "$TOKENIZER_MODEL"
     --data-path "$DATA_PATH"
-    --split 949,50,1
+    --split "949,50,1"
 )
 
 LOGGING_ARGS=(
