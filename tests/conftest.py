@@ -19,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # pytest -n N: a port range each,
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"][2:])  # below the OS's ephemeral ports
+    os.environ["MEGATRON_2BW_PORT_RANGE"] = f"{20000 + 2000 * _worker}-{21999 + 2000 * _worker}"
 
 STRICT_DIR = Path(__file__).resolve().parent / "strict"
 if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_2bw.runtime.ports import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 FIRST_SLURMD_PORT = 17001
 
@@ -35,12 +37,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "a throwaway Slurm cluster needs root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free_range(count: int) -> int:
@@ -114,7 +110,7 @@ class Cluster:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "state").mkdir(exist_ok=True)
-            self.conf.write_text(slurm_conf(self.root, self.nodes, _free_port(),
+            self.conf.write_text(slurm_conf(self.root, self.nodes, free_port(),
                                             _free_range(self.nodes)))
             self._munge()
             self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])

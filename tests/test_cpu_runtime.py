@@ -508,3 +508,24 @@ def test_cpu_adam_steps_fused_as_torch_would_per_parameter(runs):
     for result in (_part(r, "dp") for r in runs):
         assert result["adam_fused"] and all(result["adam_fused"]), result["adam_fused"]
         assert result["adam_update_error"] <= 1e-6, result["adam_update_error"]
+
+
+def test_ports_come_from_the_range_asked_for(monkeypatch):
+    """MEGATRON_2BW_PORT_RANGE confines free_ports to its range (each pick distinct); a range
+    with too few free ports, or a malformed one, says so in one line; unset, the OS picks."""
+    import socket
+
+    from megatron_2bw.runtime import ports
+
+    monkeypatch.setenv(ports.RANGE_VARIABLE, "20100-20104")
+    picked = ports.free_ports(3)
+    assert len(set(picked)) == 3 and all(20100 <= p <= 20104 for p in picked), picked
+    with socket.socket() as taken:  # one of the five held: four left, five asked for
+        taken.bind(("127.0.0.1", picked[0]))
+        with pytest.raises(RuntimeError, match="fewer than 5 free ports"):
+            ports.free_ports(5)
+    monkeypatch.setenv(ports.RANGE_VARIABLE, "20100")
+    with pytest.raises(ValueError, match="expected LO-HI"):
+        ports.free_port()
+    monkeypatch.delenv(ports.RANGE_VARIABLE)
+    assert ports.free_port() >= 1024
