@@ -30,12 +30,14 @@ import torch.multiprocessing as mp
 from megatron_2bw.runtime.ports import free_port
 
 __all__ = ["REPO", "free_port", "spawn", "torchrun", "python", "Launch", "subprocess_env",
-           "tiny_training_flags", "tagged_processes"]
+           "script_env", "torchrun_env", "tiny_training_flags", "tagged_processes"]
 
 REPO = Path(__file__).resolve().parents[1]
 STRICT = REPO / "tests" / "strict"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SHIMS = REPO / "tests" / "bin"
+_SOCKET = "MEGATRON_2BW_TEST_PREFORK_SOCKET"
 
 
 def _strict(env) -> bool:
@@ -140,6 +142,21 @@ def torchrun(script_args: list[str], nproc: int, timeout: float = 180.0,
     return _run(command, subprocess_env(**env), timeout)
 
 
+def torchrun_env() -> dict[str, str]:
+    """Variables for a tool or launch script whose torchrun is not what a test checks:
+    tests/bin's torchrun (as TORCHRUN and first on PATH) forks its ranks from the prefork
+    server; the real one, next on PATH, runs where the server is off or refuses."""
+    env = {"TORCHRUN": str(SHIMS / "torchrun"), "PATH": os.pathsep.join(
+        [str(SHIMS), str(Path(PYTHON).parent), os.environ.get("PATH", "")])}
+    server = _prefork_server(subprocess_env())
+    return {**env, _SOCKET: server} if server else env
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """``subprocess_env`` with ``torchrun_env`` for ``bash SCRIPT``."""
+    return subprocess_env(**torchrun_env(), **extra)
+
+
 def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch:
     """One plain Python process, from the repository root (forked as in ``torchrun``)."""
     if set(env) <= set(_READ_AFTER_START) and _forkable(script_args):
@@ -152,7 +169,7 @@ def python(script_args: list[str], timeout: float = 120.0, **env: str) -> Launch
 _server: subprocess.Popen | None = None
 _socket_path = ""
 _starting = threading.Lock()
-_READ_AFTER_START = ("WORLD_SIZE", "WANDB_MODE")
+_READ_AFTER_START = ("WORLD_SIZE", "WANDB_MODE", "PATH", "TORCHRUN", _SOCKET)
 """Variables nothing reads before the script runs: a launch may set its own."""
 _READ_AT_START = ("PYTHON", "MEGATRON_2BW_", "TORCH", "OMP_", "MKL_", "KMP_", "NVTE_", "CUDA",
                   "LD_", "GLOO_", "NCCL_")
@@ -167,15 +184,18 @@ def _forkable(script_args: list[str]) -> bool:
             and script_args[0].endswith(".py"))
 
 
-_SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
-"""Variables torch's own imports put into ``os.environ`` (torch.distributed.pipelining, which
-tests/test_vshape.py imports at collection, sets inductor's cache directory to its default):
-not a launch's choice, so they do not keep a launch from forking."""
+_NOT_READ_AT_START = ("TORCHINDUCTOR_CACHE_DIR", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCHRUN",
+                      _SOCKET)
+"""Variables with those prefixes that do not keep a launch from forking: torch's own imports
+put inductor's cache directory into ``os.environ`` (torch.distributed.pipelining, which
+tests/test_vshape.py imports at collection), the CUDA driver reads its connection count
+(Megatron-LM's scripts export it) at a context's creation, which a CPU rank never makes, and
+only launchers read the last two (``torchrun_env``)."""
 
 
 def _start_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
-            if k.startswith(_READ_AT_START) and k not in _SET_BY_IMPORTS}
+            if k.startswith(_READ_AT_START) and k not in _NOT_READ_AT_START}
 
 
 _SESSION_ENV = _start_env(subprocess_env())
@@ -237,6 +257,8 @@ def _forked(command: list[str], script_args: list[str], nproc: int, env: dict[st
         answer = _ask({"argv": script_args, "nproc": nproc, "env": env, "cwd": str(REPO),
                        "port": free_port(), "out": out.name, "timeout_s": timeout}, timeout)
         output = open(out.name, errors="replace").read()
+    if answer.get("refused"):
+        return _run(command, env, timeout)
     if answer["timed_out"]:
         raise TimeoutError(f"{' '.join(command)} ran past {timeout:.0f} s; last output:\n"
                            + "\n".join(output.splitlines()[-40:]))

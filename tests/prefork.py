@@ -1,14 +1,15 @@
 """A process that has imported torch, megatron-core and megatron_2bw once and forks the tests'
-launches of the entry scripts from there (``tests/dist.py``'s ``torchrun`` and ``python``).
+launches of the entry scripts from there (``tests/dist.py``'s ``torchrun`` and ``python``,
+``tests/bin/torchrun`` for launch scripts).
 
-    python -m tests.prefork SOCKET    # serves launches, one at a time, until its parent ends
+    python -m tests.prefork SOCKET    # serves launches, each in a handler, until its parent ends
 
 Invariants: a forked launch keeps what the launch it replaces would have: each rank its own
 process and session with torchrun's environment and signal dispositions, the script as
 ``__main__`` with its argv, path and exit code, strict NCCL mode, torchrun's reaction to a
 failed rank, the ranks' output interleaved; nothing runs here that a run's own start would do.
-Launches that change the interpreter's start run the ordinary way (``tests/dist.py`` decides);
-off with ``MEGATRON_2BW_TEST_PREFORK=0``.
+Launches that change the interpreter's start run the ordinary way (refused here, or not asked
+for); a launch whose requester is gone is killed; off with ``MEGATRON_2BW_TEST_PREFORK=0``.
 
 The request and answer formats and what is kept, item by item: docs/testing.md, "Launching".
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -27,6 +29,8 @@ __all__ = ["serve"]
 
 GRACE_S = 30.0
 """torchrun's wait between SIGTERM and SIGKILL for the ranks left after one failed."""
+_STARTED_WITH: dict[str, str] = {}
+"""This process's environment at its start (what a forked launch must read the same)."""
 
 
 def _preload() -> None:
@@ -157,9 +161,19 @@ def _signal_sessions(pids: list[int], codes: dict, sig: int) -> None:
                 pass
 
 
-def _launch(request: dict, *inherited: socket.socket) -> dict:
+def _gone(connection: socket.socket) -> bool:
+    """The requester closed its end (it ended, or was killed at its own deadline)."""
+    if not select.select([connection], [], [], 0)[0]:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _launch(request: dict, connection: socket.socket) -> dict:
     """Fork the launch's processes; wait for them as torchrun (or the plain process's parent)
-    would; kill every session at the deadline."""
+    would; kill every session at the deadline or once the requester is gone."""
     out_fd = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -167,8 +181,7 @@ def _launch(request: dict, *inherited: socket.socket) -> dict:
     for rank in range(max(request["nproc"], 1)):
         pid = os.fork()
         if pid == 0:
-            for sock in inherited:
-                sock.close()
+            connection.close()
             _run_rank(request, rank, out_fd)
         pids.append(pid)
     os.close(out_fd)
@@ -177,7 +190,7 @@ def _launch(request: dict, *inherited: socket.socket) -> dict:
     kill_at = None
     while any(_alive(pid, codes) for pid in pids):
         now = time.monotonic()
-        if now > deadline:
+        if now > deadline or _gone(connection):
             _signal_sessions(pids, codes, signal.SIGKILL)
             for pid in pids:
                 if pid not in codes:
@@ -200,28 +213,64 @@ def _parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
+def _refusal(request: dict) -> str:
+    """Why this process cannot fork ``request``'s launch ('' where it can): the variables a
+    process reads at its start differ from the ones this process started with."""
+    from tests import dist
+
+    if dist._start_env(request["env"]) != dist._start_env(_STARTED_WITH):
+        return "its environment differs from the session's in a variable read at start"
+    return ""
+
+
+def _serve_one(connection: socket.socket) -> None:
+    """In a forked handler: read one request, launch it (unless refused), answer."""
+    with connection:
+        connection.settimeout(None)
+        request = json.loads(connection.makefile("r").readline())
+        refused = _refusal(request)
+        answer = {"refused": refused} if refused else _launch(request, connection)
+        connection.sendall((json.dumps(answer) + "\n").encode())
+
+
+def _reap() -> None:
+    """Collect the handlers that ended."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
 def serve(path: str) -> None:
-    """Preload, say "ready" on stdout, then serve one request per connection until the
-    process that started this one ends."""
+    """Preload, say "ready" on stdout, then serve each request in a forked handler (launches
+    may overlap or nest: a launched tool asking for its own workers) until the process that
+    started this one ends."""
+    global _STARTED_WITH
     parent = os.getppid()
+    _STARTED_WITH = dict(os.environ)
     _preload()
     gc.freeze()  # the preloaded modules' objects: never scanned again by a fork's collections
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(1)
+    listener.listen(8)
     listener.settimeout(1.0)
     print("ready", flush=True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     while not _parent_gone(parent):
+        _reap()
         try:
             connection, _ = listener.accept()
         except socket.timeout:
             continue
-        with connection:
-            connection.settimeout(None)
-            request = json.loads(connection.makefile("r").readline())
-            connection.sendall((json.dumps(_launch(request, listener, connection)) + "\n").encode())
+        if os.fork() == 0:
+            listener.close()
+            try:
+                _serve_one(connection)
+            finally:
+                os._exit(0)
+        connection.close()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from tests.dist import python
+from tests.dist import python, torchrun_env
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO = 2, 64, 2, 32, 128, 2
 
@@ -44,7 +44,8 @@ def bench_run(tmp_path_factory):
                   "--iters", "2", "--warmup", "1", "--num-layers", str(LAYERS),
                   "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
                   "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
-                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=600)
+                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=600,
+                 **torchrun_env())
     assert run.returncode == 0, run.output[-3000:]
     return run, json.loads(measurements.read_text())
 
@@ -118,7 +119,8 @@ def test_bench_splits_rows_follow_the_planners_split(tmp_path):
                   "--no-single-rows", "--iters", "2", "--warmup", "1", "--num-layers", str(layers),
                   "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
                   "--seq-length", str(SEQ), "--vocab-size", str(vocab), "--microbatches", "4",
-                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=420)
+                  "--micro-batch-size", str(MICRO), "--json", str(measurements)], timeout=420,
+                 **torchrun_env())
     assert run.returncode == 0, run.output[-3000:]
     data = json.loads(measurements.read_text())
     rows = [name for name in data["runs"] if name.startswith("2bw ")]
@@ -162,7 +164,8 @@ def test_dist_muon_rows_at_dp2(tmp_path):
                   "--warmup", "1", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
                   "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
                   "--vocab-size", str(VOCAB), "--micro-batch-size", str(MICRO),
-                  "--json", str(measurements)], timeout=420)
+                  "--json", str(measurements)], timeout=420,
+                 **torchrun_env())
     assert run.returncode == 0, run.output[-3000:]
     data = json.loads(measurements.read_text())
     whole, sharded = ({r["stage"]: [] for r in data["runs"][name][0]["ranks"]}

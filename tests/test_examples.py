@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,11 +69,11 @@ def _run_example(script: str, args: list[str], schedule: str, ranks: int = 2,
 def _run_example_at(script: Path, args: list[str], schedule: str, ranks: int = 2,
                     **env: str) -> launch.Launch:
     """``bash <script> args`` from the repository root, on a free port, with the test
-    environment (one thread per process, strict mode) and this venv's torchrun."""
+    environment (one thread per process, strict mode); its torchrun forks the ranks
+    (``launch.script_env``: the launcher is not what these tests check)."""
     port = launch.free_port()
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    done = launch._run(["bash", str(script), *args], launch.subprocess_env(
-        MASTER_PORT=str(port), SCHEDULE=schedule, PATH=path, **env), timeout=240)
+    done = launch._run(["bash", str(script), *args], launch.script_env(
+        MASTER_PORT=str(port), SCHEDULE=schedule, **env), timeout=240)
     assert done.returncode == 0, done.tail(60)
     if os.environ.get("MEGATRON_2BW_STRICT", "1") != "0":
         assert _strict_runs(port) == set(range(ranks)), "strict mode did not reach the launch"

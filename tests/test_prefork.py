@@ -45,3 +45,55 @@ def test_a_forked_rank_starts_with_torchrun_s_signal_dispositions(tmp_path):
     lines = [[line for line in launch.output.splitlines() if line.startswith("dispositions:")]
              for launch in (forked, real)]
     assert lines[0] and lines[0] == lines[1], (forked.tail(), real.tail())
+
+
+_PARENT = ("import os, sys, time\n"
+           "parent = open(f'/proc/{os.getppid()}/cmdline').read().split('\\0')\n"
+           "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'pid', os.getpid(),"
+           " 'parent', 'prefork' if 'tests.prefork' in parent else 'torchrun', flush=True)\n"
+           "time.sleep(float(sys.argv[1]))\n")
+
+
+def _script_launch(tmp_path, env: dict, seconds: str) -> tuple[int, str]:
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    done = dist._run(["torchrun", "--nproc_per_node=2", "--master-port", str(dist.free_port()),
+                      str(script), seconds], env, timeout=120)
+    return done.returncode, done.output
+
+
+def test_a_launch_script_s_torchrun_forks_unless_the_start_differs(tmp_path):
+    """tests/bin/torchrun (``dist.script_env``): two ranks with torchrun's variables, forked
+    from the prefork server; a variable read at start that differs from the session's
+    (PYTHONHASHSEED, as a script's export would set it) makes the server refuse, the ranks
+    then the real torchrun's children."""
+    forks = os.environ.get("MEGATRON_2BW_TEST_PREFORK", "1") != "0"
+    for env, launcher in [(dist.script_env(), "prefork" if forks else "torchrun"),
+                          (dict(dist.script_env(), PYTHONHASHSEED="7"), "torchrun")]:
+        code, output = _script_launch(tmp_path, env, "0")
+        ranks = sorted(line.split()[1:4:2] + [line.split()[-1]] for line in output.splitlines()
+                       if line.startswith("rank "))
+        assert code == 0 and ranks == [["0", "2", launcher], ["1", "2", launcher]], output
+
+
+def test_killing_a_launch_script_s_torchrun_ends_its_forked_ranks(tmp_path):
+    """The requester gone (a test's deadline kills the script's process group), the prefork
+    server kills the ranks it forked for it instead of serving them to their end."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    shim = subprocess.Popen(["torchrun", "--nproc-per-node", "2", str(script), "600"],
+                            env=dist.script_env(), stdout=subprocess.PIPE, text=True)
+    pids = [int(shim.stdout.readline().split()[5]) for _ in range(2)]
+    shim.kill()
+    shim.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []

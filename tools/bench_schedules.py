@@ -391,6 +391,9 @@ def worker(argv: list[str]) -> int:
     """One rank of one configuration: train, time, write ``rank<N>.json`` (a RankResult) and,
     with --timeline, the executor's timeline records."""
     opts, flags = _worker_options(argv)
+    import warnings
+
+    warnings.simplefilter("ignore")  # before the imports: their warnings repeat on every rank
     import torch
 
     torch.set_num_threads(1)
@@ -539,8 +542,13 @@ def _split_flags(a: argparse.Namespace, config: Config) -> list[str]:
     return flags
 
 
+def _torchrun() -> str:
+    """$TORCHRUN (as scripts/train_torchrun.sh reads it), else the torchrun beside this Python."""
+    return os.environ.get("TORCHRUN") or str(Path(sys.executable).with_name("torchrun"))
+
+
 def _worker_command(a: argparse.Namespace, config: Config, out: Path, timeline: bool) -> list[str]:
-    command = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node",
+    command = [_torchrun(), "--nproc-per-node",
                str(config.world), "--master-port", str(free_port()),
                str(Path(__file__).resolve()), "--worker", "--out", str(out),
                "--warmup", str(a.warmup), "--iters", str(a.iters)]
@@ -576,7 +584,7 @@ def _launch(a: argparse.Namespace, config: Config, timeline_dir: Path | None) ->
     """One configuration under torchrun (``config.copies`` jobs at once)."""
     with tempfile.TemporaryDirectory() as root:
         outs = [Path(root, str(i)) for i in range(config.copies)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         n = config.world
         what = f"{config.copies} x 1 process at once" if config.copies > 1 else \
             f"{n} process{'es' if n > 1 else ''}"
