@@ -36,7 +36,7 @@ setup(
         # The tests load a HuggingFace tokenizer folder and exported models, so dev includes
         # hf's packages; scripts/examples/prepare_data.py trains GPT-2 BPE and WordPiece files
         # with tokenizers.
-        "dev": ["pytest>=8", "matplotlib>=3.8", "transformers>=4.40", "safetensors>=0.4",
-                "tokenizers>=0.19"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "transformers>=4.40",
+                "safetensors>=0.4", "tokenizers>=0.19"],
     },
 )
