@@ -36,12 +36,11 @@ data: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
-# two workers (pytest-xdist), a test module each at a time, the longest modules first
-# (tests/conftest.py FIRST); TEST_WORKERS=0 runs the suite in this one process
+# two workers (pytest-xdist), a test module each at a time (its shared runs made once);
+# TEST_WORKERS=0 runs the suite in this one process
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-	    --durations=20 $(TEST_ARGS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=20 $(TEST_ARGS)
 
 # the tests marked fast in tests/conftest.py (FAST)
 test-fast: $(VENV)/.installed

@@ -126,29 +126,10 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-FIRST = (
-    "test_schedules_exact", "test_slurm", "test_resume_matrix", "test_faults", "test_moe_exact",
-    "test_job_lifetime", "test_strict_comm", "test_training", "test_examples",
-    "test_bench_schedules", "test_moe_checkpoints", "test_tool_errors", "test_corrections",
-    "test_planner", "test_optimizers_exact", "test_bert",
-)
-"""The longest modules (seconds of a two-worker run), first, in this order; the others follow
-as collected. Under ``pytest -n 2 --dist loadfile --no-loadscope-reorder`` (`make test`) each
-worker takes the next module when it runs short: the long ones start early, whole-model
-exactness launches beside runs that mostly wait (Slurm's jobs, the fault tests' timeouts), and
-the last modules taken are short ones."""
-
-
-def _module_order(item) -> int:
-    name = item.path.stem
-    return FIRST.index(name) if name in FIRST else len(FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(FAST) and not item.nodeid.startswith(FAST_EXCEPT):
             item.add_marker(pytest.mark.fast)
-    items.sort(key=_module_order)  # stable: a module's tests keep their order
 
 
 _records = None
