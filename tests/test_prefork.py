@@ -97,3 +97,34 @@ def test_killing_a_launch_script_s_torchrun_ends_its_forked_ranks(tmp_path):
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert alive == []
+
+
+def _shim():
+    from importlib.machinery import SourceFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
+
+    loader = SourceFileLoader("torchrun_shim", str(dist.SHIMS / "torchrun"))
+    module = module_from_spec(spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def test_a_launch_script_s_torchrun_forwards_only_one_local_node():
+    """The flag spellings Megatron-LM's scripts use (``--nproc_per_node 8``,
+    ``--master-port=6000``) are forwarded; several nodes, a remote rendezvous, another
+    launcher flag or ``python -m`` go to the real torchrun."""
+    shim = _shim()
+    parsed = shim._parse(["--nproc_per_node", "8", "--nnodes", "1", "--node_rank", "0",
+                          "--master_addr", "localhost", "--master-port=6000", "train.py", "--x"])
+    assert parsed == ({"nproc-per-node": "8", "nnodes": "1", "node-rank": "0",
+                       "master-addr": "localhost", "master-port": "6000"}, ["train.py", "--x"])
+    assert shim._forwardable(*parsed)
+    assert shim._forwardable(*shim._parse(["--standalone", "train.py"]))
+    for argv in (["--nnodes", "2", "train.py"], ["--node-rank", "1", "train.py"],
+                 ["--master-addr", "10.0.0.1", "train.py"], ["--nproc-per-node", "gpu", "t.py"],
+                 ["-m", "module"], ["--nproc-per-node", "2", "train.sh"]):
+        parsed = shim._parse(argv)
+        assert parsed is not None and not shim._forwardable(*parsed), argv
+    assert shim._parse(["--rdzv-backend", "c10d", "train.py"]) is None
+    assert shim._parse(["--max-restarts", "0", "train.py"]) is None
+    assert shim._parse(["--nproc-per-node"]) is None
