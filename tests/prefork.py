@@ -29,8 +29,9 @@ __all__ = ["serve"]
 
 GRACE_S = 30.0
 """torchrun's wait between SIGTERM and SIGKILL for the ranks left after one failed."""
-_STARTED_WITH: dict[str, str] = {}
-"""This process's environment at its start (what a forked launch must read the same)."""
+_START_ENV: dict[str, str] = {}
+"""The variables read at a process's start, as this process started with them (a forked
+launch must read the same)."""
 
 
 def _preload() -> None:
@@ -218,7 +219,7 @@ def _refusal(request: dict) -> str:
     process reads at its start differ from the ones this process started with."""
     from tests import dist
 
-    if dist._start_env(request["env"]) != dist._start_env(_STARTED_WITH):
+    if dist._start_env(request["env"]) != _START_ENV:
         return "its environment differs from the session's in a variable read at start"
     return ""
 
@@ -246,10 +247,13 @@ def serve(path: str) -> None:
     """Preload, say "ready" on stdout, then serve each request in a forked handler (launches
     may overlap or nest: a launched tool asking for its own workers) until the process that
     started this one ends."""
-    global _STARTED_WITH
+    global _START_ENV
     parent = os.getppid()
-    _STARTED_WITH = dict(os.environ)
+    started_with = dict(os.environ)
     _preload()
+    from tests import dist  # after megatron_2bw (_preload): it imports torch first
+
+    _START_ENV = dist._start_env(started_with)
     gc.freeze()  # the preloaded modules' objects: never scanned again by a fork's collections
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
